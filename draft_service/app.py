@@ -1,0 +1,12 @@
+"""Entry point of the draft service."""
+
+from specdec.model_server import ModelServer
+from specdec.v1 import draft_pb2_grpc
+
+from draft_service.servicer import DraftServicer
+
+SERVICE_NAME = "specdec.v1.DraftService"
+
+
+def services(core: ModelServer) -> list[tuple]:
+    return [(draft_pb2_grpc.add_DraftServiceServicer_to_server, DraftServicer(core), SERVICE_NAME)]

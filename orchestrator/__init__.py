@@ -1,0 +1,1 @@
+"""The orchestrator: the client-facing service that runs the speculative loop."""

@@ -1,0 +1,78 @@
+"""Start-up of the orchestrator: connect to both model servers, check they fit together, serve."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from orchestrator.clients import ModelClient
+from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.servicer import GenerationServicer
+from specdec import models
+from specdec.config import ConfigError, OrchestratorConfig
+from specdec.server import create_server, mark_serving, serve, start_metrics
+from specdec.v1 import draft_pb2_grpc, generation_pb2_grpc, model_server_pb2 as ms_pb, target_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "specdec.v1.Generation"
+
+
+async def _model_info(client: ModelClient, timeout_s: float) -> ms_pb.ModelInfo:
+    try:
+        return await client.stub.GetModelInfo(ms_pb.GetModelInfoRequest(), wait_for_ready=True, timeout=timeout_s)
+    except grpc.aio.AioRpcError as e:
+        raise ConfigError(f"the {client.role} service at {client.address} did not answer within "
+                          f"{timeout_s:.0f} s ({e.code().name}); is it running?") from None
+
+
+def check_compatible(cfg: OrchestratorConfig, tokenizer, draft: ms_pb.ModelInfo, target: ms_pb.ModelInfo) -> None:
+    """Refuse a pair that cannot be exact: different tokenizers, or limits below the configured K."""
+    if draft.tokenizer_fingerprint != target.tokenizer_fingerprint or draft.vocab_size != target.vocab_size:
+        raise ConfigError(f"the draft {draft.model!r} (vocabulary {draft.vocab_size}, tokenizer {draft.tokenizer_fingerprint}) "
+                          f"and the target {target.model!r} (vocabulary {target.vocab_size}, tokenizer "
+                          f"{target.tokenizer_fingerprint}) do not share a tokenizer; pick a draft from the target's family")
+    mine = models.tokenizer_fingerprint(tokenizer)
+    if mine != target.tokenizer_fingerprint:
+        raise ConfigError(f"--tokenizer {cfg.tokenizer!r} ({mine}) is not the target's tokenizer "
+                          f"({target.tokenizer_fingerprint}); pass the target model there")
+    limit = min(draft.max_draft_tokens, target.max_draft_tokens)
+    if cfg.max_speculative_tokens > limit:
+        raise ConfigError(f"--max-speculative-tokens {cfg.max_speculative_tokens} exceeds the servers' "
+                          f"--max-draft-tokens {limit}")
+
+
+async def start_orchestrator(cfg: OrchestratorConfig, registry: CollectorRegistry, tokenizer=None):
+    """Connect, check, bind; returns (server, port, health servicer, servicer)."""
+    tokenizer = tokenizer or await asyncio.to_thread(models.load_tokenizer, cfg.tokenizer)
+    draft = ModelClient("draft", cfg.draft_address, draft_pb2_grpc.DraftServiceStub, cfg)
+    target = ModelClient("target", cfg.target_address, target_pb2_grpc.TargetServiceStub, cfg)
+    draft_info, target_info = await asyncio.gather(_model_info(draft, cfg.startup_timeout_s),
+                                                   _model_info(target, cfg.startup_timeout_s))
+    check_compatible(cfg, tokenizer, draft_info, target_info)
+    eos = set(target_info.eos_token_ids) | set(models.eos_token_ids(None, tokenizer))
+    metrics = OrchestratorMetrics(registry, cfg.max_speculative_tokens)
+    servicer = GenerationServicer(cfg, tokenizer, draft, target, eos,
+                                  min(draft_info.max_model_len, target_info.max_model_len), metrics)
+    server, port, health_servicer = create_server(
+        f"{cfg.host}:{cfg.port}", [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE_NAME)],
+        max_receive_bytes=cfg.max_request_bytes)
+    await server.start()
+    await mark_serving(health_servicer, [SERVICE_NAME])
+    log.info("orchestrator listening on %s:%d (draft %s, target %s)", cfg.host, port, draft_info.model, target_info.model)
+    return server, port, health_servicer, servicer
+
+
+async def run_orchestrator(cfg: OrchestratorConfig) -> None:
+    registry = CollectorRegistry()
+    start_metrics(cfg.metrics_port, registry)
+    server, _, health_servicer, servicer = await start_orchestrator(cfg, registry)
+
+    async def on_stop():
+        await servicer.drain_releases()
+        await servicer.draft.close()
+        await servicer.target.close()
+
+    await serve(server, health_servicer, cfg.grace_s, on_stop)

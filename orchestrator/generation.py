@@ -1,0 +1,261 @@
+"""One request's speculative loop: draft, verify, accept, stream.
+
+The orchestrator holds the truth, the token history; each server's session is
+a cache of it. A mirror of what each session holds tells every call where the
+session stands and how far to roll it back, so a round costs one ProposeTokens
+and one Verify. A session the server lost is rebuilt by resending the history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from orchestrator import rejection_sampler as rs
+from orchestrator.clients import ModelClient
+from orchestrator.detokenizer import TextStream
+from orchestrator.metrics import OrchestratorMetrics
+from specdec.errors import ServiceError
+from specdec.sampling import SamplingParams
+from specdec.v1 import draft_pb2, generation_pb2 as gen_pb, model_server_pb2 as ms_pb, target_pb2
+
+log = logging.getLogger(__name__)
+
+_LOST = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+_DRAFT_RETRY_S = 1.0  # after the draft fails, rounds run on the target alone this long
+
+
+@dataclass
+class GenerationSpec:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    k: int
+    stops: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RoundTrace:
+    """What a round did on the wire and in time; exported as metrics."""
+
+    rpcs: int = 0
+    bytes: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rpc_s: float = 0.0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return int(np.argmax(np.asarray(a[:n]) != np.asarray(b[:n])))
+
+
+class Generation:
+    def __init__(self, spec: GenerationSpec, session_id: str, draft: ModelClient, target: ModelClient,
+                 tokenizer, eos_ids: set[int], max_model_len: int, metrics: OrchestratorMetrics,
+                 draft_health: dict):
+        self.spec = spec
+        self.session_id = session_id
+        self.draft = draft
+        self.target = target
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.draft_health = draft_health  # shared across requests: {"retry_at": monotonic time}
+        self.text = TextStream(tokenizer, spec.stops)
+        self.history = list(spec.prompt_ids)
+        self.draft_mirror: list[int] = []  # tokens the draft session holds
+        self.target_mirror: list[int] = []
+        self.stats = gen_pb.GenerationStats(prompt_tokens=len(spec.prompt_ids), seed=spec.sampling.seed)
+        self._emitted = 0
+        self._params = ms_pb.SamplingParams(temperature=spec.sampling.temperature, top_p=spec.sampling.top_p,
+                                            top_k=spec.sampling.top_k, seed=spec.sampling.seed)
+
+    # -- the loop --------------------------------------------------------------
+    async def run(self):
+        """Yields GenerateResponse messages; the last carries stats."""
+        finish = None
+        while finish is None:
+            n_hist = len(self.history)
+            remaining = self.spec.max_tokens - self.stats.completion_tokens
+            k = max(0, min(self.spec.k, remaining - 1, self.max_model_len - n_hist - 1))
+            t0 = time.perf_counter()
+            trace = RoundTrace()
+            proposal = await self._propose(k, trace) if k else None
+            drafts = list(proposal.token_ids) if proposal else []
+            verdict = await self._verify(drafts, trace)
+            t_accept = time.perf_counter()
+            n, token = await self._accept(drafts, proposal, verdict, n_hist, trace)
+            kept, finish = self._apply_stops(drafts[:n] + [token])
+            self.history.extend(kept)
+            if finish is None and len(self.history) >= self.max_model_len:
+                finish = gen_pb.FINISH_REASON_CONTEXT_LENGTH
+            self._record_round(len(drafts), n, kept, trace, t0, t_accept)
+            yield self._message(kept, finish)
+
+    async def _propose(self, k: int, trace: RoundTrace):
+        if time.monotonic() < self.draft_health.get("retry_at", 0.0):
+            self.metrics.draft_fallbacks.inc()
+            return None
+        for attempt in range(2):
+            keep = min(common_prefix(self.draft_mirror, self.history), len(self.history) - 1)
+            req = draft_pb2.ProposeTokensRequest(
+                cursor=self._cursor(self.draft_mirror, keep), num_tokens=k, sampling=self._params)
+            t = time.perf_counter()
+            try:
+                resp = await self.draft.call("ProposeTokens", req, wait_s=0.0)
+            except grpc.aio.AioRpcError as e:
+                if e.code() in _LOST and attempt == 0:
+                    self.metrics.rebuilds.labels("draft").inc()
+                    self.draft_mirror = []
+                    continue
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL):
+                    log.warning("draft failed (%s: %s); target alone for %.0f s", e.code().name, e.details(), _DRAFT_RETRY_S)
+                    self.draft_health["retry_at"] = time.monotonic() + _DRAFT_RETRY_S
+                    self.draft_mirror = []
+                    self.metrics.draft_fallbacks.inc()
+                    return None
+                raise _upstream("draft", e) from None
+            self._trace(trace, req, resp, time.perf_counter() - t, "draft_s")
+            self.draft_mirror = self.history + list(resp.token_ids[: k - 1])
+            return resp
+        raise ServiceError(grpc.StatusCode.INTERNAL, "draft session lost twice in one round")
+
+    async def _verify(self, drafts: list[int], trace: RoundTrace) -> target_pb2.VerifyResponse:
+        for attempt in range(2):
+            keep = min(common_prefix(self.target_mirror, self.history), len(self.history) - 1)
+            req = target_pb2.VerifyRequest(cursor=self._cursor(self.target_mirror, keep),
+                                           draft_tokens=drafts, sampling=self._params)
+            t = time.perf_counter()
+            try:
+                resp = await self.target.call("Verify", req)
+            except grpc.aio.AioRpcError as e:
+                if e.code() in _LOST and attempt == 0:
+                    self.metrics.rebuilds.labels("target").inc()
+                    self.target_mirror = []
+                    continue
+                raise _upstream("target", e) from None
+            self._trace(trace, req, resp, time.perf_counter() - t, "verify_s")
+            self.target_mirror = self.history + drafts
+            return resp
+        raise ServiceError(grpc.StatusCode.INTERNAL, "target session lost twice in one round")
+
+    async def _accept(self, drafts, proposal, verdict, start: int, trace: RoundTrace) -> tuple[int, int]:
+        """Accepted count and the next token (recovered or bonus)."""
+        if self.spec.sampling.greedy:
+            return rs.greedy_accept(drafts, list(verdict.argmax_token_ids))
+        seed = self.spec.sampling.seed
+        n = rs.count_accepted(list(proposal.token_probs) if proposal else [],
+                              list(verdict.draft_token_probs), seed, start)
+        p = await self._dist(self.target, verdict.distributions[n], start + n, trace)
+        if n < len(drafts):
+            q = await self._dist(self.draft, proposal.distributions[n], start + n, trace)
+            return n, rs.recover(p, q, seed, start + n)
+        return n, rs.bonus(p, seed, start + n)
+
+    async def _dist(self, client: ModelClient, sparse: ms_pb.SparseDistribution, position: int,
+                    trace: RoundTrace) -> rs.Dist:
+        if sparse.complete:
+            return rs.Dist(np.asarray(sparse.token_ids, dtype=np.int64), np.asarray(sparse.probs, dtype=np.float64))
+        req = ms_pb.GetDistributionRequest(session_id=self.session_id, position=position)
+        t = time.perf_counter()
+        try:
+            resp = await client.call("GetDistribution", req)
+        except grpc.aio.AioRpcError as e:
+            raise _upstream(client.role, e) from None
+        self._trace(trace, req, resp, time.perf_counter() - t, None)
+        return rs.Dist.from_dense(resp.probs)
+
+    # -- bookkeeping --------------------------------------------------------------
+    def _cursor(self, mirror: list[int], keep: int) -> ms_pb.SessionCursor:
+        if not mirror:
+            keep = 0
+        return ms_pb.SessionCursor(session_id=self.session_id, expected_length=len(mirror),
+                                   keep_length=keep, tokens=self.history[keep:])
+
+    @staticmethod
+    def _trace(trace: RoundTrace, req, resp, wall_s: float, compute_field: str | None) -> None:
+        trace.rpcs += 1
+        trace.bytes += req.ByteSize() + resp.ByteSize()
+        compute = getattr(resp, "compute_seconds", 0.0) if compute_field else 0.0
+        if compute_field:
+            setattr(trace, compute_field, getattr(trace, compute_field) + compute)
+        trace.rpc_s += max(wall_s - compute, 0.0)
+
+    def _apply_stops(self, emitted: list[int]) -> tuple[list[int], int | None]:
+        """Tokens to keep, and why generation ends (None: it goes on). Only accepted tokens get here."""
+        kept, finish = [], None
+        for t in emitted:
+            if t in self.eos_ids:
+                finish = gen_pb.FINISH_REASON_EOS_TOKEN
+                break
+            kept.append(t)
+            if self.stats.completion_tokens + len(kept) >= self.spec.max_tokens:
+                finish = gen_pb.FINISH_REASON_LENGTH
+                break
+        if kept:
+            n = self.text.extend(kept)
+            if self.text.stopped:
+                kept, finish = kept[:n], gen_pb.FINISH_REASON_STOP_SEQUENCE
+        return kept, finish
+
+    def _record_round(self, k: int, n: int, kept: list[int], trace: RoundTrace, t0: float, t_accept: float) -> None:
+        m, s = self.metrics, self.stats
+        now = time.perf_counter()
+        s.rounds += 1
+        s.draft_tokens += k
+        s.accepted_tokens += n
+        self._emitted += n + 1
+        s.completion_tokens += len(kept)
+        m.rounds.inc()
+        m.draft_tokens.inc(k)
+        m.accepted_tokens.inc(n)
+        if n < k:
+            s.rejected_rounds += 1
+            m.rejected_rounds.inc()
+        for i in range(k):
+            m.draft_per_position.labels(m.positions[i]).inc()
+            if i < n:
+                m.accepted_per_position.labels(m.positions[i]).inc()
+        m.tokens_per_round.observe(n + 1)
+        m.generated_tokens.inc(len(kept))
+        m.phase_seconds.labels("draft").observe(trace.draft_s)
+        m.phase_seconds.labels("verify").observe(trace.verify_s)
+        m.phase_seconds.labels("rpc").observe(trace.rpc_s)
+        m.phase_seconds.labels("accept").observe(now - t_accept)
+        m.round_seconds.observe(now - t0)
+        m.wire_bytes.observe(trace.bytes)
+        m.rpcs_per_round.observe(trace.rpcs)
+
+    def _message(self, kept: list[int], finish) -> gen_pb.GenerateResponse:
+        msg = gen_pb.GenerateResponse(text=self.text.take_text(final=finish is not None), token_ids=kept)
+        if finish is not None:
+            s = self.stats
+            s.finish_reason = finish
+            s.acceptance_rate = s.accepted_tokens / s.draft_tokens if s.draft_tokens else 0.0
+            s.mean_tokens_per_round = self._emitted / s.rounds if s.rounds else 0.0
+            msg.stats.CopyFrom(s)
+        return msg
+
+    async def release(self) -> None:
+        """Free the sessions on both servers; a server that is down frees them by expiry."""
+        req = ms_pb.ReleaseSessionRequest(session_id=self.session_id)
+        await asyncio.gather(*(c.call("ReleaseSession", req, wait_s=0.0) for c in (self.draft, self.target)),
+                             return_exceptions=True)
+
+
+def _upstream(role: str, e: grpc.aio.AioRpcError) -> ServiceError:
+    """An error from a model server, as the client should see it."""
+    code = e.code()
+    if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE,
+                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return ServiceError(code, f"{role} service: {e.details()}")
+    return ServiceError(grpc.StatusCode.INTERNAL, f"{role} service answered {code.name}: {e.details()}")

@@ -1,0 +1,67 @@
+"""Prometheus metrics of the speculative loop.
+
+Rates are derived in PromQL from counters, never kept as gauges:
+- acceptance rate (accepted / drafted):
+    rate(specdec_accepted_tokens_total[5m]) / rate(specdec_draft_tokens_total[5m])
+- alpha (Leviathan's per-position acceptance):
+    rate(specdec_accepted_tokens_total[5m])
+      / (rate(specdec_accepted_tokens_total[5m]) + rate(specdec_rejected_rounds_total[5m]))
+- mean tokens per round:
+    rate(specdec_tokens_per_round_sum[5m]) / rate(specdec_tokens_per_round_count[5m])
+- acceptance at draft position i (1-based):
+    rate(specdec_accepted_tokens_per_position_total{position="i"}[5m])
+      / rate(specdec_draft_tokens_per_position_total{position="i"}[5m])
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
+
+
+class OrchestratorMetrics:
+    def __init__(self, registry: CollectorRegistry, max_k: int):
+        r = registry
+        self.positions = [str(i) for i in range(1, max_k + 1)]
+        self.rounds = Counter("specdec_rounds_total", "Draft/verify rounds (target forward passes)", registry=r)
+        self.draft_tokens = Counter("specdec_draft_tokens_total", "Draft tokens proposed", registry=r)
+        self.accepted_tokens = Counter("specdec_accepted_tokens_total", "Draft tokens accepted", registry=r)
+        self.rejected_rounds = Counter("specdec_rejected_rounds_total", "Rounds that ended in a rejection", registry=r)
+        self.draft_per_position = Counter("specdec_draft_tokens_per_position_total",
+                                          "Draft tokens proposed at each draft position", ["position"], registry=r)
+        self.accepted_per_position = Counter("specdec_accepted_tokens_per_position_total",
+                                             "Draft tokens accepted at each draft position", ["position"], registry=r)
+        self.tokens_per_round = Histogram("specdec_tokens_per_round", "Tokens emitted per round",
+                                          buckets=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17], registry=r)
+        self.request_acceptance = Histogram("specdec_request_acceptance_rate",
+                                            "Acceptance rate (accepted/drafted) of each finished request",
+                                            buckets=[0.1 * i for i in range(11)], registry=r)
+        self.generated_tokens = Counter("specdec_generated_tokens_total", "Tokens returned to clients", registry=r)
+        self.prompt_tokens = Counter("specdec_prompt_tokens_total", "Prompt tokens of admitted requests", registry=r)
+        self.requests = Counter("specdec_requests_total", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        self.request_errors = Counter("specdec_request_errors_total", "Requests ended by an error status", ["code"], registry=r)
+        self.phase_seconds = Histogram("specdec_round_phase_seconds",
+                                       "Time of one round by phase: draft and verify compute on the servers, "
+                                       "accept on the orchestrator, and rpc (network, serialization, queueing)",
+                                       ["phase"], buckets=_SECONDS, registry=r)
+        self.round_seconds = Histogram("specdec_round_seconds", "Wall time of one round", buckets=_SECONDS, registry=r)
+        self.ttft = Histogram("specdec_time_to_first_token_seconds", "Time from request to its first token",
+                              buckets=_SECONDS, registry=r)
+        self.inter_token = Histogram("specdec_inter_token_seconds", "Time between streamed messages of a request",
+                                     buckets=_SECONDS, registry=r)
+        self.wire_bytes = Histogram("specdec_wire_bytes_per_round", "Protobuf bytes sent and received per round",
+                                    buckets=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536, 262144, 1 << 20],
+                                    registry=r)
+        self.rpcs_per_round = Histogram("specdec_rpcs_per_round", "Model-server RPCs per round",
+                                        buckets=[1, 2, 3, 4, 6, 8], registry=r)
+        self.rebuilds = Counter("specdec_session_rebuilds_total", "Sessions resent after a server lost them",
+                                ["service"], registry=r)
+        self.draft_fallbacks = Counter("specdec_draft_fallback_rounds_total",
+                                       "Rounds decoded by the target alone because the draft was unavailable", registry=r)
+        self.active = Gauge("specdec_active_requests", "Requests being generated", registry=r)
+        for p in self.positions:  # expose zeros so rate() works from the first scrape
+            self.draft_per_position.labels(p)
+            self.accepted_per_position.labels(p)
+        for phase in ("draft", "verify", "accept", "rpc"):
+            self.phase_seconds.labels(phase)

@@ -1,0 +1,101 @@
+"""The accept/reject step of speculative sampling (Leviathan et al., 2023, Algorithm 1).
+
+Draft tokens x_1..x_K were drawn from q_1..q_K; the target scored them with
+p_1..p_{K+1} in one forward pass. In order:
+- accepted: x_i is kept with probability min(1, p_i(x_i) / q_i(x_i));
+- recovered: at the first rejected position j, one token is drawn from
+  norm(max(0, p_j - q_j)), and the later drafts are dropped;
+- bonus: when all K drafts are kept, one more token is drawn from p_{K+1}.
+Every emitted token is then distributed exactly as the target's own sample.
+Greedy decoding is the limit of point masses: keep x_i while it equals argmax p_i.
+
+All randomness is ``uniform(seed, position, purpose)`` where position is the
+absolute index of the token being decided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specdec.sampling import Purpose, sample_sparse, uniform
+
+
+@dataclass(frozen=True)
+class Dist:
+    """A distribution given by its support: ids ascending, probabilities summing to ~1."""
+
+    token_ids: np.ndarray  # [m] int64
+    probs: np.ndarray  # [m] float64
+
+    @classmethod
+    def from_dense(cls, probs) -> "Dist":
+        probs = np.asarray(probs, dtype=np.float64)  # [vocab]
+        ids = np.flatnonzero(probs)
+        return cls(ids.astype(np.int64), probs[ids])
+
+    def prob(self, token_id: int) -> float:
+        i = np.searchsorted(self.token_ids, token_id)
+        return float(self.probs[i]) if i < len(self.token_ids) and self.token_ids[i] == token_id else 0.0
+
+
+def greedy_accept(draft_tokens: list[int], target_argmax: list[int]) -> tuple[int, int]:
+    """Accepted count and the next token: the target's at the first mismatch, else the bonus.
+
+    draft_tokens: [K]; target_argmax: [K+1].
+    """
+    n = 0
+    while n < len(draft_tokens) and draft_tokens[n] == target_argmax[n]:
+        n += 1
+    return n, target_argmax[n]
+
+
+def count_accepted(draft_probs: list[float], target_probs: list[float], seed: int, start: int) -> int:
+    """How many drafts survive the ratio test u < p(x)/q(x), in order.
+
+    draft_probs: [K] q_i(x_i) > 0; target_probs: [K] p_i(x_i); start: absolute position of x_1.
+    """
+    for i, (q, p) in enumerate(zip(draft_probs, target_probs)):
+        if uniform(seed, start + i, Purpose.ACCEPT) * q >= p:
+            return i
+    return len(draft_probs)
+
+
+def residual(p: Dist, q: Dist) -> Dist:
+    """norm(max(0, p - q)). If p <= q everywhere (a rejection that cannot happen exactly), p itself."""
+    ids = np.union1d(p.token_ids, q.token_ids)
+    pv = np.zeros(len(ids))
+    qv = np.zeros(len(ids))
+    pv[np.searchsorted(ids, p.token_ids)] = p.probs
+    qv[np.searchsorted(ids, q.token_ids)] = q.probs
+    r = np.maximum(pv - qv, 0.0)
+    total = r.sum()
+    if total <= 0.0:
+        return p
+    keep = r > 0
+    return Dist(ids[keep], r[keep] / total)
+
+
+def recover(p: Dist, q: Dist, seed: int, position: int) -> int:
+    """The token emitted at a rejected position."""
+    r = residual(p, q)
+    return sample_sparse(r.token_ids, r.probs, uniform(seed, position, Purpose.RESAMPLE))
+
+
+def bonus(p: Dist, seed: int, position: int) -> int:
+    """The token drawn from the target after all drafts were accepted (or with K = 0)."""
+    return sample_sparse(p.token_ids, p.probs, uniform(seed, position, Purpose.RESAMPLE))
+
+
+def speculative_round(draft_tokens: list[int], q: list[Dist], p: list[Dist], seed: int, start: int) -> tuple[int, int]:
+    """One whole sampled round with every distribution at hand.
+
+    Returns (accepted count n, the token emitted at position start + n).
+    q: [K] draft distributions; p: [K+1] target distributions.
+    """
+    n = count_accepted([qi.prob(x) for qi, x in zip(q, draft_tokens)],
+                       [pi.prob(x) for pi, x in zip(p, draft_tokens)], seed, start)
+    if n < len(draft_tokens):
+        return n, recover(p[n], q[n], seed, start + n)
+    return n, bonus(p[n], seed, start + n)

@@ -1,0 +1,134 @@
+"""Generate: validate, tokenize, run the loop, stream; free the sessions however it ends."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+import uuid
+
+import grpc
+
+from orchestrator.clients import ModelClient
+from orchestrator.generation import Generation, GenerationSpec
+from orchestrator.metrics import OrchestratorMetrics
+from specdec.config import OrchestratorConfig
+from specdec.errors import ServiceError, invalid
+from specdec.sampling import SamplingParams
+from specdec.v1 import generation_pb2 as gen_pb, generation_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, cfg: OrchestratorConfig, tokenizer, draft: ModelClient, target: ModelClient,
+                 eos_ids: set[int], max_model_len: int, metrics: OrchestratorMetrics):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.draft = draft
+        self.target = target
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.draft_health: dict = {}
+        self._releases: set[asyncio.Task] = set()
+
+    def build_spec(self, req: gen_pb.GenerateRequest) -> GenerationSpec:
+        """The request checked field by field; raises INVALID_ARGUMENT or OUT_OF_RANGE."""
+        cfg = self.cfg
+        if bool(req.prompt) == bool(req.messages):
+            raise invalid("set exactly one of prompt (non-empty text) and messages")
+        temperature = req.temperature if req.HasField("temperature") else cfg.temperature
+        top_p = req.top_p if req.HasField("top_p") else cfg.top_p
+        top_k = req.top_k if req.HasField("top_k") else cfg.top_k
+        k = req.num_speculative_tokens if req.HasField("num_speculative_tokens") else cfg.num_speculative_tokens
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise invalid(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+        if not (math.isfinite(top_p) and 0 < top_p <= 1):
+            raise invalid(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise invalid(f"top_k must be >= 0 (0 disables it), got {top_k}")
+        if not 0 <= k <= cfg.max_speculative_tokens:
+            raise invalid(f"num_speculative_tokens must be within [0, {cfg.max_speculative_tokens}], got {k}")
+        if req.HasField("max_tokens") and req.max_tokens < 1:
+            raise invalid("max_tokens must be at least 1")
+        if len(req.stop) > cfg.max_stop_strings or any(not s for s in req.stop):
+            raise invalid(f"stop takes at most {cfg.max_stop_strings} non-empty strings")
+        for m in req.messages:
+            if not m.role:
+                raise invalid("every message needs a role (system, user or assistant)")
+        ids = self._tokenize(req)
+        if not ids:
+            raise invalid("the prompt encodes to no tokens")
+        room = self.max_model_len - len(ids)
+        if req.HasField("max_tokens"):
+            if req.max_tokens > room:
+                raise ServiceError(grpc.StatusCode.OUT_OF_RANGE,
+                                   f"prompt ({len(ids)} tokens) plus max_tokens ({req.max_tokens}) exceeds the "
+                                   f"context length {self.max_model_len}; shorten one of them")
+            max_tokens = req.max_tokens
+        else:
+            if room < 1:
+                raise ServiceError(grpc.StatusCode.OUT_OF_RANGE,
+                                   f"prompt ({len(ids)} tokens) leaves no room in the context length {self.max_model_len}")
+            max_tokens = min(cfg.max_tokens, room)
+        seed = req.seed if req.HasField("seed") else secrets.randbits(63)
+        return GenerationSpec(ids, max_tokens, SamplingParams(temperature, top_p, top_k, seed), k, list(req.stop))
+
+    def _tokenize(self, req: gen_pb.GenerateRequest) -> list[int]:
+        if req.prompt:
+            return self.tokenizer(req.prompt, add_special_tokens=True)["input_ids"]
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise invalid("this model has no chat template; send a raw prompt instead of messages")
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        try:
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+        except Exception as e:  # the template rejects the conversation (roles out of order...)
+            raise invalid(f"the chat template rejected the messages: {e}") from None
+        return list(out["input_ids"])
+
+    async def Generate(self, request, context):
+        arrived = time.perf_counter()
+        m = self.metrics
+        try:
+            spec = self.build_spec(request)
+        except ServiceError as e:
+            m.request_errors.labels(e.code.name).inc()
+            await context.abort(e.code, e.message)
+        gen = Generation(spec, uuid.uuid4().hex, self.draft, self.target, self.tokenizer, self.eos_ids,
+                         self.max_model_len, m, self.draft_health)
+        m.active.inc()
+        m.prompt_tokens.inc(len(spec.prompt_ids))
+        last = None
+        try:
+            async for msg in gen.run():
+                now = time.perf_counter()
+                if last is None:
+                    gen.stats.time_to_first_token_seconds = now - arrived
+                    m.ttft.observe(now - arrived)
+                else:
+                    m.inter_token.observe(now - last)
+                last = now
+                if msg.HasField("stats"):
+                    msg.stats.time_to_first_token_seconds = gen.stats.time_to_first_token_seconds
+                    msg.stats.total_seconds = now - arrived
+                    m.requests.labels(gen_pb.FinishReason.Name(msg.stats.finish_reason)).inc()
+                    m.request_acceptance.observe(msg.stats.acceptance_rate)
+                yield msg
+        except ServiceError as e:
+            m.request_errors.labels(e.code.name).inc()
+            await context.abort(e.code, e.message)
+        except asyncio.CancelledError:
+            m.request_errors.labels("CANCELLED").inc()
+            raise
+        finally:
+            m.active.dec()
+            task = asyncio.ensure_future(gen.release())  # survives the cancellation of this handler
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    async def drain_releases(self) -> None:
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)

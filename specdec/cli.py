@@ -1,0 +1,202 @@
+"""The ``specdec`` command.
+
+  specdec up                  the three services on this machine (Ctrl-C stops all)
+  specdec draft|target|orchestrator   one service
+  specdec generate "PROMPT"   stream a completion from a running orchestrator
+  specdec health ADDRESS      exit 0 when a server reports SERVING (for container health checks)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from specdec.config import DEFAULT_DRAFT, ConfigError, ModelServerConfig, OrchestratorConfig, add_arguments, from_args
+
+ROLE_DEFAULTS = {
+    "draft": {"port": 50052, "metrics_port": 8002, "model": DEFAULT_DRAFT},
+    "target": {"port": 50053, "metrics_port": 8003},
+}
+
+
+def _logging() -> None:
+    logging.basicConfig(level=os.environ.get("SPECDEC_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _serve_model(role: str, args) -> int:
+    from specdec.model_server import run_model_server
+
+    cfg = from_args(ModelServerConfig, args, role=role, defaults=ROLE_DEFAULTS[role])
+    if role == "draft":
+        from draft_service.app import services
+    else:
+        from target_service.app import services
+    asyncio.run(run_model_server(cfg, services))
+    return 0
+
+
+def _serve_orchestrator(args) -> int:
+    from orchestrator.app import run_orchestrator
+
+    asyncio.run(run_orchestrator(from_args(OrchestratorConfig, args)))
+    return 0
+
+
+def _up(args) -> int:
+    """Start the three services as child processes; stop all when one exits or on a signal."""
+    env = dict(os.environ)
+    for flag, var in ((args.draft_model, "SPECDEC_DRAFT_MODEL"), (args.target_model, "SPECDEC_TARGET_MODEL"),
+                      (args.dtype, "SPECDEC_DRAFT_DTYPE"), (args.dtype, "SPECDEC_TARGET_DTYPE"),
+                      (args.device, "SPECDEC_DRAFT_DEVICE"), (args.device, "SPECDEC_TARGET_DEVICE"),
+                      (args.target_model, "SPECDEC_ORCHESTRATOR_TOKENIZER")):
+        if flag:
+            env[var] = flag
+    if args.target_model is None and "SPECDEC_TARGET_MODEL" in env:
+        env.setdefault("SPECDEC_ORCHESTRATOR_TOKENIZER", env["SPECDEC_TARGET_MODEL"])
+    if args.threads:
+        env.setdefault("SPECDEC_DRAFT_THREADS", str(args.threads))
+        env.setdefault("SPECDEC_TARGET_THREADS", str(args.threads))
+    cmd = [sys.executable, "-m", "specdec.cli"]
+    children = [subprocess.Popen([*cmd, role], env=env) for role in ("target", "draft", "orchestrator")]
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    code = 0
+    while not stopping:
+        done = [c for c in children if c.poll() is not None]
+        if done:
+            code = done[0].returncode or 1
+            print(f"specdec up: a service exited with status {done[0].returncode}; stopping the others", file=sys.stderr)
+            break
+        time.sleep(0.2)
+    for c in children:
+        if c.poll() is None:
+            c.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 40
+    for c in children:
+        try:
+            c.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            c.kill()
+    return code
+
+
+def _generate(args) -> int:
+    import grpc
+
+    from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
+
+    req = pb.GenerateRequest(stop=args.stop)
+    if args.chat:
+        req.messages.add(role="user", content=args.prompt)
+    else:
+        req.prompt = args.prompt
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        if getattr(args, name) is not None:
+            setattr(req, name, getattr(args, name))
+    if args.k is not None:
+        req.num_speculative_tokens = args.k
+    with grpc.insecure_channel(args.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            for msg in stub.Generate(req, timeout=args.timeout):
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                if msg.HasField("stats"):
+                    s = msg.stats
+                    alpha = s.accepted_tokens / (s.accepted_tokens + s.rejected_rounds) if s.accepted_tokens + s.rejected_rounds else 0.0
+                    print(f"\n\n[{pb.FinishReason.Name(s.finish_reason)}] {s.completion_tokens} tokens in "
+                          f"{s.total_seconds:.2f} s ({s.completion_tokens / max(s.total_seconds, 1e-9):.1f} tokens/s), "
+                          f"first token {1000 * s.time_to_first_token_seconds:.0f} ms | {s.rounds} rounds, "
+                          f"{s.mean_tokens_per_round:.2f} tokens/round, acceptance {s.accepted_tokens}/{s.draft_tokens} "
+                          f"= {s.acceptance_rate:.2f}, alpha {alpha:.2f} | seed {s.seed}", file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\nspecdec generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _health(args) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(args.address) as channel:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+    except grpc.RpcError as e:
+        print(f"{args.address}: {e.code().name}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(f"{args.address}: {status}")
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specdec", description="Speculative decoding as three gRPC services.")
+    sub = p.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start draft, target and orchestrator here (foreground)")
+    up.add_argument("--draft-model", help=f"draft model (default {DEFAULT_DRAFT})")
+    up.add_argument("--target-model", help="target model (default the embedded SmolLM2-135M-Instruct)")
+    up.add_argument("--dtype", help="float32, bfloat16 or float16")
+    up.add_argument("--device", help="cpu, cuda...")
+    up.add_argument("--threads", type=int, default=0, help="torch threads per model server")
+    for role in ("draft", "target"):
+        s = sub.add_parser(role, help=f"start the {role} service")
+        add_arguments(s, ModelServerConfig, ROLE_DEFAULTS[role])
+    o = sub.add_parser("orchestrator", help="start the orchestrator")
+    add_arguments(o, OrchestratorConfig)
+    g = sub.add_parser("generate", help="stream a completion from a running orchestrator")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    g.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "localhost:50051"))
+    g.add_argument("--max-tokens", type=int)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("-k", "--num-speculative-tokens", dest="k", type=int)
+    g.add_argument("--timeout", type=float, default=600.0)
+    h = sub.add_parser("health", help="check a server's gRPC health service")
+    h.add_argument("address", nargs="?", default="localhost:50051")
+    h.add_argument("--service", default="", help="service name; empty for the whole server")
+    h.add_argument("--timeout", type=float, default=3.0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.command in ("draft", "target"):
+            _logging()
+            return _serve_model(args.command, args)
+        if args.command == "orchestrator":
+            _logging()
+            return _serve_orchestrator(args)
+        if args.command == "up":
+            return _up(args)
+        if args.command == "generate":
+            return _generate(args)
+        return _health(args)
+    except ConfigError as e:
+        print(f"specdec {args.command}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

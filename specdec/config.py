@@ -1,0 +1,136 @@
+"""Configuration of each service in one typed place.
+
+Every field is a flag (``--max-sessions``) and an environment variable
+(``SPECDEC_TARGET_MAX_SESSIONS``, ``SPECDEC_ORCHESTRATOR_PORT``...); a flag
+wins over the environment, which wins over the default. ``validate`` runs at
+start-up and says what is wrong and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from specdec.models import DEFAULT_TARGET, DTYPES
+
+# The embedded default draft: the distilled draft shipped in the repository (issue 3).
+# Until it lands, the default is the embedded target itself (see README: no speedup, alpha = 1).
+DEFAULT_DRAFT = DEFAULT_TARGET
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelServerConfig:
+    """A draft or target model server."""
+
+    role: str = field(default="target", metadata={"flag": False})
+    model: str = field(default=DEFAULT_TARGET, metadata={"help": "hub id, local folder or embedded:NAME"})
+    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    device: str = field(default="cpu", metadata={"help": "torch device: cpu, cuda, cuda:1..."})
+    host: str = field(default="0.0.0.0", metadata={"help": "address to bind"})
+    port: int = field(default=50053, metadata={"help": "gRPC port (0 picks a free one)"})
+    metrics_port: int = field(default=8003, metadata={"help": "Prometheus port (0 disables)"})
+    max_sessions: int = field(default=16, metadata={"help": "sessions held at once"})
+    max_tokens: int = field(default=65536, metadata={"help": "KV tokens held across all sessions"})
+    max_model_len: int = field(default=0, metadata={"help": "longest session; 0 = the model's own limit"})
+    idle_ttl_s: float = field(default=300.0, metadata={"help": "seconds before an idle session is freed"})
+    max_draft_tokens: int = field(default=16, metadata={"help": "largest K a call may carry"})
+    max_sparse_support: int = field(default=1024, metadata={"help": "largest support sent in sparse form"})
+    grace_s: float = field(default=10.0, metadata={"help": "seconds in-flight calls get on shutdown"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = torch's default"})
+
+    def validate(self) -> None:
+        if self.role not in ("draft", "target"):
+            raise ConfigError(f"role must be draft or target, not {self.role!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        _ports(self.port, self.metrics_port)
+        for name in ("max_sessions", "max_tokens", "max_draft_tokens", "max_sparse_support"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.max_model_len < 0 or self.idle_ttl_s <= 0 or self.grace_s < 0 or self.threads < 0:
+            raise ConfigError("--max-model-len, --threads must be >= 0; --idle-ttl-s > 0; --grace-s >= 0")
+
+
+@dataclass
+class OrchestratorConfig:
+    """The client-facing orchestrator."""
+
+    host: str = field(default="0.0.0.0", metadata={"help": "address to bind"})
+    port: int = field(default=50051, metadata={"help": "gRPC port (0 picks a free one)"})
+    metrics_port: int = field(default=8001, metadata={"help": "Prometheus port (0 disables)"})
+    draft_address: str = field(default="localhost:50052", metadata={"help": "draft service host:port"})
+    target_address: str = field(default="localhost:50053", metadata={"help": "target service host:port"})
+    tokenizer: str = field(default=DEFAULT_TARGET, metadata={"help": "the target's tokenizer: hub id, folder or embedded:NAME"})
+    num_speculative_tokens: int = field(default=4, metadata={"help": "default K per request"})
+    max_speculative_tokens: int = field(default=8, metadata={"help": "largest K a request may ask"})
+    max_tokens: int = field(default=256, metadata={"help": "default max_tokens per request"})
+    temperature: float = field(default=0.7, metadata={"help": "default temperature (0 = greedy)"})
+    top_p: float = field(default=0.9, metadata={"help": "default top_p"})
+    top_k: int = field(default=0, metadata={"help": "default top_k (0 = off)"})
+    max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request"})
+    max_request_bytes: int = field(default=1 << 20, metadata={"help": "largest request message"})
+    rpc_timeout_s: float = field(default=60.0, metadata={"help": "deadline of one call to a model server"})
+    unavailable_retry_s: float = field(default=30.0, metadata={"help": "how long to wait for a model server that is down"})
+    startup_timeout_s: float = field(default=300.0, metadata={"help": "how long to wait for the model servers at start"})
+    grace_s: float = field(default=30.0, metadata={"help": "seconds in-flight streams get on shutdown"})
+
+    def validate(self) -> None:
+        _ports(self.port, self.metrics_port)
+        if not 0 <= self.num_speculative_tokens <= self.max_speculative_tokens:
+            raise ConfigError("--num-speculative-tokens must be within [0, --max-speculative-tokens]")
+        if self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError("need --max-tokens >= 1, --temperature >= 0, --top-p in (0, 1], --top-k >= 0")
+        if self.rpc_timeout_s <= 0 or self.max_request_bytes < 1024:
+            raise ConfigError("--rpc-timeout-s must be > 0 and --max-request-bytes at least 1024")
+
+
+def _ports(*ports: int) -> None:
+    for p in ports:
+        if not 0 <= p <= 65535:
+            raise ConfigError(f"port {p} is outside 0..65535")
+
+
+def env_prefix(role: str | None = None) -> str:
+    return "SPECDEC_" + (role or "orchestrator").upper() + "_"
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, defaults: dict | None = None) -> None:
+    """One flag per field; the default shown is the dataclass's (environment read later)."""
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("flag", True):
+            continue
+        default = (defaults or {}).get(f.name, f.default)
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_type(f),
+                            default=None, help=f"{f.metadata.get('help', '')} (default {default})")
+
+
+def _type(f):
+    return {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+
+
+def from_args(cls, args: argparse.Namespace, role: str | None = None, defaults: dict | None = None):
+    """Flags over environment over defaults; then validated."""
+    values = {}
+    prefix = env_prefix(role)
+    for f in dataclasses.fields(cls):
+        if f.name == "role":
+            values["role"] = role
+            continue
+        value = getattr(args, f.name, None)
+        if value is None and (env := os.environ.get(prefix + f.name.upper())) is not None:
+            try:
+                value = _type(f)(env)
+            except ValueError:
+                raise ConfigError(f"{prefix + f.name.upper()}={env!r} is not a valid {_type(f).__name__}") from None
+        if value is None:
+            value = (defaults or {}).get(f.name, f.default)
+        values[f.name] = value
+    cfg = cls(**values)
+    cfg.validate()
+    return cfg

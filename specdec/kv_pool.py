@@ -1,0 +1,114 @@
+"""A bounded pool of KV-cache sessions, addressed by id and expected length.
+
+The orchestrator holds the truth (the token history); a session here is a
+cache of it. Every call states the length it expects the session to have;
+a missing session is NOT_FOUND, another length FAILED_PRECONDITION, and the
+orchestrator answers either by resending the history. Bounds: sessions,
+tokens across sessions and per session; idle sessions expire.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import grpc
+
+from specdec.errors import ServiceError, invalid
+
+
+@dataclass
+class Session:
+    id: str
+    cache: Any  # the runner's KV cache object
+    tokens: list[int] = field(default_factory=list)  # ids whose KV the cache holds
+    last_used: float = 0.0
+    probs: Any = None  # [n, vocab] distributions of the last call, for GetDistribution
+    probs_start: int = 0  # absolute position of probs[0]
+
+
+class SessionPool:
+    def __init__(self, new_cache: Callable[[], Any], crop: Callable[[Any, int], None], *,
+                 max_sessions: int, max_tokens: int, max_model_len: int, idle_ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self._new_cache = new_cache
+        self._crop = crop
+        self.max_sessions = max_sessions
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+        self.idle_ttl_s = idle_ttl_s
+        self._clock = clock
+        self._sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    @property
+    def tokens_in_use(self) -> int:
+        return sum(len(s.tokens) for s in self._sessions.values())
+
+    def lookup(self, session_id: str) -> Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                               f"no session {session_id!r} (expired, released or the server restarted); "
+                               "resend the history with expected_length 0")
+        s.last_used = self._clock()
+        return s
+
+    def get(self, session_id: str, expected_length: int) -> Session:
+        s = self.lookup(session_id)
+        if len(s.tokens) != expected_length:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"session {session_id!r} holds {len(s.tokens)} tokens, the call expects "
+                               f"{expected_length}; resend the history with expected_length 0")
+        return s
+
+    def open(self, session_id: str, expected_length: int, keep_length: int) -> Session:
+        """The session positioned at keep_length; expected_length 0 (re)creates it."""
+        if not session_id:
+            raise invalid("session_id is empty")
+        if keep_length > expected_length:
+            raise invalid(f"keep_length {keep_length} exceeds expected_length {expected_length}")
+        if expected_length == 0:
+            self.release(session_id)
+            self.expire_idle()
+            if len(self._sessions) >= self.max_sessions:
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"all {self.max_sessions} sessions are in use; retry later")
+            s = Session(session_id, self._new_cache(), last_used=self._clock())
+            self._sessions[session_id] = s
+            return s
+        s = self.get(session_id, expected_length)
+        self.truncate(s, keep_length)
+        return s
+
+    def reserve(self, s: Session, n_new: int) -> None:
+        """Check that n_new more tokens fit the session and the pool, before any work is done."""
+        if len(s.tokens) + n_new > self.max_model_len:
+            raise ServiceError(grpc.StatusCode.OUT_OF_RANGE,
+                               f"session would hold {len(s.tokens) + n_new} tokens, beyond the "
+                               f"context length {self.max_model_len}")
+        if self.tokens_in_use + n_new > self.max_tokens:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"KV pool full: {self.tokens_in_use} of {self.max_tokens} tokens in use, "
+                               f"{n_new} more asked; retry later")
+
+    def truncate(self, s: Session, length: int) -> None:
+        if length < len(s.tokens):
+            self._crop(s.cache, length)
+            del s.tokens[length:]
+
+    def release(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    def expire_idle(self) -> int:
+        cutoff = self._clock() - self.idle_ttl_s
+        stale = [sid for sid, s in self._sessions.items() if s.last_used < cutoff]
+        for sid in stale:
+            del self._sessions[sid]
+        return len(stale)

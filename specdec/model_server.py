@@ -1,0 +1,227 @@
+"""What the draft and target servers share: a model, its session pool, and the session RPCs.
+
+Every model or pool operation runs on one worker thread, so the pool needs no
+locks and the asyncio loop stays free for health checks and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from specdec import models
+from specdec.config import ModelServerConfig
+from specdec.errors import ServiceError, invalid
+from specdec.kv_pool import Session, SessionPool
+from specdec.runner import CausalLMRunner
+from specdec.sampling import SamplingParams, to_sparse
+from specdec.v1 import model_server_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
+
+
+class ModelServerMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.sessions = Gauge("specdec_kv_sessions", "Sessions held in the KV pool", registry=registry)
+        self.sessions_capacity = Gauge("specdec_kv_sessions_capacity", "Most sessions the pool holds", registry=registry)
+        self.tokens = Gauge("specdec_kv_tokens", "Tokens held in the KV pool", registry=registry)
+        self.tokens_capacity = Gauge("specdec_kv_tokens_capacity", "Most tokens the pool holds", registry=registry)
+        self.forward_seconds = Histogram("specdec_forward_seconds", "Time of one model forward pass",
+                                         ["tokens"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.rpc_seconds = Histogram("specdec_server_rpc_seconds", "Time to serve one RPC, queueing included",
+                                     ["method"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.rpc_errors = Counter("specdec_server_rpc_errors_total", "RPCs answered with an error status",
+                                  ["method", "code"], registry=registry)
+        self.sessions_expired = Counter("specdec_kv_sessions_expired_total", "Idle sessions freed", registry=registry)
+
+
+def _tokens_bucket(n: int) -> str:
+    """A bounded label for a forward pass's width."""
+    return "1" if n <= 1 else "2-8" if n <= 8 else "9-64" if n <= 64 else "65+"
+
+
+class ModelServer:
+    """A loaded model behind a session pool; the servicers call into it."""
+
+    def __init__(self, cfg: ModelServerConfig, model, tokenizer, registry: CollectorRegistry | None = None):
+        self.cfg = cfg
+        self.vocab_size = len(tokenizer)
+        self.runner = CausalLMRunner(model, self.vocab_size)
+        limit = getattr(model.config, "max_position_embeddings", None) or 1 << 20
+        self.max_model_len = min(cfg.max_model_len or limit, limit)
+        self.pool = SessionPool(self.runner.new_cache, self.runner.crop, max_sessions=cfg.max_sessions,
+                                max_tokens=cfg.max_tokens, max_model_len=self.max_model_len,
+                                idle_ttl_s=cfg.idle_ttl_s)
+        self.info = pb.ModelInfo(
+            model=cfg.model, vocab_size=self.vocab_size,
+            tokenizer_fingerprint=models.tokenizer_fingerprint(tokenizer),
+            eos_token_ids=models.eos_token_ids(model, tokenizer), max_model_len=self.max_model_len,
+            max_sessions=cfg.max_sessions, max_tokens=cfg.max_tokens, max_draft_tokens=cfg.max_draft_tokens,
+            dtype=cfg.dtype, device=str(self.runner.device))
+        self.metrics = ModelServerMetrics(registry or CollectorRegistry())
+        self.metrics.sessions_capacity.set(cfg.max_sessions)
+        self.metrics.tokens_capacity.set(cfg.max_tokens)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{cfg.role}-model")
+
+    @classmethod
+    def load(cls, cfg: ModelServerConfig, registry: CollectorRegistry | None = None) -> "ModelServer":
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        t = time.monotonic()
+        tokenizer = models.load_tokenizer(cfg.model)
+        model = models.load_model(cfg.model, cfg.dtype, cfg.device)
+        log.info("%s: loaded %s in %.1f s", cfg.role, cfg.model, time.monotonic() - t)
+        return cls(cfg, model, tokenizer, registry)
+
+    # -- plumbing ------------------------------------------------------------
+    async def call(self, method: str, fn, request, context: grpc.aio.ServicerContext):
+        """Run fn(request) on the model thread; a ServiceError becomes its status."""
+        start = time.perf_counter()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, request)
+        except ServiceError as e:
+            self.metrics.rpc_errors.labels(method, e.code.name).inc()
+            await context.abort(e.code, e.message)
+        except Exception:
+            self.metrics.rpc_errors.labels(method, "INTERNAL").inc()
+            log.exception("%s failed", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on the {self.cfg.role} server; see its log")
+        finally:
+            self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - start)
+            self._update_pool_metrics()
+
+    @staticmethod
+    def _timed(fn, request):
+        start = time.perf_counter()
+        response = fn(request)
+        if hasattr(response, "compute_seconds"):
+            response.compute_seconds = time.perf_counter() - start
+        return response
+
+    def _update_pool_metrics(self) -> None:
+        self.metrics.sessions.set(len(self.pool))
+        self.metrics.tokens.set(self.pool.tokens_in_use)
+
+    async def expire_idle_forever(self, every_s: float = 5.0) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(every_s)
+            n = await loop.run_in_executor(self._executor, self.pool.expire_idle)
+            if n:
+                self.metrics.sessions_expired.inc(n)
+                self._update_pool_metrics()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # -- shared pieces of the model RPCs ---------------------------------------
+    def sampling(self, p: pb.SamplingParams) -> SamplingParams:
+        if p.temperature < 0 or not 0 < p.top_p <= 1:
+            raise invalid(f"temperature must be >= 0 and top_p in (0, 1]; got {p.temperature}, {p.top_p}")
+        return SamplingParams(p.temperature, p.top_p, p.top_k, p.seed)
+
+    def check_tokens(self, ids) -> list[int]:
+        ids = list(ids)
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise invalid(f"token id {bad[0]} is outside the vocabulary of {self.vocab_size}")
+        return ids
+
+    def open(self, cursor: pb.SessionCursor, n_new: int) -> Session:
+        s = self.pool.open(cursor.session_id, cursor.expected_length, cursor.keep_length)
+        self.pool.reserve(s, n_new)
+        return s
+
+    def forward(self, s: Session, token_ids: list[int], num_logits: int) -> torch.Tensor:
+        """Feed tokens to the session; [num_logits, vocab] logits. A failure drops the session."""
+        start = time.perf_counter()
+        try:
+            logits = self.runner.forward(s.cache, token_ids, num_logits)
+        except Exception:
+            self.pool.release(s.id)
+            raise
+        s.tokens.extend(token_ids)
+        self.metrics.forward_seconds.labels(_tokens_bucket(len(token_ids))).observe(time.perf_counter() - start)
+        return logits
+
+    def sparse(self, probs: torch.Tensor) -> pb.SparseDistribution:
+        found = to_sparse(probs, self.cfg.max_sparse_support)
+        if found is None:
+            return pb.SparseDistribution(complete=False)
+        return pb.SparseDistribution(token_ids=found[0].tolist(), probs=found[1].tolist(), complete=True)
+
+    # -- session RPCs, identical on both servers ---------------------------------
+    def truncate(self, req: pb.TruncateRequest) -> pb.TruncateResponse:
+        s = self.pool.get(req.session_id, req.expected_length)
+        if req.length > req.expected_length:
+            raise invalid(f"length {req.length} exceeds expected_length {req.expected_length}")
+        self.pool.truncate(s, req.length)
+        return pb.TruncateResponse(length=len(s.tokens))
+
+    def release(self, req: pb.ReleaseSessionRequest) -> pb.ReleaseSessionResponse:
+        return pb.ReleaseSessionResponse(released=self.pool.release(req.session_id))
+
+    def get_distribution(self, req: pb.GetDistributionRequest) -> pb.GetDistributionResponse:
+        s = self.pool.lookup(req.session_id)
+        i = req.position - s.probs_start
+        if s.probs is None or not 0 <= i < len(s.probs):
+            raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                               f"position {req.position} has no distribution from the last call of {req.session_id!r}")
+        return pb.GetDistributionResponse(probs=s.probs[i].tolist())
+
+    def model_info(self, req) -> pb.ModelInfo:
+        return self.info
+
+
+class SessionRpcs:
+    """The RPCs both servicers expose unchanged; subclasses set ``self.core``."""
+
+    core: ModelServer
+
+    async def Truncate(self, request, context):
+        return await self.core.call("Truncate", self.core.truncate, request, context)
+
+    async def ReleaseSession(self, request, context):
+        return await self.core.call("ReleaseSession", self.core.release, request, context)
+
+    async def GetDistribution(self, request, context):
+        return await self.core.call("GetDistribution", self.core.get_distribution, request, context)
+
+    async def GetModelInfo(self, request, context):
+        return await self.core.call("GetModelInfo", self.core.model_info, request, context)
+
+
+async def start_model_server(core: ModelServer, services: list[tuple], host: str, port: int):
+    """Bind, start and mark serving; returns (server, bound port, health servicer, expiry task)."""
+    from specdec.server import create_server, mark_serving
+
+    server, bound, health_servicer = create_server(f"{host}:{port}", services)
+    await server.start()
+    await mark_serving(health_servicer, [name for _, _, name in services])
+    expiry = asyncio.create_task(core.expire_idle_forever())
+    log.info("%s service (%s) listening on %s:%d", core.cfg.role, core.cfg.model, host, bound)
+    return server, bound, health_servicer, expiry
+
+
+async def run_model_server(cfg: ModelServerConfig, make_services) -> None:
+    """Load the model, serve until SIGTERM/SIGINT, drain, exit. make_services(core) -> [(add_fn, servicer, name)]."""
+    from specdec.server import serve, start_metrics
+
+    registry = CollectorRegistry()
+    core = ModelServer.load(cfg, registry)
+    start_metrics(cfg.metrics_port, registry)
+    server, _, health_servicer, expiry = await start_model_server(core, make_services(core), cfg.host, cfg.port)
+
+    async def on_stop():
+        expiry.cancel()
+        core.shutdown()
+
+    await serve(server, health_servicer, cfg.grace_s, on_stop)

@@ -1,0 +1,35 @@
+"""One forward pass of a causal LM over a session's KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+
+class CausalLMRunner:
+    """Feeds token ids to a Hugging Face causal LM, growing and cropping its KV cache."""
+
+    def __init__(self, model, vocab_size: int):
+        out_dim = model.get_output_embeddings().weight.shape[0]
+        if out_dim < vocab_size:
+            raise ValueError(f"model scores {out_dim} tokens but its tokenizer has {vocab_size}")
+        self.model = model
+        self.vocab_size = vocab_size
+        self.device = next(model.parameters()).device
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @staticmethod
+    def crop(cache, length: int) -> None:
+        drop = cache.get_seq_length() - length
+        if drop > 0:
+            cache.crop(-drop)
+
+    @torch.inference_mode()
+    def forward(self, cache, token_ids: list[int], num_logits: int) -> torch.Tensor:
+        """Append token_ids to the cache; logits of the last num_logits positions: [num_logits, vocab] float32."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=num_logits)
+        return out.logits[0, :, : self.vocab_size].float().cpu()  # [num_logits, vocab]

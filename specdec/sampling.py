@@ -1,0 +1,99 @@
+"""Sampling transforms and keyed random draws, identical on every service.
+
+The draft and the target turn logits into distributions with the same
+``logits_to_probs``; every random number of a request is ``uniform(seed,
+position, purpose)``, so a generation does not depend on which process drew
+it or on how many times a session was rebuilt.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+class Purpose(enum.IntEnum):
+    """What a random draw is for; each (position, purpose) is used once."""
+
+    DRAFT = 1  # the draft samples its proposal at this position
+    ACCEPT = 2  # the ratio test of the draft token at this position
+    RESAMPLE = 3  # the residual sample after a rejection, or the bonus token
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, position: int, purpose: Purpose) -> float:
+    """A uniform draw in [0, 1) that is a pure function of its arguments."""
+    h = _splitmix64(seed & _MASK64)
+    h = _splitmix64(h ^ (position & _MASK64))
+    h = _splitmix64(h ^ int(purpose))
+    return (h >> 11) * (1.0 / (1 << 53))
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, then softmax. logits: [n, vocab] -> probs [n, vocab] float32.
+
+    Top-k keeps every token tied with the k-th; top-p keeps the smallest set of
+    most likely tokens whose mass reaches top_p. temperature must be > 0.
+    """
+    x = logits.float() / temperature  # [n, vocab]
+    vocab = x.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # [n, 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)  # [n, vocab]
+        sorted_p = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def sample_dense(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF sample of one token. probs: [vocab] (need not be normalized)."""
+    cdf = torch.cumsum(probs.double(), dim=0)  # [vocab]
+    idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+    if idx >= cdf.numel():  # u * total rounded onto the last step
+        idx = int(torch.nonzero(probs).max())
+    return idx
+
+
+def sample_sparse(token_ids: np.ndarray, probs: np.ndarray, u: float) -> int:
+    """Inverse-CDF sample from a distribution given by its support."""
+    cdf = np.cumsum(probs, dtype=np.float64)
+    idx = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    if idx >= len(cdf):
+        idx = int(np.flatnonzero(probs)[-1])
+    return int(token_ids[idx])
+
+
+def to_sparse(probs: torch.Tensor, max_support: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The support of a distribution, ids ascending; None when larger than max_support. probs: [vocab]."""
+    ids = torch.nonzero(probs, as_tuple=True)[0]
+    if ids.numel() > max_support:
+        return None
+    return ids.numpy().astype(np.int64), probs[ids].numpy().astype(np.float64)

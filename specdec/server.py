@@ -1,0 +1,69 @@
+"""gRPC server plumbing shared by all three services.
+
+``create_server`` binds (port 0 picks a free one) and adds the standard health
+service and reflection; ``serve`` runs until SIGTERM or SIGINT, then flips
+health to NOT_SERVING, stops accepting and gives in-flight calls a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+log = logging.getLogger(__name__)
+
+
+def create_server(address: str, services: list[tuple[Callable, object, str]], *,
+                  max_receive_bytes: int = 8 << 20) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """services: (add_XServicer_to_server, servicer, full service name). Returns (server, port, health)."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_receive_bytes),
+                                      ("grpc.max_send_message_length", 64 << 20),
+                                      ("grpc.so_reuseport", 0)])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = []
+    for add, servicer, name in services:
+        add(servicer, server)
+        names.append(name)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    return server, port, health_servicer
+
+
+async def mark_serving(health_servicer, names: list[str]) -> None:
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+def start_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0"):
+    """Serve /metrics over HTTP; port 0 disables it."""
+    if port:
+        return start_http_server(port, addr=host, registry=registry)
+    return None
+
+
+async def serve(server: grpc.aio.Server, health_servicer, grace_s: float,
+                on_stop: Callable[[], Awaitable[None]] | None = None, stop_event: asyncio.Event | None = None) -> None:
+    """Run a started server until a signal (or stop_event), then shut down gracefully."""
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    await stop.wait()
+    log.info("shutting down: NOT_SERVING, draining for up to %.0f s", grace_s)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+    if on_stop is not None:
+        await on_stop()

@@ -1,0 +1,32 @@
+from specdec.v1 import model_server_pb2 as _model_server_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("cursor", "draft_tokens", "sampling")
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    cursor: _model_server_pb2.SessionCursor
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _model_server_pb2.SamplingParams
+    def __init__(self, cursor: _Optional[_Union[_model_server_pb2.SessionCursor, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_model_server_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("argmax_token_ids", "draft_token_probs", "distributions", "length", "compute_seconds")
+    ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_token_probs: _containers.RepeatedScalarFieldContainer[float]
+    distributions: _containers.RepeatedCompositeFieldContainer[_model_server_pb2.SparseDistribution]
+    length: int
+    compute_seconds: float
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_model_server_pb2.SparseDistribution, _Mapping]]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The target service: the large model whose distribution the output follows."""

@@ -1,0 +1,38 @@
+"""Verify: one forward pass over the unseen tokens and the K drafts."""
+
+from __future__ import annotations
+
+from specdec.errors import invalid
+from specdec.model_server import ModelServer, SessionRpcs
+from specdec.sampling import logits_to_probs
+from specdec.v1 import target_pb2, target_pb2_grpc
+
+
+class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, core: ModelServer):
+        self.core = core
+
+    async def Verify(self, request, context):
+        return await self.core.call("Verify", self._verify, request, context)
+
+    def _verify(self, req: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+        core = self.core
+        params = core.sampling(req.sampling)
+        drafts = core.check_tokens(req.draft_tokens)
+        if len(drafts) > core.cfg.max_draft_tokens:
+            raise invalid(f"{len(drafts)} draft tokens exceed the limit of {core.cfg.max_draft_tokens}")
+        unseen = core.check_tokens(req.cursor.tokens)
+        if not unseen:
+            raise invalid("tokens is empty: send at least the last token of the sequence")
+        s = core.open(req.cursor, len(unseen) + len(drafts))
+        logits = core.forward(s, unseen + drafts, len(drafts) + 1)  # [K+1, vocab]
+        resp = target_pb2.VerifyResponse(length=len(s.tokens))
+        if params.greedy:
+            s.probs = None
+            resp.argmax_token_ids.extend(logits.argmax(dim=-1).tolist())
+            return resp
+        probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # [K+1, vocab]
+        s.probs, s.probs_start = probs, len(s.tokens) - len(drafts)
+        resp.draft_token_probs.extend(probs[i, x].item() for i, x in enumerate(drafts))
+        resp.distributions.extend(core.sparse(row) for row in probs)
+        return resp
