@@ -1,0 +1,164 @@
+"""Fixtures: the embedded target, tiny drafts built in memory, and the three real
+gRPC servers on loopback (free ports) running in a background event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from specdec import models
+from specdec.config import ModelServerConfig, OrchestratorConfig
+from specdec.model_server import ModelServer, start_model_server
+from specdec.v1 import generation_pb2 as gen_pb, generation_pb2_grpc
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return models.load_tokenizer(models.DEFAULT_TARGET)
+
+
+@pytest.fixture(scope="session")
+def target_model():
+    return models.load_model(models.DEFAULT_TARGET)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tokenizer):
+    """A 2-layer random Llama with the target's vocabulary: it almost never agrees with the target."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                      tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    return LlamaForCausalLM(cfg).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def partial_draft(target_model):
+    """The target cut to its first 24 of 30 layers: it agrees with the target about a third of the time."""
+    d = copy.deepcopy(target_model)
+    d.model.layers = d.model.layers[:24]
+    d.config.num_hidden_layers = 24
+    return d
+
+
+class _Loop:
+    """An asyncio loop in a daemon thread, for servers that tests call with blocking stubs."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout=120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn, *args):
+        """Run fn on the loop thread (e.g. to touch a server's state) and return its result."""
+        async def _c():
+            return fn(*args)
+        return self.run(_c())
+
+
+@pytest.fixture(scope="session")
+def event_loop_thread():
+    lt = _Loop()
+    yield lt
+    lt.loop.call_soon_threadsafe(lt.loop.stop)
+
+
+@dataclass
+class Stack:
+    """Draft, target and orchestrator on loopback; cores and registry exposed for inspection."""
+
+    lt: _Loop
+    draft: ModelServer
+    target: ModelServer
+    address: str
+    registry: CollectorRegistry
+    servicer: object
+    servers: list = field(default_factory=list)
+    draft_address: str = ""
+    target_address: str = ""
+
+    def stub(self):
+        channel = grpc.insecure_channel(self.address)
+        return generation_pb2_grpc.GenerationStub(channel)
+
+    def generate(self, **fields) -> tuple[list[int], str, gen_pb.GenerationStats]:
+        messages = fields.pop("messages", None)
+        req = gen_pb.GenerateRequest(**fields)
+        for role, content in messages or []:
+            req.messages.add(role=role, content=content)
+        ids, text, stats = [], "", None
+        for msg in self.stub().Generate(req, timeout=300):
+            ids.extend(msg.token_ids)
+            text += msg.text
+            if msg.HasField("stats"):
+                stats = msg.stats
+        return ids, text, stats
+
+    def pool_sizes(self) -> tuple[int, int]:
+        return self.lt.call(lambda: (len(self.draft.pool), len(self.target.pool)))
+
+    def metric(self, name: str, labels: dict | None = None) -> float:
+        return self.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def make_stack(lt: _Loop, tokenizer, draft_model, target_model, *, draft_servicer=None, target_servicer=None,
+               draft_cfg: dict | None = None, target_cfg: dict | None = None, orch_cfg: dict | None = None) -> Stack:
+    from draft_service.app import SERVICE_NAME as DRAFT_NAME
+    from draft_service.servicer import DraftServicer
+    from orchestrator.app import start_orchestrator
+    from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
+    from target_service.app import SERVICE_NAME as TARGET_NAME
+    from target_service.servicer import TargetServicer
+
+    async def start():
+        dcfg = ModelServerConfig(role="draft", model="test-draft", port=0, metrics_port=0, **(draft_cfg or {}))
+        tcfg = ModelServerConfig(role="target", model="test-target", port=0, metrics_port=0, **(target_cfg or {}))
+        draft = ModelServer(dcfg, draft_model, tokenizer)
+        target = ModelServer(tcfg, target_model, tokenizer)
+        d_srv, d_port, *_ = await start_model_server(
+            draft, [(draft_pb2_grpc.add_DraftServiceServicer_to_server, (draft_servicer or DraftServicer)(draft), DRAFT_NAME)],
+            "127.0.0.1", 0)
+        t_srv, t_port, *_ = await start_model_server(
+            target, [(target_pb2_grpc.add_TargetServiceServicer_to_server, (target_servicer or TargetServicer)(target), TARGET_NAME)],
+            "127.0.0.1", 0)
+        ocfg = OrchestratorConfig(host="127.0.0.1", port=0, metrics_port=0, draft_address=f"127.0.0.1:{d_port}",
+                                  target_address=f"127.0.0.1:{t_port}", **(orch_cfg or {}))
+        registry = CollectorRegistry()
+        o_srv, o_port, _, servicer = await start_orchestrator(ocfg, registry, tokenizer)
+        return Stack(lt, draft, target, f"127.0.0.1:{o_port}", registry, servicer, [o_srv, d_srv, t_srv],
+                     f"127.0.0.1:{d_port}", f"127.0.0.1:{t_port}")
+
+    return lt.run(start())
+
+
+def stop_stack(stack: Stack) -> None:
+    async def stop():
+        for s in stack.servers:
+            await s.stop(0)
+    stack.lt.run(stop())
+
+
+@pytest.fixture(scope="module")
+def partial_stack(event_loop_thread, tokenizer, partial_draft, target_model):
+    stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model)
+    yield stack
+    stop_stack(stack)
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(event_loop_thread, tokenizer, tiny_draft, target_model):
+    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model)
+    yield stack
+    stop_stack(stack)
