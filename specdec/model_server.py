@@ -137,7 +137,12 @@ class ModelServer:
 
     def open(self, cursor: pb.SessionCursor, n_new: int) -> Session:
         s = self.pool.open(cursor.session_id, cursor.expected_length, cursor.keep_length)
-        self.pool.reserve(s, n_new)
+        try:
+            self.pool.reserve(s, n_new)
+        except ServiceError:
+            if cursor.expected_length == 0:  # do not keep an empty session the call just created
+                self.pool.release(s.id)
+            raise
         return s
 
     def forward(self, s: Session, token_ids: list[int], num_logits: int) -> torch.Tensor:

@@ -88,6 +88,8 @@ class Stack:
     servers: list = field(default_factory=list)
     draft_address: str = ""
     target_address: str = ""
+    servicers_draft: object = None
+    servicers_target: object = None
 
     def stub(self):
         channel = grpc.insecure_channel(self.address)
@@ -127,18 +129,18 @@ def make_stack(lt: _Loop, tokenizer, draft_model, target_model, *, draft_service
         tcfg = ModelServerConfig(role="target", model="test-target", port=0, metrics_port=0, **(target_cfg or {}))
         draft = ModelServer(dcfg, draft_model, tokenizer)
         target = ModelServer(tcfg, target_model, tokenizer)
+        d_servicer = (draft_servicer or DraftServicer)(draft)
+        t_servicer = (target_servicer or TargetServicer)(target)
         d_srv, d_port, *_ = await start_model_server(
-            draft, [(draft_pb2_grpc.add_DraftServiceServicer_to_server, (draft_servicer or DraftServicer)(draft), DRAFT_NAME)],
-            "127.0.0.1", 0)
+            draft, [(draft_pb2_grpc.add_DraftServiceServicer_to_server, d_servicer, DRAFT_NAME)], "127.0.0.1", 0)
         t_srv, t_port, *_ = await start_model_server(
-            target, [(target_pb2_grpc.add_TargetServiceServicer_to_server, (target_servicer or TargetServicer)(target), TARGET_NAME)],
-            "127.0.0.1", 0)
+            target, [(target_pb2_grpc.add_TargetServiceServicer_to_server, t_servicer, TARGET_NAME)], "127.0.0.1", 0)
         ocfg = OrchestratorConfig(host="127.0.0.1", port=0, metrics_port=0, draft_address=f"127.0.0.1:{d_port}",
                                   target_address=f"127.0.0.1:{t_port}", **(orch_cfg or {}))
         registry = CollectorRegistry()
         o_srv, o_port, _, servicer = await start_orchestrator(ocfg, registry, tokenizer)
         return Stack(lt, draft, target, f"127.0.0.1:{o_port}", registry, servicer, [o_srv, d_srv, t_srv],
-                     f"127.0.0.1:{d_port}", f"127.0.0.1:{t_port}")
+                     f"127.0.0.1:{d_port}", f"127.0.0.1:{t_port}", d_servicer, t_servicer)
 
     return lt.run(start())
 

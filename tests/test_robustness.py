@@ -1,0 +1,260 @@
+"""Bad input gets a precise status; lost sessions and servers cost no request; nothing leaks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from conftest import make_stack, stop_stack
+from draft_service.servicer import DraftServicer
+from specdec.config import ConfigError, OrchestratorConfig
+from specdec.v1 import draft_pb2, draft_pb2_grpc, model_server_pb2 as ms, target_pb2, target_pb2_grpc
+from specdec.v1 import generation_pb2 as gen_pb
+from target_service.servicer import TargetServicer
+
+CHAT = [("user", "Tell me a long story about a cat who sails around the world.")]
+
+
+def code_of(stack, **fields):
+    with pytest.raises(grpc.RpcError) as err:
+        stack.generate(**fields)
+    return err.value.code(), err.value.details()
+
+
+@pytest.mark.parametrize("fields,code", [
+    (dict(prompt="hi", messages=[("user", "hi")]), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt="hi", temperature=-0.5), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt="hi", top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt="hi", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt="hi", top_k=-1), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt="hi", num_speculative_tokens=9), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt="hi", num_speculative_tokens=-1), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt="hi", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt="hi", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(messages=[("", "no role")]), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt="hi", max_tokens=9000), grpc.StatusCode.OUT_OF_RANGE),
+    (dict(prompt="word " * 9000), grpc.StatusCode.OUT_OF_RANGE),
+    (dict(prompt="x" * (2 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED),
+])
+def test_bad_request_gets_precise_status_and_server_keeps_serving(tiny_stack, fields, code):
+    got, details = code_of(tiny_stack, **fields)
+    assert got == code, details
+    assert details  # says what to fix
+    ids, _, stats = tiny_stack.generate(prompt="Hello", max_tokens=3, temperature=0.0)
+    assert len(ids) == stats.completion_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def small_server(event_loop_thread, tokenizer, tiny_draft):
+    """A draft and target with tight limits, to hit the pool's errors directly."""
+    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, tiny_draft,
+                       draft_cfg=dict(max_sessions=2, max_tokens=64, max_model_len=48, max_draft_tokens=8),
+                       target_cfg=dict(max_sessions=2, max_tokens=64, max_model_len=48, max_draft_tokens=8))
+    yield stack
+    stop_stack(stack)
+
+
+def test_model_server_session_errors(small_server):
+    draft = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(small_server.draft_address))
+    target = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(small_server.target_address))
+    greedy = ms.SamplingParams(temperature=0.0, top_p=1.0)
+
+    def propose(sid, expected, keep, tokens, k=2):
+        return draft.ProposeTokens(draft_pb2.ProposeTokensRequest(
+            cursor=ms.SessionCursor(session_id=sid, expected_length=expected, keep_length=keep, tokens=tokens),
+            num_tokens=k, sampling=greedy))
+
+    def status(fn):
+        with pytest.raises(grpc.RpcError) as err:
+            fn()
+        return err.value.code()
+
+    assert status(lambda: propose("nobody", 5, 5, [1])) == grpc.StatusCode.NOT_FOUND
+    r = propose("a", 0, 0, [1, 2, 3])
+    assert r.length == 3 + 2 - 1 and len(r.token_ids) == 2
+    assert status(lambda: propose("a", 3, 3, [4])) == grpc.StatusCode.FAILED_PRECONDITION  # it holds 4
+    assert status(lambda: propose("a", 4, 4, [4], k=9)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert status(lambda: propose("a", 4, 5, [4])) == grpc.StatusCode.INVALID_ARGUMENT  # keep > expected
+    assert status(lambda: propose("a", 4, 4, [10 ** 6])) == grpc.StatusCode.INVALID_ARGUMENT  # not a token id
+    assert status(lambda: propose("a", 4, 4, list(range(60)))) == grpc.StatusCode.OUT_OF_RANGE  # past max_model_len
+    assert propose("a", 4, 3, [7]).length == 3 + 1 + 1  # rolled back to 3, then appended
+    propose("b", 0, 0, [1])
+    assert status(lambda: propose("c", 0, 0, [1])) == grpc.StatusCode.RESOURCE_EXHAUSTED  # 2 sessions max
+    assert draft.Truncate(ms.TruncateRequest(session_id="a", expected_length=5, length=2)).length == 2
+    assert status(lambda: draft.Truncate(ms.TruncateRequest(session_id="a", expected_length=5, length=1))) == \
+        grpc.StatusCode.FAILED_PRECONDITION
+    assert draft.ReleaseSession(ms.ReleaseSessionRequest(session_id="b")).released
+    assert propose("a", 2, 2, list(range(20, 45))).length == 28
+    assert status(lambda: propose("c", 0, 0, list(range(1, 41)))) == grpc.StatusCode.RESOURCE_EXHAUSTED  # 28 + 41 > 64
+    assert small_server.pool_sizes()[0] == 1  # the refused call left no session behind
+    assert status(lambda: target.Verify(target_pb2.VerifyRequest(
+        cursor=ms.SessionCursor(session_id="t", expected_length=0, keep_length=0, tokens=[]),
+        sampling=greedy))) == grpc.StatusCode.INVALID_ARGUMENT
+    for sid in ("a", "c"):
+        draft.ReleaseSession(ms.ReleaseSessionRequest(session_id=sid))
+    assert small_server.pool_sizes() == (0, 0)
+
+
+def test_finished_and_cancelled_requests_free_both_pools(tiny_stack):
+    tiny_stack.generate(messages=CHAT, max_tokens=8, temperature=0.0)
+    assert _pools_drain(tiny_stack)
+    call = tiny_stack.stub().Generate(gen_pb.GenerateRequest(prompt="Once upon a time", max_tokens=500, temperature=0.0,
+                                                             num_speculative_tokens=2))
+    next(call), next(call)
+    assert tiny_stack.pool_sizes() != (0, 0)
+    call.cancel()
+    assert _pools_drain(tiny_stack)
+
+
+def _pools_drain(stack, timeout_s=10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if stack.pool_sizes() == (0, 0):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+class _Recorder:
+    """Evicts the session every `every` calls, and records what the session held at each round."""
+
+    every = 3
+
+    def _before(self, sid):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls % self.every == 0:
+            self.core.pool.release(sid)  # on the loop thread: the model thread is idle between calls
+
+    def _record(self, sid, n_spec):
+        s = self.core.pool._sessions.get(sid)
+        if s is not None:
+            self.snapshots = getattr(self, "snapshots", []) + [list(s.tokens[: len(s.tokens) - n_spec])]
+
+
+class EvictingDraft(_Recorder, DraftServicer):
+    every = 2
+
+    async def ProposeTokens(self, request, context):
+        self._before(request.cursor.session_id)
+        resp = await super().ProposeTokens(request, context)
+        self._record(request.cursor.session_id, len(resp.token_ids) - 1)
+        return resp
+
+
+class EvictingTarget(_Recorder, TargetServicer):
+    async def Verify(self, request, context):
+        self._before(request.cursor.session_id)
+        resp = await super().Verify(request, context)
+        self._record(request.cursor.session_id, len(request.draft_tokens))
+        return resp
+
+
+@pytest.fixture(scope="module")
+def evicting_stack(event_loop_thread, tokenizer, partial_draft, target_model):
+    stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model,
+                       draft_servicer=EvictingDraft, target_servicer=EvictingTarget)
+    yield stack
+    stop_stack(stack)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=99)])
+def test_evicted_sessions_are_rebuilt_and_output_is_unchanged(partial_stack, evicting_stack, tokenizer, sampling):
+    kw = dict(messages=CHAT, max_tokens=40, num_speculative_tokens=4, **sampling)
+    expected, _, _ = partial_stack.generate(**kw)
+    got, _, stats = evicting_stack.generate(**kw)
+    assert got == expected
+    assert evicting_stack.metric("specdec_session_rebuilds_total", {"service": "draft"}) > 0
+    assert evicting_stack.metric("specdec_session_rebuilds_total", {"service": "target"}) > 0
+    # KV rollback: at every round each server held exactly the history so far, rejected drafts gone
+    history = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in CHAT], add_generation_prompt=True,
+                                            return_dict=True)["input_ids"] + got
+    for servicer in (evicting_stack.servicers_draft, evicting_stack.servicers_target):
+        lengths = [len(s) for s in servicer.snapshots]
+        assert all(s == history[: len(s)] for s in servicer.snapshots)
+        assert lengths == sorted(lengths) and lengths[-1] >= len(history) - 5
+        servicer.snapshots = []
+    assert _pools_drain(evicting_stack)
+
+
+def test_restarted_target_and_dead_draft_cost_no_request(event_loop_thread, tokenizer, tiny_draft, target_model, tiny_stack):
+    from specdec.model_server import ModelServer, start_model_server
+    from target_service.app import services
+
+    kw = dict(messages=CHAT, max_tokens=30, temperature=0.0, num_speculative_tokens=2)
+    expected, _, _ = tiny_stack.generate(**kw)
+    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model)
+    try:
+        port = int(stack.target_address.rsplit(":", 1)[1])
+        draft_srv, target_srv = stack.servers[1], stack.servers[2]
+
+        async def restart_target():
+            await target_srv.stop(0)
+            core = ModelServer(stack.target.cfg, target_model, tokenizer)  # a fresh server: no sessions
+            server, *_ = await start_model_server(core, services(core), "127.0.0.1", port)
+            stack.servers[2] = server  # keep a reference: a collected server stops
+
+        async def kill_draft():
+            await draft_srv.stop(0)
+
+        call = stack.stub().Generate(gen_pb.GenerateRequest(
+            messages=[gen_pb.ChatMessage(role=r, content=c) for r, c in CHAT], max_tokens=30, temperature=0.0,
+            num_speculative_tokens=2))
+        ids = list(next(call).token_ids)
+        event_loop_thread.run(restart_target())
+        ids += list(next(call).token_ids)
+        event_loop_thread.run(kill_draft())
+        for msg in call:
+            ids += msg.token_ids
+        assert ids == expected
+        assert stack.metric("specdec_session_rebuilds_total", {"service": "target"}) >= 1
+        assert stack.metric("specdec_draft_fallback_rounds_total") >= 1
+    finally:
+        stop_stack(stack)
+
+
+def test_stop_string_ends_generation_and_is_not_returned(tiny_stack):
+    ids, text, _ = tiny_stack.generate(messages=CHAT, max_tokens=40, temperature=0.0)
+    words = text.split()
+    stop = " " + words[5]
+    cut = text.index(stop)
+    ids2, text2, stats = tiny_stack.generate(messages=CHAT, max_tokens=40, temperature=0.0, stop=[stop, "@@never@@"])
+    assert stats.finish_reason == gen_pb.FINISH_REASON_STOP_SEQUENCE
+    assert text2 == text[:cut]
+    assert ids2 == ids[: len(ids2)] and len(ids2) < len(ids)
+    assert _pools_drain(tiny_stack)
+
+
+def test_metrics_move_with_the_stats(partial_stack):
+    names = ["specdec_generated_tokens_total", "specdec_draft_tokens_total", "specdec_accepted_tokens_total",
+             "specdec_rounds_total", "specdec_rejected_rounds_total"]
+    before = {n: partial_stack.metric(n) for n in names}
+    _, _, stats = partial_stack.generate(messages=CHAT, max_tokens=24, temperature=0.7, seed=5)
+    delta = {n: partial_stack.metric(n) - before[n] for n in names}
+    assert delta["specdec_generated_tokens_total"] == stats.completion_tokens
+    assert delta["specdec_draft_tokens_total"] == stats.draft_tokens
+    assert delta["specdec_accepted_tokens_total"] == stats.accepted_tokens <= stats.draft_tokens
+    assert delta["specdec_rounds_total"] == stats.rounds
+    assert delta["specdec_rejected_rounds_total"] == stats.rejected_rounds
+    per_pos = sum(partial_stack.metric("specdec_accepted_tokens_per_position_total", {"position": str(i)}) for i in range(1, 9))
+    assert per_pos == partial_stack.metric("specdec_accepted_tokens_total")
+    assert abs(stats.acceptance_rate - stats.accepted_tokens / stats.draft_tokens) < 1e-6
+    assert partial_stack.metric("specdec_wire_bytes_per_round_count") >= stats.rounds
+    assert partial_stack.metric("specdec_active_requests") == 0
+
+
+def test_draft_with_another_tokenizer_is_refused():
+    from orchestrator.app import check_compatible
+
+    class Tok:
+        def get_vocab(self):
+            return {"a": 0}
+
+    target = ms.ModelInfo(model="t", vocab_size=100, tokenizer_fingerprint="aaa", max_draft_tokens=16)
+    draft = ms.ModelInfo(model="d", vocab_size=100, tokenizer_fingerprint="bbb", max_draft_tokens=16)
+    with pytest.raises(ConfigError, match="do not share a tokenizer"):
+        check_compatible(OrchestratorConfig(), Tok(), draft, target)
