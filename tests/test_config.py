@@ -1,0 +1,36 @@
+"""Configuration: flags over environment over defaults, validated with a clear error."""
+
+import argparse
+
+import pytest
+
+from specdec.config import ConfigError, ModelServerConfig, OrchestratorConfig, add_arguments, from_args
+
+
+def parse(cls, argv, role=None):
+    p = argparse.ArgumentParser()
+    add_arguments(p, cls)
+    return from_args(cls, p.parse_args(argv), role=role)
+
+
+def test_flag_beats_environment_beats_default(monkeypatch):
+    monkeypatch.setenv("SPECDEC_TARGET_MAX_SESSIONS", "7")
+    assert parse(ModelServerConfig, [], role="target").max_sessions == 7
+    assert parse(ModelServerConfig, ["--max-sessions", "3"], role="target").max_sessions == 3
+    assert parse(ModelServerConfig, [], role="draft").max_sessions == 16
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--port", "70000"], "outside"),
+    (["--num-speculative-tokens", "9"], "num-speculative-tokens"),
+    (["--top-p", "0"], "top-p"),
+])
+def test_bad_orchestrator_settings_are_refused(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse(OrchestratorConfig, argv)
+
+
+def test_bad_environment_value_is_named(monkeypatch):
+    monkeypatch.setenv("SPECDEC_ORCHESTRATOR_PORT", "fifty")
+    with pytest.raises(ConfigError, match="SPECDEC_ORCHESTRATOR_PORT"):
+        parse(OrchestratorConfig, [])
