@@ -1,0 +1,81 @@
+"""Side-by-side speedup of speculative decoding against the target alone, on a running orchestrator.
+
+    python -m bench.compare [--address localhost:50051] [--k 4] [--reps 3] [--temperature 0]
+
+Each prompt runs with K = 0 (the target alone, same path) and with K, alternating
+so that machine drift cancels; the speedup is the ratio of tokens/s within each
+pair, reported as median and spread. A seed makes sampled runs comparable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import grpc
+
+from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
+
+PROMPTS = [
+    "Explain in a few sentences why the sky is blue.",
+    "Write a short story about a robot who learns to paint.",
+    "List five tips for learning a new language, one sentence each.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Summarize the water cycle for a ten year old.",
+    "What is 17 times 23? Show your working.",
+]
+
+
+def run(stub, prompt: str, k: int, args) -> pb.GenerationStats:
+    req = pb.GenerateRequest(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                             seed=args.seed, num_speculative_tokens=k)
+    req.messages.add(role="user", content=prompt)
+    stats = None
+    for msg in stub.Generate(req, timeout=600):
+        if msg.HasField("stats"):
+            stats = msg.stats
+    return stats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--address", default="localhost:50051")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(args.address))
+    run(stub, "Hello", args.k, args)  # warm-up
+    ratios, acc, drafted, rejected, rounds, emitted = [], 0, 0, 0, 0, 0
+    for rep in range(args.reps):
+        for i, prompt in enumerate(PROMPTS):
+            order = (0, args.k) if (rep + i) % 2 == 0 else (args.k, 0)
+            rate = {}
+            for k in order:
+                t = time.perf_counter()
+                s = run(stub, prompt, k, args)
+                rate[k] = s.completion_tokens / (time.perf_counter() - t)
+                if k:
+                    acc, drafted, rejected = acc + s.accepted_tokens, drafted + s.draft_tokens, rejected + s.rejected_rounds
+                    rounds, emitted = rounds + s.rounds, emitted + s.mean_tokens_per_round * s.rounds
+            ratios.append(rate[args.k] / rate[0])
+    q = statistics.quantiles(ratios, n=4)
+    report = {
+        "k": args.k, "temperature": args.temperature, "top_p": args.top_p, "pairs": len(ratios),
+        "speedup_median": statistics.median(ratios), "speedup_p25": q[0], "speedup_p75": q[2],
+        "acceptance_rate": acc / drafted if drafted else 0.0,
+        "alpha": acc / (acc + rejected) if acc + rejected else 0.0,
+        "tokens_per_round": emitted / rounds if rounds else 0.0,
+        "machine": f"{platform.machine()} {platform.processor() or ''} {__import__('os').cpu_count()} cpus".strip(),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
