@@ -258,3 +258,19 @@ def test_draft_with_another_tokenizer_is_refused():
     draft = ms.ModelInfo(model="d", vocab_size=100, tokenizer_fingerprint="bbb", max_draft_tokens=16)
     with pytest.raises(ConfigError, match="do not share a tokenizer"):
         check_compatible(OrchestratorConfig(), Tok(), draft, target)
+
+
+def test_every_server_serves_health_and_reflection(tiny_stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    expected = {tiny_stack.address: "specdec.v1.Generation", tiny_stack.draft_address: "specdec.v1.DraftService",
+                tiny_stack.target_address: "specdec.v1.TargetService"}
+    for address, service in expected.items():
+        channel = grpc.insecure_channel(address)
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service)).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        reply = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {service, "grpc.health.v1.Health"} <= names
