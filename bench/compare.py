@@ -15,7 +15,10 @@ import platform
 import statistics
 import time
 
+import urllib.request
+
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 
@@ -40,6 +43,27 @@ def run(stub, prompt: str, k: int, args) -> pb.GenerationStats:
     return stats
 
 
+def scrape(url: str) -> dict:
+    """Sums and counts of the per-round histograms, keyed by (sample name, phase label)."""
+    out = {}
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.endswith(("_sum", "_count")) and ("per_round" in s.name or "phase" in s.name):
+                out[(s.name, s.labels.get("phase", ""))] = s.value
+    return out
+
+
+def per_round(before: dict, after: dict) -> dict:
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    rounds = d.get(("specdec_wire_bytes_per_round_count", ""), 0.0) or 1.0
+    res = {"wire_bytes_per_round_mean": d.get(("specdec_wire_bytes_per_round_sum", ""), 0.0) / rounds,
+           "rpcs_per_round_mean": d.get(("specdec_rpcs_per_round_sum", ""), 0.0) / rounds}
+    for phase in ("draft", "verify", "accept", "rpc"):
+        res[f"{phase}_ms_per_round_mean"] = 1000 * d.get(("specdec_round_phase_seconds_sum", phase), 0.0) / rounds
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--address", default="localhost:50051")
@@ -49,9 +73,12 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--metrics-url", default="http://localhost:8001/metrics",
+                    help="the orchestrator's metrics, scraped for bytes, RPCs and phase times per round ('' skips)")
     args = ap.parse_args()
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(args.address))
     run(stub, "Hello", args.k, args)  # warm-up
+    before = scrape(args.metrics_url) if args.metrics_url else None
     ratios, acc, drafted, rejected, rounds, emitted = [], 0, 0, 0, 0, 0
     for rep in range(args.reps):
         for i, prompt in enumerate(PROMPTS):
@@ -65,6 +92,7 @@ def main() -> None:
                     acc, drafted, rejected = acc + s.accepted_tokens, drafted + s.draft_tokens, rejected + s.rejected_rounds
                     rounds, emitted = rounds + s.rounds, emitted + s.mean_tokens_per_round * s.rounds
             ratios.append(rate[args.k] / rate[0])
+    wire = per_round(before, scrape(args.metrics_url)) if before is not None else {}  # K = 0 rounds included
     q = statistics.quantiles(ratios, n=4)
     report = {
         "k": args.k, "temperature": args.temperature, "top_p": args.top_p, "pairs": len(ratios),
@@ -72,6 +100,7 @@ def main() -> None:
         "acceptance_rate": acc / drafted if drafted else 0.0,
         "alpha": acc / (acc + rejected) if acc + rejected else 0.0,
         "tokens_per_round": emitted / rounds if rounds else 0.0,
+        **wire,
         "machine": f"{platform.machine()} {platform.processor() or ''} {__import__('os').cpu_count()} cpus".strip(),
     }
     print(json.dumps(report, indent=2))

@@ -128,20 +128,24 @@ def _generate(args) -> int:
     return 0
 
 
-def _health(args) -> int:
+def health_status(address: str, service: str = "", timeout: float = 3.0) -> str:
+    """SERVING, NOT_SERVING... or the gRPC status code's name when the server does not answer."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        with grpc.insecure_channel(args.address) as channel:
-            resp = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        with grpc.insecure_channel(address) as channel:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                             timeout=timeout)
     except grpc.RpcError as e:
-        print(f"{args.address}: {e.code().name}", file=sys.stderr)
-        return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-    print(f"{args.address}: {status}")
-    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+        return e.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def _health(args) -> int:
+    status = health_status(args.address, args.service, args.timeout)
+    print(f"{args.address}: {status}", file=sys.stdout if status == "SERVING" else sys.stderr)
+    return 0 if status == "SERVING" else 1
 
 
 def parser() -> argparse.ArgumentParser:

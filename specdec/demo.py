@@ -11,13 +11,13 @@ PROMPT = "Explain in a few sentences why the sky is blue."
 
 
 def _wait_serving(address: str, timeout_s: float, up: subprocess.Popen) -> bool:
-    from specdec.cli import main
+    from specdec.cli import health_status
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if up.poll() is not None:
             return False
-        if main(["health", address, "--timeout", "1"]) == 0:
+        if health_status(address, timeout=1) == "SERVING":
             return True
         time.sleep(1)
     return False
