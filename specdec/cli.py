@@ -20,7 +20,7 @@ import time
 from specdec.config import DEFAULT_DRAFT, ConfigError, ModelServerConfig, OrchestratorConfig, add_arguments, from_args
 
 ROLE_DEFAULTS = {
-    "draft": {"port": 50052, "metrics_port": 8002, "model": DEFAULT_DRAFT},
+    "draft": {"port": 50052, "metrics_port": 8002, "model": DEFAULT_DRAFT, "runner": "auto"},
     "target": {"port": 50053, "metrics_port": 8003},
 }
 

@@ -32,6 +32,8 @@ class ModelServerConfig:
     model: str = field(default=DEFAULT_TARGET, metadata={"help": "hub id, local folder or embedded:NAME"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device: cpu, cuda, cuda:1..."})
+    runner: str = field(default="hf", metadata={"help": "forward pass: hf (stock transformers), lean (Llama, "
+                                                        "less per-call overhead) or auto"})
     host: str = field(default="0.0.0.0", metadata={"help": "address to bind"})
     port: int = field(default=50053, metadata={"help": "gRPC port (0 picks a free one)"})
     metrics_port: int = field(default=8003, metadata={"help": "Prometheus port (0 disables)"})
@@ -47,6 +49,8 @@ class ModelServerConfig:
     def validate(self) -> None:
         if self.role not in ("draft", "target"):
             raise ConfigError(f"role must be draft or target, not {self.role!r}")
+        if self.runner not in ("hf", "lean", "auto"):
+            raise ConfigError(f"--runner must be hf, lean or auto, not {self.runner!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         _ports(self.port, self.metrics_port)

@@ -19,7 +19,7 @@ from specdec import models
 from specdec.config import ModelServerConfig
 from specdec.errors import ServiceError, invalid
 from specdec.kv_pool import Session, SessionPool
-from specdec.runner import CausalLMRunner
+from specdec.runner import make_runner
 from specdec.sampling import SamplingParams, to_sparse
 from specdec.v1 import model_server_pb2 as pb
 
@@ -54,9 +54,9 @@ class ModelServer:
     def __init__(self, cfg: ModelServerConfig, model, tokenizer, registry: CollectorRegistry | None = None):
         self.cfg = cfg
         self.vocab_size = len(tokenizer)
-        self.runner = CausalLMRunner(model, self.vocab_size)
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(cfg.max_model_len or limit, limit)
+        self.runner = make_runner(model, self.vocab_size, self.max_model_len, cfg.runner)
         self.pool = SessionPool(self.runner.new_cache, self.runner.crop, max_sessions=cfg.max_sessions,
                                 max_tokens=cfg.max_tokens, max_model_len=self.max_model_len,
                                 idle_ttl_s=cfg.idle_ttl_s)

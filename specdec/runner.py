@@ -15,6 +15,11 @@ class CausalLMRunner:
         self.model = model
         self.vocab_size = vocab_size
         self.device = next(model.parameters()).device
+        kept = output_token_ids(model)
+        self._outside = None
+        if kept is not None:  # a draft that scores only these tokens: everything else gets probability 0
+            self._outside = torch.ones(vocab_size, dtype=torch.bool)
+            self._outside[kept] = False
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -32,4 +37,22 @@ class CausalLMRunner:
         """Append token_ids to the cache; logits of the last num_logits positions: [num_logits, vocab] float32."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=num_logits)
-        return out.logits[0, :, : self.vocab_size].float().cpu()  # [num_logits, vocab]
+        logits = out.logits[0, :, : self.vocab_size].float().cpu()  # [num_logits, vocab]
+        if self._outside is not None:
+            logits.masked_fill_(self._outside, float("-inf"))
+        return logits
+
+
+def output_token_ids(model) -> torch.Tensor | None:
+    """The tokens a restricted-vocabulary draft scores (config ``specdec_output_token_ids``), or None."""
+    kept = getattr(model.config, "specdec_output_token_ids", None)
+    return None if kept is None else torch.tensor(sorted(kept), dtype=torch.long)
+
+
+def make_runner(model, vocab_size: int, max_len: int, kind: str = "auto"):
+    """kind: hf (the stock transformers forward), lean (Llama only), auto (lean for Llama, else hf)."""
+    if kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama"):
+        from specdec.lean_llama import LeanLlamaRunner
+
+        return LeanLlamaRunner(model, vocab_size, max_len)
+    return CausalLMRunner(model, vocab_size)

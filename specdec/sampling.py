@@ -64,13 +64,26 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # [n, 1]
         x = x.masked_fill(x < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)  # [n, vocab]
-        sorted_p = torch.softmax(sorted_x, dim=-1)
-        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        drop_sorted = mass_before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
+        x = x.masked_fill(~_nucleus(torch.softmax(x, dim=-1), top_p), float("-inf"))
     return torch.softmax(x, dim=-1)
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask of the smallest set of most likely tokens whose mass reaches top_p. probs: [n, vocab] -> bool [n, vocab].
+
+    Sorting the whole vocabulary costs milliseconds a row; the nucleus is usually
+    small, so look at the top 64, then 256... until every row's mass is reached.
+    """
+    vocab = probs.shape[-1]
+    k = min(64, vocab)
+    while True:
+        top, idx = torch.topk(probs, k, dim=-1)  # [n, k], descending
+        cum = torch.cumsum(top, dim=-1)
+        if k == vocab or bool((cum[..., -1] >= top_p).all()):
+            break
+        k = min(4 * k, vocab)
+    keep_sorted = (cum - top) < top_p  # mass before the token not yet reached
+    return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, idx, keep_sorted)
 
 
 def sample_dense(probs: torch.Tensor, u: float) -> int:

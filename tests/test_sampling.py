@@ -52,3 +52,17 @@ def test_to_sparse_refuses_support_over_the_limit():
     assert to_sparse(torch.full((10,), 0.1), 9) is None
     ids, _ = to_sparse(torch.full((10,), 0.1), 10)
     assert ids.tolist() == list(range(10))
+
+
+def test_nucleus_matches_a_full_sort_for_peaky_and_flat_rows():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.cat([torch.randn(3, 5000, generator=g) * 8, torch.randn(3, 5000, generator=g) * 0.1])  # peaky, flat
+    for top_p in (0.5, 0.9, 0.99):
+        fast = logits_to_probs(logits, 0.7, top_p=top_p)
+        x = logits / 0.7
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sp = torch.softmax(sorted_x, dim=-1)
+        drop = torch.zeros_like(sp, dtype=torch.bool).scatter(-1, order, (torch.cumsum(sp, -1) - sp) >= top_p)
+        slow = torch.softmax(x.masked_fill(drop, float("-inf")), dim=-1)
+        assert torch.equal(fast > 0, slow > 0)
+        torch.testing.assert_close(fast, slow)

@@ -1,0 +1,122 @@
+"""A lean forward pass for Llama-architecture models at batch 1.
+
+The stock transformers forward spends milliseconds per call on Python
+bookkeeping, which for a small draft costs more than its arithmetic. This
+runner takes the weights of any ``LlamaForCausalLM`` (fused QKV and gate/up
+projections, the model's own rotary tables, so rope scaling is honoured) and
+keeps a growable KV cache per session. Logits match the stock forward to float
+rounding; the draft service uses it for Llama drafts (``--runner auto``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class LeanCache:
+    """Keys and values of one session: [layers, kv_heads, capacity, head_dim], grown by doubling."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, capacity: int = 256):
+        self.k = torch.empty(layers, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    def reserve(self, n: int) -> None:
+        need = self.length + n
+        if need > self.k.shape[2]:
+            cap = max(need, 2 * self.k.shape[2])
+            grow = lambda t: torch.cat([t, t.new_empty(t.shape[0], t.shape[1], cap - t.shape[2], t.shape[3])], dim=2)
+            self.k, self.v = grow(self.k), grow(self.v)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class LeanLlamaRunner:
+    """Same interface as CausalLMRunner: new_cache, crop, forward."""
+
+    def __init__(self, model, vocab_size: int, max_len: int):
+        cfg = model.config
+        if getattr(cfg, "model_type", "") != "llama":
+            raise ValueError(f"the lean runner handles Llama models, not {cfg.model_type!r}")
+        self.vocab_size = vocab_size
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        m = model.model
+        self.embed = m.embed_tokens.weight.detach()  # [vocab, hidden]
+        self.layers = []
+        for layer in m.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.layers.append((
+                layer.input_layernorm.weight.detach(),
+                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),  # [(h + 2 kv) * d, hidden]
+                a.o_proj.weight.detach(),
+                layer.post_attention_layernorm.weight.detach(),
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),  # [2 * inter, hidden]
+                mlp.down_proj.weight.detach(),
+            ))
+        self.norm = m.norm.weight.detach()
+        from specdec.runner import output_token_ids
+
+        self.kept = output_token_ids(model)  # [kept] or None: score only these rows
+        head = model.get_output_embeddings().weight.detach()[:vocab_size]  # [vocab, hidden]
+        self.lm_head = head if self.kept is None else head[self.kept].contiguous()  # [vocab or kept, hidden]
+        positions = torch.arange(max_len, device=self.device)[None]
+        probe = torch.zeros(1, 1, cfg.hidden_size, dtype=self.dtype, device=self.device)
+        cos, sin = m.rotary_emb(probe, positions)  # [1, max_len, head_dim]
+        self.cos, self.sin = cos[0], sin[0]
+        self.max_len = max_len
+
+    def new_cache(self) -> LeanCache:
+        return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device)
+
+    @staticmethod
+    def crop(cache: LeanCache, length: int) -> None:
+        cache.length = min(cache.length, length)
+
+    def _rms(self, x, w):
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+    def _rope(self, x, cos, sin):  # x: [heads, n, d]; cos/sin: [n, d]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, cache: LeanCache, token_ids: list[int], num_logits: int) -> torch.Tensor:
+        """Append token_ids; logits of the last num_logits positions: [num_logits, vocab] float32."""
+        n, start = len(token_ids), cache.length
+        if start + n > self.max_len:
+            raise ValueError(f"sequence of {start + n} tokens exceeds {self.max_len}")
+        cache.reserve(n)
+        h, kv, d = self.n_heads, self.n_kv, self.head_dim
+        x = self.embed[torch.tensor(token_ids, device=self.device)]  # [n, hidden]
+        cos, sin = self.cos[start:start + n], self.sin[start:start + n]
+        end = start + n
+        mask = None
+        if n > 1:  # causal within the new tokens, everything before them visible
+            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
+        for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(self.layers):
+            qkv = F.linear(self._rms(x, ln1), wqkv)  # [n, (h + 2 kv) * d]
+            q = qkv[:, : h * d].view(n, h, d).transpose(0, 1)  # [h, n, d]
+            k = qkv[:, h * d:(h + kv) * d].view(n, kv, d).transpose(0, 1)  # [kv, n, d]
+            v = qkv[:, (h + kv) * d:].view(n, kv, d).transpose(0, 1)
+            cache.k[i, :, start:end] = self._rope(k, cos, sin)
+            cache.v[i, :, start:end] = v
+            att = F.scaled_dot_product_attention(self._rope(q, cos, sin)[None], cache.k[i, :, :end][None],
+                                                 cache.v[i, :, :end][None], attn_mask=mask, enable_gqa=True)
+            x = x + F.linear(att[0].transpose(0, 1).reshape(n, h * d), wo)
+            gate, up = F.linear(self._rms(x, ln2), wgu).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, wd)
+        cache.length = end
+        x = self._rms(x[n - num_logits:], self.norm)
+        logits = F.linear(x, self.lm_head).float()  # [num_logits, vocab or kept]
+        if self.kept is None:
+            return logits
+        full = torch.full((num_logits, self.vocab_size), float("-inf"), device=logits.device)
+        return full.index_copy_(1, self.kept.to(logits.device), logits)  # [num_logits, vocab]

@@ -1,0 +1,1 @@
+"""Distilling the embedded draft from the embedded target (issue 3)."""

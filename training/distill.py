@@ -1,0 +1,101 @@
+"""Distil a small draft from the embedded target, end to end and reproducibly.
+
+    python -m training.distill [--gen-minutes 30] [--train-minutes 40] [--out models/smollm2-draft]
+
+Stages (each cached under ~/.cache/specdec/distill, so a rerun resumes):
+1. data: the target answers generated instruction prompts (60% greedy, 40% at
+   T = 0.7, top_p 0.9) with a batched bf16 forward; its top-20 log-probs at every
+   generated position are kept as soft labels.
+2. train: a small Llama with the target's tokenizer, its embedding initialised
+   from a PCA of the target's, learns the target's soft labels (KL on the top-20,
+   renormalised) plus a little hard-label loss; its output layer covers only the
+   most frequent tokens of the target's answers (q = 0 elsewhere: sampling stays exact).
+3. eval: agreement on held-out prompts (subjects and code tasks the training never saw).
+4. save: safetensors (bf16) and config in --out, loadable with from_pretrained.
+Fixed seeds throughout; uses CUDA when available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from specdec import models
+from specdec.lean_llama import LeanLlamaRunner
+from training import batched
+from training.prompts import make_prompts
+
+SEED = 20261121
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def work_dir() -> Path:
+    d = models.cache_dir() / "distill"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def stage_data(args, tokenizer) -> Path:
+    key = hashlib.sha256(json.dumps([args.num_prompts, args.max_new, SEED]).encode()).hexdigest()[:10]
+    path = work_dir() / f"data-{key}.pt"
+    if path.exists():
+        log(f"data: cached {path}")
+        return path
+    target = models.load_model(models.DEFAULT_TARGET, dtype="bfloat16")
+    runner = LeanLlamaRunner(target, len(tokenizer), 4096)
+    conversations = make_prompts(args.num_prompts, SEED)
+    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True)["input_ids"]
+               for m in conversations]
+    eos = set(models.eos_token_ids(target, tokenizer))
+    deadline = time.monotonic() + 60 * args.gen_minutes
+    n_greedy = int(0.6 * len(prompts))
+    records = []
+    for mode, (lo, hi), temperature in (("greedy", (0, n_greedy), 0.0), ("sampled", (n_greedy, len(prompts)), 0.7)):
+        # each mode gets its share of the time budget
+        share = deadline if mode == "sampled" else time.monotonic() + 0.6 * (deadline - time.monotonic())
+        log(f"data: {mode} answers for {hi - lo} prompts")
+        got = batched.generate_all(runner, prompts[lo:hi], args.max_new, temperature, 0.9, eos, SEED + lo,
+                                   args.batch_size, deadline=share, log=log)
+        for i, (ids, top_i, top_v) in got.items():
+            records.append({"prompt": prompts[lo + i], "completion": ids, "top_ids": top_i, "top_logp": top_v,
+                            "mode": mode})
+    torch.save(records, path)
+    log(f"data: {len(records)} answers, {sum(len(r['completion']) for r in records)} tokens -> {path}")
+    return path
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", default="all", choices=["data", "train", "all"])
+    ap.add_argument("--num-prompts", type=int, default=4000)
+    ap.add_argument("--max-new", type=int, default=192)
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--gen-minutes", type=float, default=30)
+    ap.add_argument("--train-minutes", type=float, default=40)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "models" / "smollm2-draft"))
+    args = ap.parse_args(argv)
+    torch.manual_seed(SEED)
+    tokenizer = models.load_tokenizer(models.DEFAULT_TARGET)
+    data = stage_data(args, tokenizer)
+    if args.stage == "data":
+        return
+    from training.train import stage_train
+
+    stage_train(args, tokenizer, data)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Evaluate a draft through the real services on held-out prompts (issue 3).
+
+    specdec up &                                   # with the draft to evaluate
+    python -m training.evaluate [--address localhost:50051] [--prompts 40]
+
+Reports, at K = 4 for T = 0 and T = 0.7 (top_p 0.9): alpha = accepted / (accepted +
+rounds ending in a rejection), accepted/drafted, tokens per round tau; c = one
+draft step / one target step measured here with the runners the services use; and
+the speedup (1 - a^(K+1)) / ((1 - a)(Kc + 1)) predicted at the best K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import grpc
+import torch
+
+from specdec import models
+from specdec.runner import make_runner
+from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
+from training.prompts import make_prompts
+
+
+def predicted_speedup(alpha: float, k: int, c: float) -> float:
+    tau = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tau / (k * c + 1)
+
+
+def step_ms(runner, context: int = 200, reps: int = 30) -> float:
+    cache = runner.new_cache()
+    runner.forward(cache, list(range(1000, 1000 + context)), 1)
+    times = []
+    for i in range(reps):
+        t = time.perf_counter()
+        runner.forward(cache, [500 + i], 1)
+        times.append(time.perf_counter() - t)
+        runner.crop(cache, context)
+    return 1000 * statistics.median(times)
+
+
+def measure_c(draft: str, target: str, draft_runner: str, target_runner: str) -> tuple[float, float]:
+    tok = models.load_tokenizer(target)
+    d = make_runner(models.load_model(draft), len(tok), 4096, draft_runner)
+    t = make_runner(models.load_model(target), len(tok), 4096, target_runner)
+    step_ms(d, reps=5), step_ms(t, reps=5)
+    d_ms, t_ms = [], []
+    for _ in range(3):  # interleaved, so drift hits both
+        d_ms.append(step_ms(d))
+        t_ms.append(step_ms(t))
+    return statistics.median(d_ms), statistics.median(t_ms)
+
+
+def run(stub, conversations, k, temperature, top_p, max_tokens, seed):
+    acc = drafted = rejected = rounds = emitted = 0
+    for i, messages in enumerate(conversations):
+        req = pb.GenerateRequest(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + i,
+                                 num_speculative_tokens=k)
+        for m in messages:
+            req.messages.add(role=m["role"], content=m["content"])
+        for msg in stub.Generate(req, timeout=600):
+            if msg.HasField("stats"):
+                s = msg.stats
+                acc, drafted, rejected = acc + s.accepted_tokens, drafted + s.draft_tokens, rejected + s.rejected_rounds
+                rounds, emitted = rounds + s.rounds, emitted + s.mean_tokens_per_round * s.rounds
+    return {"alpha": acc / max(acc + rejected, 1), "accepted_over_drafted": acc / max(drafted, 1),
+            "tau": emitted / max(rounds, 1), "rounds": rounds}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--address", default="localhost:50051")
+    ap.add_argument("--prompts", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--draft", default="models/smollm2-draft", help="the draft the services run, to time c")
+    ap.add_argument("--target", default=models.DEFAULT_TARGET)
+    ap.add_argument("--draft-runner", default="auto")
+    ap.add_argument("--target-runner", default="hf")
+    args = ap.parse_args(argv)
+    conversations = make_prompts(args.prompts, seed=7, held_out=True)
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(args.address))
+    report = {"prompts": len(conversations), "k": args.k}
+    for name, temperature, top_p in (("greedy", 0.0, 1.0), ("t0.7_top_p0.9", 0.7, 0.9)):
+        report[name] = run(stub, conversations, args.k, temperature, top_p, args.max_tokens, seed=1)
+    d_ms, t_ms = measure_c(args.draft, args.target, args.draft_runner, args.target_runner)
+    c = d_ms / t_ms
+    report.update(draft_step_ms=d_ms, target_step_ms=t_ms, c=c)
+    for name in ("greedy", "t0.7_top_p0.9"):
+        a = report[name]["alpha"]
+        best = max(range(1, 9), key=lambda k: predicted_speedup(a, k, c))
+        report[name].update(best_k=best, predicted_speedup_best_k=predicted_speedup(a, best, c),
+                            predicted_speedup_k4=predicted_speedup(a, 4, c))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

@@ -1,0 +1,155 @@
+"""Training, evaluation and saving of the distilled draft (stages 2-4 of training.distill)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdec import models
+from training.distill import SEED, log
+
+ARCH = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64)
+COVERAGE = 0.995  # the output layer keeps the most frequent tokens covering this share of the answers
+MAX_KEPT = 16384
+
+
+def kept_vocabulary(records) -> list[int]:
+    counts = Counter(t for r in records for t in r["completion"])
+    total, run, kept = sum(counts.values()), 0, []
+    for tok, c in counts.most_common():
+        if run / total >= COVERAGE or len(kept) >= MAX_KEPT:
+            break
+        kept.append(tok)
+        run += c
+    return sorted(kept)
+
+
+def build_draft(target, kept: list[int]):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tc = target.config
+    cfg = LlamaConfig(vocab_size=tc.vocab_size, max_position_embeddings=tc.max_position_embeddings,
+                      rope_theta=getattr(tc, "rope_theta", 10000.0), rms_norm_eps=tc.rms_norm_eps,
+                      tie_word_embeddings=True, bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id,
+                      pad_token_id=getattr(tc, "pad_token_id", None), **ARCH)
+    cfg.specdec_output_token_ids = kept
+    torch.manual_seed(SEED)
+    draft = LlamaForCausalLM(cfg)
+    # embedding: the target's, projected on its top principal directions
+    emb = target.get_input_embeddings().weight.detach().float()  # [vocab, 576]
+    centered = emb - emb.mean(0)
+    _, _, v = torch.pca_lowrank(centered, q=ARCH["hidden_size"], center=False, niter=4)
+    proj = centered @ v  # [vocab, hidden]
+    # the standard init scale: the tied output layer starts with small logits
+    draft.get_input_embeddings().weight.data.copy_(proj * (draft.config.initializer_range / proj.std()))
+    return draft
+
+
+def batches(records, batch_tokens: int, rng: random.Random):
+    """Lists of records of similar length, about batch_tokens tokens each, in random order."""
+    order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt"]) + len(records[i]["completion"]))
+    groups, cur, cur_max = [], [], 0
+    for i in order:
+        n = len(records[i]["prompt"]) + len(records[i]["completion"])
+        if cur and max(cur_max, n) * (len(cur) + 1) > batch_tokens:
+            groups.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, n)
+    if cur:
+        groups.append(cur)
+    rng.shuffle(groups)
+    return groups
+
+
+def loss_on(draft, kept_t, slot, recs, hard_weight=0.2):
+    """Soft KL to the target's renormalised top-20 on the kept tokens, plus hard-label CE."""
+    lens = [len(r["prompt"]) + len(r["completion"]) for r in recs]
+    T = max(lens)
+    ids = torch.zeros(len(recs), T, dtype=torch.long)
+    mask = torch.zeros(len(recs), T, dtype=torch.long)
+    for b, r in enumerate(recs):
+        seq = r["prompt"] + r["completion"]
+        ids[b, : len(seq)] = torch.tensor(seq)
+        mask[b, : len(seq)] = 1
+    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, h]
+    rows, top_ids, top_logp, hard = [], [], [], []
+    for b, r in enumerate(recs):
+        p = len(r["prompt"])
+        m = len(r["completion"])
+        rows.append(hidden[b, p - 1: p - 1 + m])  # positions predicting each completion token
+        top_ids.append(r["top_ids"].long())
+        top_logp.append(r["top_logp"].float())
+        hard.append(torch.tensor(r["completion"]))
+    h = torch.cat(rows)  # [N, hidden]
+    logits = h @ draft.get_input_embeddings().weight[kept_t].T  # [N, kept]
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    ti = slot[torch.cat(top_ids)]  # [N, 20] index into kept, -1 outside
+    tp = torch.cat(top_logp).exp() * (ti >= 0)
+    tp = tp / tp.sum(-1, keepdim=True).clamp_min(1e-9)
+    soft = -(tp * logq.gather(1, ti.clamp_min(0))).sum(-1).mean()
+    hs = slot[torch.cat(hard)]
+    hard_loss = F.nll_loss(logq[hs >= 0], hs[hs >= 0])
+    agree = (logits.argmax(-1) == hs).float().mean()
+    return soft + hard_weight * hard_loss, agree
+
+
+def stage_train(args, tokenizer, data_path: Path) -> None:
+    records = torch.load(data_path, weights_only=False)
+    rng = random.Random(SEED)
+    rng.shuffle(records)
+    n_val = max(20, len(records) // 40)
+    val, train = records[:n_val], records[n_val:]
+    kept = kept_vocabulary(train)
+    log(f"train: {len(train)} answers ({sum(len(r['completion']) for r in train)} tokens), "
+        f"output layer keeps {len(kept)} tokens ({COVERAGE:.1%} of answer tokens)")
+    target = models.load_model(models.DEFAULT_TARGET)
+    draft = build_draft(target, kept)
+    del target
+    kept_t = torch.tensor(kept)
+    slot = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
+    slot[kept_t] = torch.arange(len(kept))
+    log(f"train: draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters {ARCH}")
+    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    budget = 60 * args.train_minutes
+    t0, step, epoch = time.monotonic(), 0, 0
+    draft.train()
+    done = False
+    while not done:
+        epoch += 1
+        for group in batches(train, args.batch_tokens, rng):
+            frac = (time.monotonic() - t0) / budget
+            if frac >= 1:
+                done = True
+                break
+            lr = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * frac))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.device == "cpu"):
+                loss, agree = loss_on(draft, kept_t, slot, [train[i] for i in group])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            opt.step()
+            step += 1
+            if step % 50 == 0:
+                draft.eval()
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                    vl, va = zip(*(loss_on(draft, kept_t, slot, val[i:i + 8]) for i in range(0, len(val), 8)))
+                draft.train()
+                log(f"train: step {step} epoch {epoch} {frac:.0%} lr {lr:.2e} loss {loss.item():.3f} "
+                    f"agree {agree.item():.3f} | val loss {sum(vl) / len(vl):.3f} agree {sum(va) / len(va):.3f}")
+    draft.eval()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    draft.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    log(f"saved {out} after {step} steps, {epoch} epochs")
