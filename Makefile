@@ -8,7 +8,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install proto clean
+.PHONY: demo test install system-deps proto clean
 
 $(STAMP): requirements/cpu.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,7 +24,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m specdec.demo
 
-test: $(STAMP)
+# Prometheus (with promtool) and docker-compose for the observability tests: Debian packages,
+# installed when missing and apt-get can run as root; otherwise those tests skip.
+system-deps:
+	@if ! command -v prometheus >/dev/null || ! command -v docker-compose >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus docker-compose >/dev/null) \
+	      || echo "make: could not install prometheus/docker-compose; their tests will skip"; \
+	  else echo "make: prometheus/docker-compose missing (not root); their tests will skip"; fi; \
+	fi
+
+test: $(STAMP) system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 proto: $(STAMP)

@@ -65,6 +65,8 @@ def _up(args) -> int:
         env.setdefault("SPECDEC_TARGET_THREADS", str(args.threads))
     cmd = [sys.executable, "-m", "specdec.cli"]
     children = [subprocess.Popen([*cmd, role], env=env) for role in ("target", "draft", "orchestrator")]
+    if args.with_prometheus:
+        children.append(_start_prometheus(env, args.prometheus_port))
     stopping = False
 
     def stop(*_):
@@ -91,6 +93,38 @@ def _up(args) -> int:
         except subprocess.TimeoutExpired:
             c.kill()
     return code
+
+
+def prometheus_config(targets: dict[str, str], rules: str | None, interval: str = "5s") -> str:
+    """A scrape configuration for the three services: {job: host:port}."""
+    jobs = "\n".join(f"  - job_name: {job}\n    static_configs: [{{targets: [\"{addr}\"]}}]"
+                     for job, addr in targets.items())
+    rule_files = f"rule_files:\n  - {rules}\n" if rules else ""
+    return (f"global:\n  scrape_interval: {interval}\n  evaluation_interval: {interval}\n"
+            f"{rule_files}scrape_configs:\n{jobs}\n")
+
+
+def _start_prometheus(env: dict, port: int) -> subprocess.Popen:
+    """Prometheus beside `specdec up`, scraping the local metrics ports, with the project's alert rules."""
+    import shutil
+    from pathlib import Path
+
+    from specdec.models import cache_dir
+
+    binary = shutil.which("prometheus")
+    if binary is None:
+        raise ConfigError("--with-prometheus needs the prometheus binary on PATH (Debian: apt-get install prometheus)")
+    ports = {role: env.get(f"SPECDEC_{role.upper()}_METRICS_PORT", default)
+             for role, default in (("orchestrator", "8001"), ("draft", "8002"), ("target", "8003"))}
+    rules = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "alerts.yml"
+    folder = cache_dir() / "prometheus"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "prometheus.yml").write_text(prometheus_config(
+        {role: f"localhost:{p}" for role, p in ports.items()}, str(rules) if rules.exists() else None))
+    print(f"specdec up: Prometheus on http://localhost:{port} (data in {folder})", file=sys.stderr)
+    return subprocess.Popen([binary, f"--config.file={folder / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _generate(args) -> int:
@@ -157,6 +191,8 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--dtype", help="float32, bfloat16 or float16")
     up.add_argument("--device", help="cpu, cuda...")
     up.add_argument("--threads", type=int, default=0, help="torch threads per model server")
+    up.add_argument("--with-prometheus", action="store_true", help="also start Prometheus (the binary must be installed)")
+    up.add_argument("--prometheus-port", type=int, default=9090)
     for role in ("draft", "target"):
         s = sub.add_parser(role, help=f"start the {role} service")
         add_arguments(s, ModelServerConfig, ROLE_DEFAULTS[role])

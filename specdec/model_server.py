@@ -66,7 +66,8 @@ class ModelServer:
             eos_token_ids=models.eos_token_ids(model, tokenizer), max_model_len=self.max_model_len,
             max_sessions=cfg.max_sessions, max_tokens=cfg.max_tokens, max_draft_tokens=cfg.max_draft_tokens,
             dtype=cfg.dtype, device=str(self.runner.device))
-        self.metrics = ModelServerMetrics(registry or CollectorRegistry())
+        self.registry = registry or CollectorRegistry()
+        self.metrics = ModelServerMetrics(self.registry)
         self.metrics.sessions_capacity.set(cfg.max_sessions)
         self.metrics.tokens_capacity.set(cfg.max_tokens)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{cfg.role}-model")
