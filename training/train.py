@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from specdec import models
 from training.distill import SEED, log
 
-ARCH = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+ARCH = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64)
 COVERAGE = 0.995  # the output layer keeps the most frequent tokens covering this share of the answers
 MAX_KEPT = 16384
