@@ -15,11 +15,9 @@ import platform
 import statistics
 import time
 
-import urllib.request
-
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.metrics import delta, scrape, value
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 
 PROMPTS = [
@@ -43,24 +41,13 @@ def run(stub, prompt: str, k: int, args) -> pb.GenerationStats:
     return stats
 
 
-def scrape(url: str) -> dict:
-    """Sums and counts of the per-round histograms, keyed by (sample name, phase label)."""
-    out = {}
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name.endswith(("_sum", "_count")) and ("per_round" in s.name or "phase" in s.name):
-                out[(s.name, s.labels.get("phase", ""))] = s.value
-    return out
-
-
 def per_round(before: dict, after: dict) -> dict:
-    d = {k: after[k] - before.get(k, 0.0) for k in after}
-    rounds = d.get(("specdec_wire_bytes_per_round_count", ""), 0.0) or 1.0
-    res = {"wire_bytes_per_round_mean": d.get(("specdec_wire_bytes_per_round_sum", ""), 0.0) / rounds,
-           "rpcs_per_round_mean": d.get(("specdec_rpcs_per_round_sum", ""), 0.0) / rounds}
+    d = delta(before, after)
+    rounds = value(d, "specdec_wire_bytes_per_round_count") or 1.0
+    res = {"wire_bytes_per_round_mean": value(d, "specdec_wire_bytes_per_round_sum") / rounds,
+           "rpcs_per_round_mean": value(d, "specdec_rpcs_per_round_sum") / rounds}
     for phase in ("draft", "verify", "accept", "rpc"):
-        res[f"{phase}_ms_per_round_mean"] = 1000 * d.get(("specdec_round_phase_seconds_sum", phase), 0.0) / rounds
+        res[f"{phase}_ms_per_round_mean"] = 1000 * value(d, "specdec_round_phase_seconds_sum", phase=phase) / rounds
     return res
 
 

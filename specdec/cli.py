@@ -4,6 +4,7 @@
   specdec draft|target|orchestrator   one service
   specdec generate "PROMPT"   stream a completion from a running orchestrator
   specdec health ADDRESS      exit 0 when a server reports SERVING (for container health checks)
+  specdec bench [--quick]     speedup measured side by side (see bench/run.py)
 """
 
 from __future__ import annotations
@@ -210,6 +211,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("-k", "--num-speculative-tokens", dest="k", type=int)
     g.add_argument("--timeout", type=float, default=600.0)
+    sub.add_parser("bench", help="measure the speedup side by side (specdec bench --help)", add_help=False)
     h = sub.add_parser("health", help="check a server's gRPC health service")
     h.add_argument("address", nargs="?", default="localhost:50051")
     h.add_argument("--service", default="", help="service name; empty for the whole server")
@@ -218,6 +220,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the benchmark parses its own flags
+        from bench.run import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser().parse_args(argv)
     try:
         if args.command in ("draft", "target"):

@@ -1,0 +1,86 @@
+"""The benchmark's outputs: report.json (every figure), report.md (a table to read at a glance), speedup.png."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _fmt(q: dict, digits: int = 2) -> str:
+    if q.get("median") is None:
+        return "-"
+    return f"{q['median']:.{digits}f} [{q['p25']:.{digits}f}, {q['p75']:.{digits}f}]"
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"# specdec bench ({m['date']})", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores, GPU: {m['gpu'] or 'none'}; torch {m['torch']}, "
+             f"transformers {m['transformers']}.",
+             f"Draft `{report['draft_model']}`, target `{report['target_model']}`; {report['prompts']} prompts x "
+             f"{report['reps']} repetition(s), {report['max_tokens']} tokens each; batch 1, three services on loopback. "
+             "Speedup = tokens/s over the same prompt's K = 0 runs (target alone, same path), median [p25, p75].", ""]
+    for name, res in report["services"].items():
+        lines += [f"## {name}" + (f", top_p {res['top_p']}" if res["temperature"] else " (greedy)"), "",
+                  "| K | speedup | tokens/s | alpha | accepted/drafted | tokens/round | c | bound | efficiency | "
+                  "draft / verify / accept / rpc ms per round | bytes/round (mean) | RPCs/round |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for k, row in res["per_k"].items():
+            ms = row["round_ms"]
+            eff = "-" if row.get("efficiency") is None else f"{row['efficiency']:.2f}"
+            lines.append(
+                f"| {k} | {_fmt(row['speedup']) if 'speedup' in row else '1 (baseline)'} | {_fmt(row['tokens_per_s'], 1)} | "
+                f"{row['alpha']:.3f} | {row['accepted_over_drafted']:.3f} | {row['tokens_per_round']:.2f} | {row['c']:.3f} | "
+                f"{row.get('bound', 1.0):.2f} | {eff} | "
+                f"{ms['draft']:.1f} / {ms['verify']:.1f} / {ms['accept']:.2f} / {ms['rpc']:.2f} | "
+                f"{row['wire_bytes_per_round_mean']:.0f} | {row['rpcs_per_round_mean']:.2f} |")
+        lines += ["", f"Best K: {res['best_k']}; target step at K = 0: {res['target_step_ms']:.1f} ms.", ""]
+    if "transformers_assisted" in report:
+        peer = report["transformers_assisted"]
+        lines += ["## In-process peer: transformers assisted generation", "",
+                  f"`generate(assistant_model=draft)` against plain `generate()`, same models, {peer['prompts']} prompts, alternated.", "",
+                  "| | speedup | plain tokens/s | assisted tokens/s | specdec speedup at its best K |", "|---|---|---|---|---|"]
+        for name, res in peer.items():
+            if name == "prompts":
+                continue
+            ours = report["services"][name]
+            lines.append(f"| {name} | {_fmt(res['speedup'])} | {_fmt(res['plain_tokens_per_s'], 1)} | "
+                         f"{_fmt(res['assisted_tokens_per_s'], 1)} | {_fmt(ours['per_k'][str(ours['best_k'])]['speedup'])} "
+                         f"(K = {ours['best_k']}) |")
+        lines.append("")
+    lines.append(f"Wall time: {report['wall_seconds'] / 60:.1f} min.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, res in report["services"].items():
+        ks = [int(k) for k in res["per_k"] if k != "0"]
+        rows = [res["per_k"][str(k)] for k in ks]
+        med = [r["speedup"]["median"] for r in rows]
+        err = [[m - r["speedup"]["p25"] for m, r in zip(med, rows)], [r["speedup"]["p75"] - m for m, r in zip(med, rows)]]
+        line = axes[0].errorbar(ks, med, yerr=err, marker="o", capsize=3, label=f"measured, {name}")
+        axes[0].plot(ks, [r["bound"] for r in rows], linestyle="--", color=line[0].get_color(), label=f"Leviathan bound, {name}")
+        axes[1].plot(ks, [r["alpha"] for r in rows], marker="o", label=f"alpha, {name}")
+        axes[1].plot(ks, [r["accepted_over_drafted"] for r in rows], marker="x", linestyle=":", label=f"accepted/drafted, {name}")
+    axes[0].axhline(1.0, color="grey", linewidth=0.8)
+    axes[0].set(xlabel="K (draft tokens per round)", ylabel="speedup over the target alone", title="Speedup")
+    axes[1].set(xlabel="K (draft tokens per round)", ylabel="rate", ylim=(0, 1.05), title="Acceptance")
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"specdec: {report['draft_model']} drafting for {report['target_model']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(report: dict, out: Path) -> None:
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(markdown(report))
+    plot(report, out / "speedup.png")

@@ -1,0 +1,277 @@
+"""specdec bench: how much sooner tokens arrive, measured side by side, against the bound and the in-process peer.
+
+    specdec bench [--quick] [--out DIR] [--draft-model M] [--target-model M]
+
+Starts the three services on free loopback ports. For each temperature (0, and
+0.7 with top_p 0.9), each repetition and each prompt of bench/prompts.json, it
+runs K = 0 (the target alone, same path), every K in a shuffled order, then
+K = 0 again. Each K's speedup is its tokens/s over the mean of that prompt's two
+K = 0 runs, so machine drift cancels; the report gives the median and quartiles.
+The orchestrator's metrics, scraped around every run, give per K: the round split
+into draft, verify, accept and RPC time, bytes and RPCs per round, and
+c = draft time per drafted token / target time per K = 0 round. With alpha =
+accepted / (accepted + rounds ending in a rejection), the Leviathan bound is
+(1 - alpha^(K+1)) / ((1 - alpha)(Kc + 1)), and efficiency = speedup / bound.
+Then the in-process peer: transformers assisted generation (generate(assistant_model=...))
+against its own generate(), on the same models and prompts.
+Writes report.json, report.md and speedup.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.metrics import delta, histogram_median, scrape, value
+from specdec import models
+from specdec.config import DEFAULT_DRAFT
+from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
+
+PROMPTS = Path(__file__).resolve().parent / "prompts.json"
+TEMPERATURES = ((0.0, 1.0), (0.7, 0.9))
+
+
+def load_prompts(n: int | None) -> list[dict]:
+    prompts = json.loads(PROMPTS.read_text())["prompts"]
+    if n is None or n >= len(prompts):
+        return prompts
+    by_cat: dict[str, list] = {}
+    for p in prompts:
+        by_cat.setdefault(p["category"], []).append(p)
+    picked = []
+    while len(picked) < n:  # round-robin over categories
+        for cat in list(by_cat):
+            if by_cat[cat] and len(picked) < n:
+                picked.append(by_cat[cat].pop(0))
+    return picked
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    cpu = ""
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def start_services(draft: str, target: str, log_path: Path):
+    o, d, t, om, dm, tm = free_ports(6)
+    env = dict(os.environ, SPECDEC_ORCHESTRATOR_PORT=str(o), SPECDEC_DRAFT_PORT=str(d), SPECDEC_TARGET_PORT=str(t),
+               SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om), SPECDEC_DRAFT_METRICS_PORT=str(dm),
+               SPECDEC_TARGET_METRICS_PORT=str(tm), SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=f"127.0.0.1:{d}",
+               SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"127.0.0.1:{t}", SPECDEC_DRAFT_MODEL=draft,
+               SPECDEC_TARGET_MODEL=target, SPECDEC_ORCHESTRATOR_TOKENIZER=target,
+               SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS="8")
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    from specdec.cli import health_status
+
+    deadline = time.monotonic() + 600
+    while health_status(f"127.0.0.1:{o}", timeout=1) != "SERVING":
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"specdec bench: the services did not start; see {log_path}")
+        time.sleep(1)
+    return proc, f"127.0.0.1:{o}", f"http://127.0.0.1:{om}/metrics"
+
+
+def generate(stub, prompt: str, k: int, temperature: float, top_p: float, seed: int, max_tokens: int) -> dict:
+    req = pb.GenerateRequest(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                             num_speculative_tokens=k)
+    req.messages.add(role="user", content=prompt)
+    t = time.perf_counter()
+    stats = None
+    for msg in stub.Generate(req, timeout=600):
+        if msg.HasField("stats"):
+            stats = msg.stats
+    seconds = time.perf_counter() - t
+    return {"tokens": stats.completion_tokens, "seconds": seconds, "accepted": stats.accepted_tokens,
+            "drafted": stats.draft_tokens, "rejected_rounds": stats.rejected_rounds, "rounds": stats.rounds,
+            "emitted": stats.mean_tokens_per_round * stats.rounds, "ttft": stats.time_to_first_token_seconds}
+
+
+def leviathan_bound(alpha: float, k: int, c: float) -> float:
+    tau = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tau / (k * c + 1)
+
+
+def quartiles(xs: list[float]) -> dict:
+    if len(xs) < 2:
+        return {"median": xs[0] if xs else None, "p25": xs[0] if xs else None, "p75": xs[0] if xs else None}
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return {"median": statistics.median(xs), "p25": q[0], "p75": q[2]}
+
+
+def run_services(args, prompts, ks, progress) -> dict:
+    out_dir = Path(args.out)
+    proc, address, metrics_url = start_services(args.draft_model, args.target_model, out_dir / "services.log")
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
+    results = {}
+    try:
+        generate(stub, "Hello!", 4, 0.0, 1.0, 0, 8)  # warm-up
+        rng = random.Random(0)
+        for temperature, top_p in TEMPERATURES:
+            runs = {k: [] for k in [0, *ks]}
+            metric = {k: {} for k in [0, *ks]}
+            speedups = {k: [] for k in ks}
+            for rep in range(args.reps):
+                for i, p in enumerate(prompts):
+                    order = rng.sample(ks, len(ks))
+                    base, rate = [], {}
+                    for k in [0, *order, 0]:
+                        before = scrape(metrics_url)
+                        r = generate(stub, p["prompt"], k, temperature, top_p, seed=1000 * rep + i,
+                                     max_tokens=args.max_tokens)
+                        d = delta(before, scrape(metrics_url))
+                        for key, v in d.items():
+                            metric[k][key] = metric[k].get(key, 0.0) + v
+                        runs[k].append(r)
+                        if k == 0:
+                            base.append(r["tokens"] / r["seconds"])
+                        else:
+                            rate[k] = r["tokens"] / r["seconds"]
+                        progress.update(1)
+                    for k, v in rate.items():
+                        speedups[k].append(v / statistics.mean(base))
+            results[f"T={temperature}"] = summarize(runs, metric, speedups, temperature, top_p)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return results
+
+
+def summarize(runs, metric, speedups, temperature, top_p) -> dict:
+    base_rounds = value(metric[0], "specdec_rounds_total") or 1.0
+    target_round_s = value(metric[0], "specdec_round_phase_seconds_sum", phase="verify") / base_rounds
+    per_k = {}
+    for k, rs in runs.items():
+        m = metric[k]
+        rounds = value(m, "specdec_rounds_total") or 1.0
+        acc, drafted = sum(r["accepted"] for r in rs), sum(r["drafted"] for r in rs)
+        rej = sum(r["rejected_rounds"] for r in rs)
+        alpha = acc / (acc + rej) if acc + rej else (1.0 if drafted else 0.0)
+        draft_s = value(m, "specdec_round_phase_seconds_sum", phase="draft")
+        c = (draft_s / drafted) / target_round_s if drafted and target_round_s else 0.0
+        row = {
+            "tokens_per_s": quartiles([r["tokens"] / r["seconds"] for r in rs]),
+            "latency_s": quartiles([r["seconds"] for r in rs]),
+            "ttft_s": quartiles([r["ttft"] for r in rs]),
+            "alpha": alpha, "accepted_over_drafted": acc / drafted if drafted else 0.0,
+            "tokens_per_round": sum(r["emitted"] for r in rs) / max(sum(r["rounds"] for r in rs), 1),
+            "c": c,
+            "round_ms": {ph: 1000 * value(m, "specdec_round_phase_seconds_sum", phase=ph) / rounds
+                         for ph in ("draft", "verify", "accept", "rpc")},
+            "wire_bytes_per_round_mean": value(m, "specdec_wire_bytes_per_round_sum") / rounds,
+            "wire_bytes_per_round_median_at_most": histogram_median(m, "specdec_wire_bytes_per_round"),
+            "rpcs_per_round_mean": value(m, "specdec_rpcs_per_round_sum") / rounds,
+        }
+        if k:
+            row["speedup"] = quartiles(speedups[k])
+            row["bound"] = leviathan_bound(alpha, k, c)
+            row["efficiency"] = row["speedup"]["median"] / row["bound"] if row["bound"] else None
+        per_k[str(k)] = row
+    best = max((k for k in per_k if k != "0"), key=lambda k: per_k[k]["speedup"]["median"])
+    return {"temperature": temperature, "top_p": top_p, "per_k": per_k, "best_k": int(best),
+            "target_step_ms": 1000 * target_round_s}
+
+
+def run_peer(args, prompts, progress) -> dict:
+    """transformers' assisted generation against its own generate(), same models, alternated."""
+    import torch
+
+    tok = models.load_tokenizer(args.target_model)
+    target = models.load_model(args.target_model)
+    draft = models.load_model(args.draft_model)
+    out = {}
+    for temperature, top_p in TEMPERATURES:
+        ratios, rates = [], {"plain": [], "assisted": []}
+        for i, p in enumerate(prompts):
+            ids = tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"]
+            kw = dict(max_new_tokens=args.max_tokens, pad_token_id=tok.eos_token_id)
+            kw.update(do_sample=True, temperature=temperature, top_p=top_p) if temperature else kw.update(do_sample=False)
+            rate = {}
+            for mode in (("plain", "assisted") if i % 2 == 0 else ("assisted", "plain")):
+                torch.manual_seed(i)
+                t = time.perf_counter()
+                gen = target.generate(ids, assistant_model=draft if mode == "assisted" else None, **kw)
+                rate[mode] = (gen.shape[1] - ids.shape[1]) / (time.perf_counter() - t)
+                rates[mode].append(rate[mode])
+                progress.update(1)
+            ratios.append(rate["assisted"] / rate["plain"])
+        out[f"T={temperature}"] = {"speedup": quartiles(ratios), "plain_tokens_per_s": quartiles(rates["plain"]),
+                                   "assisted_tokens_per_s": quartiles(rates["assisted"])}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="specdec bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smoke check: 8 prompts, K in {2, 4}, one repetition")
+    ap.add_argument("--out", default=None, help="results folder (default results/bench-DATE)")
+    ap.add_argument("--draft-model", default=os.environ.get("SPECDEC_DRAFT_MODEL", DEFAULT_DRAFT))
+    ap.add_argument("--target-model", default=os.environ.get("SPECDEC_TARGET_MODEL", models.DEFAULT_TARGET))
+    ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--ks", default=None, help="comma-separated K values (default 1..8)")
+    ap.add_argument("--no-peer", action="store_true", help="skip the transformers assisted-generation peer")
+    args = ap.parse_args(argv)
+    args.prompts = args.prompts or (8 if args.quick else None)
+    args.reps = args.reps or 1
+    args.max_tokens = args.max_tokens or (48 if args.quick else 64)
+    ks = [int(k) for k in args.ks.split(",")] if args.ks else ([2, 4] if args.quick else list(range(1, 9)))
+    args.out = args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}{'-quick' if args.quick else ''}"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    prompts = load_prompts(args.prompts)
+    peer_prompts = prompts[: 4 if args.quick else 16]
+    from tqdm import tqdm
+
+    total = len(TEMPERATURES) * args.reps * len(prompts) * (len(ks) + 2) + (0 if args.no_peer else 2 * 2 * len(peer_prompts))
+    t0 = time.monotonic()
+    with tqdm(total=total, unit="gen", desc="specdec bench") as progress:
+        report = {"machine": machine(), "draft_model": args.draft_model, "target_model": args.target_model,
+                  "prompts": len(prompts), "reps": args.reps, "max_tokens": args.max_tokens, "ks": ks,
+                  "services": run_services(args, prompts, ks, progress)}
+        if not args.no_peer:
+            report["transformers_assisted"] = run_peer(args, peer_prompts, progress)
+            report["transformers_assisted"]["prompts"] = len(peer_prompts)
+    report["wall_seconds"] = time.monotonic() - t0
+    from bench.report import write_report
+
+    write_report(report, Path(args.out))
+    print(f"specdec bench: wrote {args.out}/report.json, report.md, speedup.png")
+    print((Path(args.out) / "report.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
