@@ -155,6 +155,8 @@ class Generation:
         seed = self.spec.sampling.seed
         n = rs.count_accepted(list(proposal.token_probs) if proposal else [],
                               list(verdict.draft_token_probs), seed, start)
+        if n == len(drafts) and verdict.HasField("bonus_token_id"):  # drawn by the target with the same keyed draw
+            return n, verdict.bonus_token_id
         p = await self._dist(self.target, verdict.distributions[n], start + n, trace)
         if n < len(drafts):
             q = await self._dist(self.draft, proposal.distributions[n], start + n, trace)

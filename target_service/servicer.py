@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specdec.errors import invalid
 from specdec.model_server import ModelServer, SessionRpcs
-from specdec.sampling import logits_to_probs
+from specdec.sampling import Purpose, logits_to_probs, sample_dense, uniform
 from specdec.v1 import target_pb2, target_pb2_grpc
 
 
@@ -35,4 +35,6 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         s.probs, s.probs_start = probs, len(s.tokens) - len(drafts)
         resp.draft_token_probs.extend(probs[i, x].item() for i, x in enumerate(drafts))
         resp.distributions.extend(core.sparse(row) for row in probs)
+        if not resp.distributions[-1].complete:  # the orchestrator would have to fetch it for the bonus token
+            resp.bonus_token_id = sample_dense(probs[-1], uniform(params.seed, len(s.tokens), Purpose.RESAMPLE))
         return resp

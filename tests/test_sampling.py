@@ -66,3 +66,13 @@ def test_nucleus_matches_a_full_sort_for_peaky_and_flat_rows():
         slow = torch.softmax(x.masked_fill(drop, float("-inf")), dim=-1)
         assert torch.equal(fast > 0, slow > 0)
         torch.testing.assert_close(fast, slow)
+
+
+def test_target_drawn_bonus_equals_the_orchestrators_draw_from_the_dense_fetch():
+    """Verify may return the bonus token itself; it must be the token the orchestrator would draw."""
+    from orchestrator import rejection_sampler as rs
+
+    g = torch.Generator().manual_seed(1)
+    for seed in range(300):
+        probs = logits_to_probs(torch.randn(1, 3000, generator=g) * 2, 0.9)[0]  # [vocab], full support
+        assert sample_dense(probs, uniform(seed, 77, Purpose.RESAMPLE)) == rs.bonus(rs.Dist.from_dense(probs.numpy()), seed, 77)
