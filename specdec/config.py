@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 
 from specdec.models import DEFAULT_TARGET, DTYPES
 
-# The embedded default draft: the distilled draft shipped in the repository (issue 3).
-# Until it lands, the default is the embedded target itself (see README: no speedup, alpha = 1).
-DEFAULT_DRAFT = DEFAULT_TARGET
+# The embedded default draft: distilled from the embedded target by training/distill.py, shipped in models/.
+DEFAULT_DRAFT = "embedded:smollm2-135m-draft"
 
 
 class ConfigError(ValueError):

