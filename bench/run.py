@@ -35,6 +35,7 @@ import grpc
 from bench.metrics import delta, histogram_median, scrape, value
 from specdec import models
 from specdec.config import DEFAULT_DRAFT
+from specdec.server import free_ports
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 
 PROMPTS = Path(__file__).resolve().parent / "prompts.json"
@@ -69,18 +70,6 @@ def machine() -> dict:
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "date": time.strftime("%Y-%m-%d %H:%M")}
-
-
-def free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def start_services(draft: str, target: str, log_path: Path):

@@ -20,6 +20,19 @@ from prometheus_client import CollectorRegistry, start_http_server
 log = logging.getLogger(__name__)
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on loopback (for tests and the benchmark's services)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for sock in socks:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in socks]
+    for sock in socks:
+        sock.close()
+    return ports
+
+
 def create_server(address: str, services: list[tuple[Callable, object, str]], *,
                   max_receive_bytes: int = 8 << 20) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """services: (add_XServicer_to_server, servicer, full service name). Returns (server, port, health)."""

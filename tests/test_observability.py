@@ -19,7 +19,7 @@ from prometheus_client import start_http_server
 
 from conftest import make_stack, stop_stack
 from specdec.cli import prometheus_config
-from test_cli import free_ports
+from specdec.server import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "specdec.json"
