@@ -224,7 +224,7 @@ def run_peer(args, prompts, progress) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="specdec bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a smoke check: 8 prompts, K in {2, 4}, one repetition")
+    ap.add_argument("--quick", action="store_true", help="a smoke check under 5 minutes: 6 prompts, K in {2, 4}, one repetition")
     ap.add_argument("--out", default=None, help="results folder (default results/bench-DATE)")
     ap.add_argument("--draft-model", default=os.environ.get("SPECDEC_DRAFT_MODEL", DEFAULT_DRAFT))
     ap.add_argument("--target-model", default=os.environ.get("SPECDEC_TARGET_MODEL", models.DEFAULT_TARGET))
@@ -234,14 +234,14 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", default=None, help="comma-separated K values (default 1..8)")
     ap.add_argument("--no-peer", action="store_true", help="skip the transformers assisted-generation peer")
     args = ap.parse_args(argv)
-    args.prompts = args.prompts or (8 if args.quick else None)
+    args.prompts = args.prompts or (6 if args.quick else None)
     args.reps = args.reps or 1
-    args.max_tokens = args.max_tokens or (48 if args.quick else 64)
+    args.max_tokens = args.max_tokens or (40 if args.quick else 64)
     ks = [int(k) for k in args.ks.split(",")] if args.ks else ([2, 4] if args.quick else list(range(1, 9)))
     args.out = args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}{'-quick' if args.quick else ''}"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(args.prompts)
-    peer_prompts = prompts[: 4 if args.quick else 16]
+    peer_prompts = prompts[: 3 if args.quick else 16]
     from tqdm import tqdm
 
     total = len(TEMPERATURES) * args.reps * len(prompts) * (len(ks) + 2) + (0 if args.no_peer else 2 * 2 * len(peer_prompts))
