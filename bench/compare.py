@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
-import time
 
 import grpc
 
 from bench.metrics import delta, scrape, value
-from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
+from bench.run import generate
+from specdec.v1 import generation_pb2_grpc
 
 PROMPTS = [
     "Explain in a few sentences why the sky is blue.",
@@ -28,17 +29,6 @@ PROMPTS = [
     "Summarize the water cycle for a ten year old.",
     "What is 17 times 23? Show your working.",
 ]
-
-
-def run(stub, prompt: str, k: int, args) -> pb.GenerationStats:
-    req = pb.GenerateRequest(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                             seed=args.seed, num_speculative_tokens=k)
-    req.messages.add(role="user", content=prompt)
-    stats = None
-    for msg in stub.Generate(req, timeout=600):
-        if msg.HasField("stats"):
-            stats = msg.stats
-    return stats
 
 
 def per_round(before: dict, after: dict) -> dict:
@@ -64,7 +54,8 @@ def main() -> None:
                     help="the orchestrator's metrics, scraped for bytes, RPCs and phase times per round ('' skips)")
     args = ap.parse_args()
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(args.address))
-    run(stub, "Hello", args.k, args)  # warm-up
+    run = lambda prompt, k: generate(stub, prompt, k, args.temperature, args.top_p, args.seed, args.max_tokens)
+    run("Hello", args.k)  # warm-up
     before = scrape(args.metrics_url) if args.metrics_url else None
     ratios, acc, drafted, rejected, rounds, emitted = [], 0, 0, 0, 0, 0
     for rep in range(args.reps):
@@ -72,12 +63,11 @@ def main() -> None:
             order = (0, args.k) if (rep + i) % 2 == 0 else (args.k, 0)
             rate = {}
             for k in order:
-                t = time.perf_counter()
-                s = run(stub, prompt, k, args)
-                rate[k] = s.completion_tokens / (time.perf_counter() - t)
+                r = run(prompt, k)
+                rate[k] = r["tokens"] / r["seconds"]
                 if k:
-                    acc, drafted, rejected = acc + s.accepted_tokens, drafted + s.draft_tokens, rejected + s.rejected_rounds
-                    rounds, emitted = rounds + s.rounds, emitted + s.mean_tokens_per_round * s.rounds
+                    acc, drafted, rejected = acc + r["accepted"], drafted + r["drafted"], rejected + r["rejected_rounds"]
+                    rounds, emitted = rounds + r["rounds"], emitted + r["emitted"]
             ratios.append(rate[args.k] / rate[0])
     wire = per_round(before, scrape(args.metrics_url)) if before is not None else {}  # K = 0 rounds included
     q = statistics.quantiles(ratios, n=4)
@@ -88,7 +78,7 @@ def main() -> None:
         "alpha": acc / (acc + rejected) if acc + rejected else 0.0,
         "tokens_per_round": emitted / rounds if rounds else 0.0,
         **wire,
-        "machine": f"{platform.machine()} {platform.processor() or ''} {__import__('os').cpu_count()} cpus".strip(),
+        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),
     }
     print(json.dumps(report, indent=2))
 

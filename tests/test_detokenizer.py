@@ -19,23 +19,22 @@ def test_stop_string_split_across_tokens_is_cut_and_never_streamed(tokenizer):
     assert tokenizer.decode(ids[:kept]).startswith("Hello there, general Ken")
 
 
-def test_without_stops_text_streams_as_it_comes(tokenizer):
-    ids = tokenizer("One two three")["input_ids"]
+def stream(tokenizer, text: str) -> tuple[list[str], TextStream]:
+    """The chunks released while feeding text's tokens one at a time."""
     ts = TextStream(tokenizer)
-    out = ""
-    for t in ids:
+    chunks = []
+    for t in tokenizer(text)["input_ids"]:
         ts.extend([t])
-        out += ts.take_text()
-    assert out == "One two three"
+        chunks.append(ts.take_text())
+    return chunks, ts
+
+
+def test_without_stops_text_streams_as_it_comes(tokenizer):
+    chunks, _ = stream(tokenizer, "One two three")
+    assert "".join(chunks) == "One two three"
 
 
 def test_incomplete_character_is_held_back(tokenizer):
-    ids = tokenizer("café ☕ ok")["input_ids"]
-    ts = TextStream(tokenizer)
-    out = ""
-    for t in ids:
-        ts.extend([t])
-        chunk = ts.take_text()
-        assert "\ufffd" not in chunk
-        out += chunk
-    assert out + ts.take_text(final=True) == "café ☕ ok"
+    chunks, ts = stream(tokenizer, "café ☕ ok")
+    assert all("\ufffd" not in chunk for chunk in chunks)
+    assert "".join(chunks) + ts.take_text(final=True) == "café ☕ ok"

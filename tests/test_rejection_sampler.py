@@ -43,7 +43,6 @@ def assert_matches(samples: np.ndarray, expected: np.ndarray, what: str) -> None
 
 def simulate(q: list[rs.Dist], p: list[rs.Dist], rounds: int = N):
     """Draft from q with the draft's keyed draws, then accept/reject; one round per seed."""
-    k = len(q)
     out = []
     for seed in range(rounds):
         drafts = [sample_sparse(qi.token_ids, qi.probs, uniform(seed, START + i, Purpose.DRAFT)) for i, qi in enumerate(q)]

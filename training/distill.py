@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
-import os
 import time
 from pathlib import Path
 
