@@ -34,3 +34,18 @@ def test_bad_environment_value_is_named(monkeypatch):
     monkeypatch.setenv("SPECDEC_ORCHESTRATOR_PORT", "fifty")
     with pytest.raises(ConfigError, match="SPECDEC_ORCHESTRATOR_PORT"):
         parse(OrchestratorConfig, [])
+
+
+def test_draft_server_defaults_to_one_cpu_thread_and_the_environment_can_change_it(monkeypatch):
+    from specdec.cli import ROLE_DEFAULTS
+
+    def threads(role, argv=()):
+        p = argparse.ArgumentParser()
+        add_arguments(p, ModelServerConfig, ROLE_DEFAULTS[role])
+        return from_args(ModelServerConfig, p.parse_args(list(argv)), role=role, defaults=ROLE_DEFAULTS[role]).threads
+
+    assert threads("draft") == 1
+    assert threads("target") == 0  # torch's default: every core for the verify pass
+    monkeypatch.setenv("SPECDEC_DRAFT_THREADS", "2")
+    assert threads("draft") == 2
+    assert threads("draft", ["--threads", "3"]) == 3

@@ -43,15 +43,21 @@ def work_dir() -> Path:
     return d
 
 
-def stage_data(args, tokenizer) -> Path:
-    key = hashlib.sha256(json.dumps([args.num_prompts, args.max_new, SEED]).encode()).hexdigest()[:10]
+def stage_data(args, tokenizer) -> list[Path]:
+    """One cached file per part; part i answers its own prompts (seed SEED + i)."""
+    return [_data_part(args, tokenizer, part) for part in range(args.data_parts)]
+
+
+def _data_part(args, tokenizer, part: int) -> Path:
+    seed = SEED + part
+    key = hashlib.sha256(json.dumps([args.num_prompts, args.max_new, seed]).encode()).hexdigest()[:10]
     path = work_dir() / f"data-{key}.pt"
     if path.exists():
         log(f"data: cached {path}")
         return path
     target = models.load_model(models.DEFAULT_TARGET, dtype="bfloat16")
     runner = LeanLlamaRunner(target, len(tokenizer), 4096)
-    conversations = make_prompts(args.num_prompts, SEED)
+    conversations = make_prompts(args.num_prompts, seed)
     prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True)["input_ids"]
                for m in conversations]
     eos = set(models.eos_token_ids(target, tokenizer))
@@ -62,7 +68,7 @@ def stage_data(args, tokenizer) -> Path:
         # each mode gets its share of the time budget
         share = deadline if mode == "sampled" else time.monotonic() + 0.6 * (deadline - time.monotonic())
         log(f"data: {mode} answers for {hi - lo} prompts")
-        got = batched.generate_all(runner, prompts[lo:hi], args.max_new, temperature, 0.9, eos, SEED + lo,
+        got = batched.generate_all(runner, prompts[lo:hi], args.max_new, temperature, 0.9, eos, seed + lo,
                                    args.batch_size, deadline=share, log=log)
         for i, (ids, top_i, top_v) in got.items():
             records.append({"prompt": prompts[lo + i], "completion": ids, "top_ids": top_i, "top_logp": top_v,
@@ -78,9 +84,11 @@ def main(argv=None) -> None:
     ap.add_argument("--num-prompts", type=int, default=4000)
     ap.add_argument("--max-new", type=int, default=192)
     ap.add_argument("--batch-size", type=int, default=128)
-    ap.add_argument("--gen-minutes", type=float, default=30)
+    ap.add_argument("--data-parts", type=int, default=1, help="parts of --gen-minutes each, on fresh prompts")
+    ap.add_argument("--gen-minutes", type=float, default=30, help="time budget of one data part")
     ap.add_argument("--train-minutes", type=float, default=40)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--init", help="continue training this draft (a folder) instead of a fresh one")
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "models" / "smollm2-draft"))

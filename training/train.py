@@ -35,8 +35,10 @@ def build_draft(target, kept: list[int]):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tc = target.config
+    # transformers 5 keeps rope_theta in rope_parameters; reading only the old attribute gave 10,000
+    theta = (getattr(tc, "rope_parameters", None) or {}).get("rope_theta") or getattr(tc, "rope_theta", 10000.0)
     cfg = LlamaConfig(vocab_size=tc.vocab_size, max_position_embeddings=tc.max_position_embeddings,
-                      rope_theta=getattr(tc, "rope_theta", 10000.0), rms_norm_eps=tc.rms_norm_eps,
+                      rope_theta=theta, rms_norm_eps=tc.rms_norm_eps,
                       tie_word_embeddings=True, bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id,
                       pad_token_id=getattr(tc, "pad_token_id", None), **ARCH)
     cfg.specdec_output_token_ids = kept
@@ -101,18 +103,35 @@ def loss_on(draft, kept_t, slot, recs, hard_weight=0.2):
     return soft + hard_weight * hard_loss, agree
 
 
-def stage_train(args, tokenizer, data_path: Path) -> None:
-    records = torch.load(data_path, weights_only=False)
-    rng = random.Random(SEED)
+def split(records, rng: random.Random) -> tuple[list, list]:
+    """(validation, training): each part keeps its own 2.5% slice, so adding a part never
+    moves an answer a checkpoint trained on into validation."""
+    records = list(records)
     rng.shuffle(records)
     n_val = max(20, len(records) // 40)
-    val, train = records[:n_val], records[n_val:]
-    kept = kept_vocabulary(train)
+    return records[:n_val], records[n_val:]
+
+
+def stage_train(args, tokenizer, data_paths: list[Path]) -> None:
+    val, train = [], []
+    for path in data_paths:
+        v, t = split(torch.load(path, weights_only=False), random.Random(SEED))
+        val += v
+        train += t
+    rng = random.Random(SEED)
+    if args.init:  # continue: the checkpoint's architecture and output vocabulary
+        from transformers import LlamaForCausalLM
+
+        draft = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        kept = sorted(draft.config.specdec_output_token_ids)
+        log(f"train: continuing {args.init}")
+    else:
+        kept = kept_vocabulary(train)
+        target = models.load_model(models.DEFAULT_TARGET)
+        draft = build_draft(target, kept)
+        del target
     log(f"train: {len(train)} answers ({sum(len(r['completion']) for r in train)} tokens), "
         f"output layer keeps {len(kept)} tokens ({COVERAGE:.1%} of answer tokens)")
-    target = models.load_model(models.DEFAULT_TARGET)
-    draft = build_draft(target, kept)
-    del target
     kept_t = torch.tensor(kept)
     slot = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
     slot[kept_t] = torch.arange(len(kept))
@@ -129,7 +148,7 @@ def stage_train(args, tokenizer, data_path: Path) -> None:
             if frac >= 1:
                 done = True
                 break
-            lr = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * frac))
+            lr = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * frac))  # warm-up, cosine
             for g in opt.param_groups:
                 g["lr"] = lr
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.device == "cpu"):
@@ -139,7 +158,7 @@ def stage_train(args, tokenizer, data_path: Path) -> None:
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
             opt.step()
             step += 1
-            if step % 50 == 0:
+            if step % 50 == 0 or step == 1:
                 draft.eval()
                 with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
                     vl, va = zip(*(loss_on(draft, kept_t, slot, val[i:i + 8]) for i in range(0, len(val), 8)))
