@@ -71,7 +71,8 @@ class OrchestratorConfig:
     target_address: str = field(default="localhost:50053", metadata={"help": "target service host:port"})
     tokenizer: str = field(default=DEFAULT_TARGET, metadata={"help": "the target's tokenizer: hub id, folder or embedded:NAME"})
     # 2: the best K of the embedded pair on a 2-core CPU (specdec bench: 0.96x at K = 2, 0.71x at K = 4);
-    # docker-compose.yml sets 4 for the Llama 3.2 pair on a GPU, where a verify pass costs about one step.
+    # docker-compose.yml sets 4 for the Llama 3.2 pair on a GPU, where a verify pass costs about one step,
+    # and 2 for its CPU profile.
     num_speculative_tokens: int = field(default=2, metadata={"help": "default K per request"})
     max_speculative_tokens: int = field(default=8, metadata={"help": "largest K a request may ask"})
     max_tokens: int = field(default=256, metadata={"help": "default max_tokens per request"})

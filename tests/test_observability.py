@@ -43,6 +43,11 @@ def test_compose_file_is_valid(profile):
     for name in ("draft", "target", "orchestrator"):
         assert services[name]["healthcheck"]["test"][1:3] == ["specdec", "health"]
     assert services["orchestrator"]["depends_on"]["draft"]["condition"] == "service_healthy"
+    # each pair runs its measured best K: verify costs about one step on a GPU, more on a CPU
+    k = {name: services[name]["environment"]["SPECDEC_ORCHESTRATOR_NUM_SPECULATIVE_TOKENS"]
+         for name in ("orchestrator", "orchestrator-cpu")}
+    assert k == {"orchestrator": "4", "orchestrator-cpu": "2"}
+    assert services["orchestrator-cpu"]["environment"]["SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS"] == "draft:50052"
 
 
 @needs("promtool")
