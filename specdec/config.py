@@ -70,7 +70,8 @@ class OrchestratorConfig:
     draft_address: str = field(default="localhost:50052", metadata={"help": "draft service host:port"})
     target_address: str = field(default="localhost:50053", metadata={"help": "target service host:port"})
     tokenizer: str = field(default=DEFAULT_TARGET, metadata={"help": "the target's tokenizer: hub id, folder or embedded:NAME"})
-    # 2: the best K of the embedded pair on a 2-core CPU (specdec bench: 0.96x at K = 2, 0.71x at K = 4);
+    # 2 for the embedded pair on a 2-core CPU (specdec bench: 1.01x at K = 1 and 0.96x at K = 2, within
+    # each other's spread; 0.71x at K = 4); K = 2 gains more as the draft's alpha rises.
     # docker-compose.yml sets 4 for the Llama 3.2 pair on a GPU, where a verify pass costs about one step,
     # and 2 for its CPU profile.
     num_speculative_tokens: int = field(default=2, metadata={"help": "default K per request"})
