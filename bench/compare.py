@@ -17,7 +17,7 @@ import statistics
 
 import grpc
 
-from bench.metrics import delta, scrape, value
+from bench.metrics import delta, leviathan_alpha, scrape, value
 from bench.run import generate
 from specdec.v1 import generation_pb2_grpc
 
@@ -75,7 +75,7 @@ def main() -> None:
         "k": args.k, "temperature": args.temperature, "top_p": args.top_p, "pairs": len(ratios),
         "speedup_median": statistics.median(ratios), "speedup_p25": q[0], "speedup_p75": q[2],
         "acceptance_rate": acc / drafted if drafted else 0.0,
-        "alpha": acc / (acc + rejected) if acc + rejected else 0.0,
+        "alpha": leviathan_alpha(acc, rejected),
         "tokens_per_round": emitted / rounds if rounds else 0.0,
         **wire,
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),

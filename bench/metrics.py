@@ -1,4 +1,4 @@
-"""Reading the orchestrator's Prometheus metrics around a run."""
+"""Reading the orchestrator's Prometheus metrics around a run, and Leviathan et al.'s figures from them."""
 
 from __future__ import annotations
 
@@ -29,3 +29,15 @@ def histogram_median(d: dict, name: str) -> float | None:
         return None
     half = buckets[-1][1] / 2
     return next(le for le, count in buckets if count >= half)
+
+
+def leviathan_alpha(accepted: int, rejected_rounds: int) -> float:
+    """Per-position acceptance probability: accepted / (accepted + rounds that ended in a rejection).
+    Both are 0 only when nothing was drafted."""
+    return accepted / (accepted + rejected_rounds) if accepted + rejected_rounds else 0.0
+
+
+def leviathan_bound(alpha: float, k: int, c: float) -> float:
+    """Expected speedup (1 - alpha^(K+1)) / ((1 - alpha)(Kc + 1)): tokens per round over a round's cost."""
+    tau = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tau / (k * c + 1)

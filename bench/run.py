@@ -32,7 +32,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.metrics import delta, histogram_median, scrape, value
+from bench.metrics import delta, histogram_median, leviathan_alpha, leviathan_bound, scrape, value
 from specdec import models
 from specdec.config import DEFAULT_DRAFT
 from specdec.server import free_ports
@@ -107,11 +107,6 @@ def generate(stub, prompt: str, k: int, temperature: float, top_p: float, seed: 
             "emitted": stats.mean_tokens_per_round * stats.rounds, "ttft": stats.time_to_first_token_seconds}
 
 
-def leviathan_bound(alpha: float, k: int, c: float) -> float:
-    tau = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tau / (k * c + 1)
-
-
 def quartiles(xs: list[float]) -> dict:
     if len(xs) < 2:
         return {"median": xs[0] if xs else None, "p25": xs[0] if xs else None, "p75": xs[0] if xs else None}
@@ -166,7 +161,7 @@ def summarize(runs, metric, speedups, temperature, top_p) -> dict:
         rounds = value(m, "specdec_rounds_total") or 1.0
         acc, drafted = sum(r["accepted"] for r in rs), sum(r["drafted"] for r in rs)
         rej = sum(r["rejected_rounds"] for r in rs)
-        alpha = acc / (acc + rej) if acc + rej else (1.0 if drafted else 0.0)
+        alpha = leviathan_alpha(acc, rej)
         draft_s = value(m, "specdec_round_phase_seconds_sum", phase="draft")
         c = (draft_s / drafted) / target_round_s if drafted and target_round_s else 0.0
         row = {

@@ -18,7 +18,8 @@ import subprocess
 import sys
 import time
 
-from specdec.config import DEFAULT_DRAFT, ConfigError, ModelServerConfig, OrchestratorConfig, add_arguments, from_args
+from specdec.config import (DEFAULT_DRAFT, ConfigError, ModelServerConfig, OrchestratorConfig, add_arguments,
+                            env_prefix, from_args)
 
 # The draft's forward is a chain of small ops: a second CPU thread adds synchronisation, not speed, and
 # its idle spinning takes the core the target's verify needs (2-core VM: draft step 5.5 -> 4.0 ms,
@@ -118,8 +119,9 @@ def _start_prometheus(env: dict, port: int) -> subprocess.Popen:
     binary = shutil.which("prometheus")
     if binary is None:
         raise ConfigError("--with-prometheus needs the prometheus binary on PATH (Debian: apt-get install prometheus)")
-    ports = {role: env.get(f"SPECDEC_{role.upper()}_METRICS_PORT", default)
-             for role, default in (("orchestrator", "8001"), ("draft", "8002"), ("target", "8003"))}
+    defaults = {"orchestrator": OrchestratorConfig.metrics_port,
+                **{role: d["metrics_port"] for role, d in ROLE_DEFAULTS.items()}}
+    ports = {role: env.get(env_prefix(role) + "METRICS_PORT", str(port)) for role, port in defaults.items()}
     rules = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "alerts.yml"
     folder = cache_dir() / "prometheus"
     folder.mkdir(parents=True, exist_ok=True)

@@ -19,15 +19,11 @@ import time
 import grpc
 import torch
 
+from bench.metrics import leviathan_alpha, leviathan_bound
 from specdec import models
 from specdec.runner import make_runner
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 from training.prompts import make_prompts
-
-
-def predicted_speedup(alpha: float, k: int, c: float) -> float:
-    tau = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tau / (k * c + 1)
 
 
 def step_ms(runner, context: int = 200, reps: int = 30) -> float:
@@ -66,7 +62,7 @@ def run(stub, conversations, k, temperature, top_p, max_tokens, seed):
                 s = msg.stats
                 acc, drafted, rejected = acc + s.accepted_tokens, drafted + s.draft_tokens, rejected + s.rejected_rounds
                 rounds, emitted = rounds + s.rounds, emitted + s.mean_tokens_per_round * s.rounds
-    return {"alpha": acc / max(acc + rejected, 1), "accepted_over_drafted": acc / max(drafted, 1),
+    return {"alpha": leviathan_alpha(acc, rejected), "accepted_over_drafted": acc / max(drafted, 1),
             "tau": emitted / max(rounds, 1), "rounds": rounds}
 
 
@@ -91,9 +87,9 @@ def main(argv=None) -> None:
     report.update(draft_step_ms=d_ms, target_step_ms=t_ms, c=c)
     for name in ("greedy", "t0.7_top_p0.9"):
         a = report[name]["alpha"]
-        best = max(range(1, 9), key=lambda k: predicted_speedup(a, k, c))
-        report[name].update(best_k=best, predicted_speedup_best_k=predicted_speedup(a, best, c),
-                            predicted_speedup_k4=predicted_speedup(a, 4, c))
+        best = max(range(1, 9), key=lambda k: leviathan_bound(a, k, c))
+        report[name].update(best_k=best, predicted_speedup_best_k=leviathan_bound(a, best, c),
+                            predicted_speedup_k4=leviathan_bound(a, 4, c))
     print(json.dumps(report, indent=2))
 
 
