@@ -21,12 +21,17 @@ import torch
 
 from bench.metrics import leviathan_alpha, leviathan_bound
 from specdec import models
+from specdec.cli import ROLE_DEFAULTS
 from specdec.runner import make_runner
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 from training.prompts import make_prompts
 
+_DEFAULT_THREADS = torch.get_num_threads()
 
-def step_ms(runner, context: int = 200, reps: int = 30) -> float:
+
+def step_ms(runner, context: int = 200, reps: int = 30, threads: int = 0) -> float:
+    """Median time of one 1-token step after `context` tokens, with the CPU threads its server uses (0: torch's default)."""
+    torch.set_num_threads(threads or _DEFAULT_THREADS)
     cache = runner.new_cache()
     runner.forward(cache, list(range(1000, 1000 + context)), 1)
     times = []
@@ -42,11 +47,12 @@ def measure_c(draft: str, target: str, draft_runner: str, target_runner: str) ->
     tok = models.load_tokenizer(target)
     d = make_runner(models.load_model(draft), len(tok), 4096, draft_runner)
     t = make_runner(models.load_model(target), len(tok), 4096, target_runner)
-    step_ms(d, reps=5), step_ms(t, reps=5)
+    d_threads, t_threads = (ROLE_DEFAULTS[role].get("threads", 0) for role in ("draft", "target"))
+    step_ms(d, reps=5, threads=d_threads), step_ms(t, reps=5, threads=t_threads)
     d_ms, t_ms = [], []
     for _ in range(3):  # interleaved, so drift hits both
-        d_ms.append(step_ms(d))
-        t_ms.append(step_ms(t))
+        d_ms.append(step_ms(d, threads=d_threads))
+        t_ms.append(step_ms(t, threads=t_threads))
     return statistics.median(d_ms), statistics.median(t_ms)
 
 
