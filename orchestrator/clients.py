@@ -1,4 +1,10 @@
-"""Stubs to the model servers, retried while a server is unreachable."""
+"""Stubs to the model servers, retried while a server is unreachable.
+
+A generation talks to each server over one bidirectional stream (``Duplex``):
+a round's ProposeTokens or Verify is then one message each way on a warm
+stream, instead of a new call with its own set-up. Unary calls remain for the
+rare RPCs (GetDistribution, ReleaseSession) and for clients without streams.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,10 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
 class ModelClient:
     def __init__(self, role: str, address: str, stub_cls, cfg: OrchestratorConfig):
         self.role = role
@@ -27,18 +37,89 @@ class ModelClient:
         self.stub = stub_cls(self.channel)
 
     async def call(self, method: str, request, *, wait_s: float | None = None):
-        """One RPC; UNAVAILABLE is retried with backoff for up to wait_s (default: the configured wait)."""
+        """One unary RPC; UNAVAILABLE is retried (see ``retrying``)."""
+        rpc = getattr(self.stub, method)
+        return await self.retrying(lambda: rpc(request, timeout=self.cfg.rpc_timeout_s), wait_s)
+
+    async def retrying(self, attempt, wait_s: float | None = None):
+        """await attempt(), retried with backoff while it fails UNAVAILABLE, for up to wait_s
+        (default: the configured wait)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.cfg.unavailable_retry_s if wait_s is None else wait_s)
         delay = 0.05
         while True:
             try:
-                return await getattr(self.stub, method)(request, timeout=self.cfg.rpc_timeout_s)
+                return await attempt()
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or loop.time() + delay > deadline:
                     raise
             await asyncio.sleep(delay)
             delay = min(2 * delay, 1.0)
 
+    def duplex(self, method: str) -> "Duplex":
+        return Duplex(self, method)
+
+    def unary(self, method: str) -> "Unary":
+        return Unary(self, method)
+
     async def close(self) -> None:
         await self.channel.close()
+
+
+class Unary:
+    """``Duplex``'s interface over unary calls (``rpc_streams = false``)."""
+
+    def __init__(self, client: ModelClient, method: str):
+        self.client = client
+        self.method = method
+
+    async def call(self, request, *, wait_s: float | None = None):
+        return await self.client.call(self.method, request, wait_s=wait_s)
+
+    def close(self) -> None:
+        pass
+
+
+class Duplex:
+    """A bidirectional stream used as a sequence of calls: ``call`` writes one request and reads
+    its response. Errors surface as ``AioRpcError`` with the server's status, exactly as a unary
+    call's would; a broken stream is dropped and the next call opens a fresh one."""
+
+    def __init__(self, client: ModelClient, method: str):
+        self.client = client
+        self.method = method
+        self._call = None
+
+    async def call(self, request, *, wait_s: float | None = None):
+        return await self.client.retrying(lambda: self._exchange(request), wait_s)
+
+    async def _exchange(self, request):
+        if self._call is None:
+            self._call = getattr(self.client.stub, self.method)()
+        call = self._call
+        try:
+            async with asyncio.timeout(self.client.cfg.rpc_timeout_s):
+                await call.write(request)
+                response = await call.read()
+        except TimeoutError:
+            self.close()
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"no answer within {self.client.cfg.rpc_timeout_s:g} s") from None
+        except grpc.aio.AioRpcError:
+            self.close()
+            raise
+        except asyncio.InvalidStateError:  # the stream had ended; its status says why
+            response = grpc.aio.EOF
+        if response is grpc.aio.EOF:
+            self._call = None
+            code, details = await call.code(), await call.details()
+            if code == grpc.StatusCode.OK:  # ended without an error: the server went away cleanly
+                code, details = grpc.StatusCode.UNAVAILABLE, "the server closed the stream"
+            raise rpc_error(code, details)
+        return response
+
+    def close(self) -> None:
+        """Drop the stream; the server frees its side at once."""
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None

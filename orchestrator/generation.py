@@ -3,7 +3,8 @@
 The orchestrator holds the truth, the token history; each server's session is
 a cache of it. A mirror of what each session holds tells every call where the
 session stands and how far to roll it back, so a round costs one ProposeTokens
-and one Verify. A session the server lost is rebuilt by resending the history.
+and one Verify, each a message on the generation's own stream to its server.
+A session the server lost is rebuilt by resending the history.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class Generation:
         self.session_id = session_id
         self.draft = draft
         self.target = target
+        streams = draft.cfg.rpc_streams
+        self.proposals = draft.duplex("ProposeTokensStream") if streams else draft.unary("ProposeTokens")
+        self.verifies = target.duplex("VerifyStream") if streams else target.unary("Verify")
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.metrics = metrics
@@ -110,7 +114,7 @@ class Generation:
                 cursor=self._cursor(self.draft_mirror, keep), num_tokens=k, sampling=self._params)
             t = time.perf_counter()
             try:
-                resp = await self.draft.call("ProposeTokens", req, wait_s=0.0)
+                resp = await self.proposals.call(req, wait_s=0.0)
             except grpc.aio.AioRpcError as e:
                 if e.code() in _LOST and attempt == 0:
                     self.metrics.rebuilds.labels("draft").inc()
@@ -136,7 +140,7 @@ class Generation:
                                            draft_tokens=drafts, sampling=self._params)
             t = time.perf_counter()
             try:
-                resp = await self.target.call("Verify", req)
+                resp = await self.verifies.call(req)
             except grpc.aio.AioRpcError as e:
                 if e.code() in _LOST and attempt == 0:
                     self.metrics.rebuilds.labels("target").inc()
@@ -248,7 +252,9 @@ class Generation:
         return msg
 
     async def release(self) -> None:
-        """Free the sessions on both servers; a server that is down frees them by expiry."""
+        """Close the streams and free the sessions on both servers; a server that is down frees them by expiry."""
+        self.proposals.close()
+        self.verifies.close()
         req = ms_pb.ReleaseSessionRequest(session_id=self.session_id)
         await asyncio.gather(*(c.call("ReleaseSession", req, wait_s=0.0) for c in (self.draft, self.target)),
                              return_exceptions=True)

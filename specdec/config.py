@@ -82,6 +82,8 @@ class OrchestratorConfig:
     top_k: int = field(default=0, metadata={"help": "default top_k (0 = off)"})
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request"})
     max_request_bytes: int = field(default=1 << 20, metadata={"help": "largest request message"})
+    rpc_streams: bool = field(default=True, metadata={"help": "send each generation's ProposeTokens and Verify "
+                                                            "over one stream per server (false: a unary call each)"})
     rpc_timeout_s: float = field(default=60.0, metadata={"help": "deadline of one call to a model server"})
     unavailable_retry_s: float = field(default=30.0, metadata={"help": "how long to wait for a model server that is down"})
     startup_timeout_s: float = field(default=300.0, metadata={"help": "how long to wait for the model servers at start"})
@@ -117,8 +119,20 @@ def add_arguments(parser: argparse.ArgumentParser, cls, defaults: dict | None = 
                             default=None, help=f"{f.metadata.get('help', '')} (default {default})")
 
 
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+_bool.__name__ = "bool (true or false)"
+
+
 def _type(f):
-    return {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+    name = f.type if isinstance(f.type, str) else f.type.__name__
+    return {"int": int, "float": float, "str": str, "bool": _bool}[name]
 
 
 def from_args(cls, args: argparse.Namespace, role: str | None = None, defaults: dict | None = None):

@@ -65,8 +65,11 @@ def start_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0")
 
 
 async def serve(server: grpc.aio.Server, health_servicer, grace_s: float,
-                on_stop: Callable[[], Awaitable[None]] | None = None, stop_event: asyncio.Event | None = None) -> None:
-    """Run a started server until a signal (or stop_event), then shut down gracefully."""
+                on_stop: Callable[[], Awaitable[None]] | None = None, stop_event: asyncio.Event | None = None,
+                on_draining: Callable[[], None] | None = None) -> None:
+    """Run a started server until a signal (or stop_event), then shut down gracefully.
+
+    on_draining runs once new calls are refused, before the grace period; on_stop after it."""
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -77,6 +80,10 @@ async def serve(server: grpc.aio.Server, health_servicer, grace_s: float,
     await stop.wait()
     log.info("shutting down: NOT_SERVING, draining for up to %.0f s", grace_s)
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace_s)
+    stopped = asyncio.ensure_future(server.stop(grace_s))
+    await asyncio.sleep(0)  # let stop() refuse new calls first
+    if on_draining is not None:
+        on_draining()
+    await stopped
     if on_stop is not None:
         await on_stop()

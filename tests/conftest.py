@@ -125,7 +125,8 @@ def make_stack(lt: _Loop, tokenizer, draft_model, target_model, *, draft_service
     from target_service.servicer import TargetServicer
 
     async def start():
-        dcfg = ModelServerConfig(role="draft", model="test-draft", port=0, metrics_port=0, **(draft_cfg or {}))
+        dcfg = ModelServerConfig(role="draft", model="test-draft", port=0, metrics_port=0,
+                                 **{"threads": 1, **(draft_cfg or {})})  # as deployed: small calls run inline
         tcfg = ModelServerConfig(role="target", model="test-target", port=0, metrics_port=0, **(target_cfg or {}))
         draft = ModelServer(dcfg, draft_model, tokenizer)
         target = ModelServer(tcfg, target_model, tokenizer)

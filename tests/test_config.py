@@ -49,3 +49,13 @@ def test_draft_server_defaults_to_one_cpu_thread_and_the_environment_can_change_
     monkeypatch.setenv("SPECDEC_DRAFT_THREADS", "2")
     assert threads("draft") == 2
     assert threads("draft", ["--threads", "3"]) == 3
+
+
+def test_switches_read_true_and_false_from_flags_and_environment(monkeypatch):
+    assert parse(OrchestratorConfig, []).rpc_streams is True
+    assert parse(OrchestratorConfig, ["--rpc-streams", "false"]).rpc_streams is False
+    monkeypatch.setenv("SPECDEC_ORCHESTRATOR_RPC_STREAMS", "0")
+    assert parse(OrchestratorConfig, []).rpc_streams is False
+    monkeypatch.setenv("SPECDEC_ORCHESTRATOR_RPC_STREAMS", "maybe")
+    with pytest.raises(ConfigError, match="RPC_STREAMS='maybe' is not a valid bool"):
+        parse(OrchestratorConfig, [])

@@ -127,7 +127,7 @@ class _Recorder:
     def _before(self, sid):
         self.calls = getattr(self, "calls", 0) + 1
         if self.calls % self.every == 0:
-            self.core.pool.release(sid)  # on the loop thread: the model thread is idle between calls
+            self.core.pool.release(sid)  # on the model thread, like every pool operation
 
     def _record(self, sid, n_spec):
         s = self.core.pool._sessions.get(sid)
@@ -138,17 +138,17 @@ class _Recorder:
 class EvictingDraft(_Recorder, DraftServicer):
     every = 2
 
-    async def ProposeTokens(self, request, context):
+    def _propose(self, request):  # under both the unary and the streaming RPC
         self._before(request.cursor.session_id)
-        resp = await super().ProposeTokens(request, context)
+        resp = super()._propose(request)
         self._record(request.cursor.session_id, len(resp.token_ids) - 1)
         return resp
 
 
 class EvictingTarget(_Recorder, TargetServicer):
-    async def Verify(self, request, context):
+    def _verify(self, request):
         self._before(request.cursor.session_id)
-        resp = await super().Verify(request, context)
+        resp = super()._verify(request)
         self._record(request.cursor.session_id, len(request.draft_tokens))
         return resp
 
@@ -273,3 +273,34 @@ def test_every_server_serves_health_and_reflection(tiny_stack):
             iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         names = {s.name for s in reply.list_services_response.service}
         assert {service, "grpc.health.v1.Health"} <= names
+
+
+@pytest.fixture(scope="module")
+def inline_stack(event_loop_thread, tokenizer, tiny_draft, target_model):
+    """Both servers configured for one CPU thread, where small calls run on the event loop."""
+    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model, target_cfg=dict(threads=1))
+    assert stack.draft._inline and stack.target._inline
+    yield stack
+    stop_stack(stack)
+
+
+def test_health_answers_while_a_long_prefill_holds_the_model(inline_stack):
+    """Small calls may run on the event loop; a prefill must not, or health checks would wait it out."""
+    import threading
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(inline_stack.target_address))
+    prompt = [(7 * i) % 5000 + 100 for i in range(4000)]
+    verify = threading.Thread(target=target.Verify, args=(target_pb2.VerifyRequest(
+        cursor=ms.SessionCursor(session_id="long", tokens=prompt), sampling=ms.SamplingParams(top_p=1.0)),))
+    verify.start()
+    deadline = time.monotonic() + 30
+    while not inline_stack.target._model_lock.locked():
+        assert time.monotonic() < deadline, "the prefill never started"
+        time.sleep(0.001)
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(inline_stack.target_address))
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=60).status == health_pb2.HealthCheckResponse.SERVING
+    assert inline_stack.target._model_lock.locked()  # answered while the prefill still held the model
+    verify.join()
+    target.ReleaseSession(ms.ReleaseSessionRequest(session_id="long"))

@@ -40,6 +40,11 @@ class DraftServiceStub:
                 request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeTokensRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeTokensResponse.FromString,
                 _registered_method=True)
+        self.ProposeTokensStream = channel.stream_stream(
+                '/specdec.v1.DraftService/ProposeTokensStream',
+                request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeTokensRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeTokensResponse.FromString,
+                _registered_method=True)
         self.Truncate = channel.unary_unary(
                 '/specdec.v1.DraftService/Truncate',
                 request_serializer=specdec_dot_v1_dot_model__server__pb2.TruncateRequest.SerializeToString,
@@ -67,6 +72,15 @@ class DraftServiceServicer:
 
     def ProposeTokens(self, request, context):
         """Appends the unseen tokens to a session, then drafts tokens autoregressively.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProposeTokensStream(self, request_iterator, context):
+        """ProposeTokens on one long-lived stream (one per generation): each request gets
+        one response, in order; the first error ends the stream with its status.
+        It spares a round the cost of setting up a call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,6 +119,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'ProposeTokens': grpc.unary_unary_rpc_method_handler(
                     servicer.ProposeTokens,
+                    request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeTokensRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_draft__pb2.ProposeTokensResponse.SerializeToString,
+            ),
+            'ProposeTokensStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeTokensStream,
                     request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeTokensRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_draft__pb2.ProposeTokensResponse.SerializeToString,
             ),
@@ -154,6 +173,33 @@ class DraftService:
             request,
             target,
             '/specdec.v1.DraftService/ProposeTokens',
+            specdec_dot_v1_dot_draft__pb2.ProposeTokensRequest.SerializeToString,
+            specdec_dot_v1_dot_draft__pb2.ProposeTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeTokensStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.DraftService/ProposeTokensStream',
             specdec_dot_v1_dot_draft__pb2.ProposeTokensRequest.SerializeToString,
             specdec_dot_v1_dot_draft__pb2.ProposeTokensResponse.FromString,
             options,

@@ -40,6 +40,11 @@ class TargetServiceStub:
                 request_serializer=specdec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/specdec.v1.TargetService/VerifyStream',
+                request_serializer=specdec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.Truncate = channel.unary_unary(
                 '/specdec.v1.TargetService/Truncate',
                 request_serializer=specdec_dot_v1_dot_model__server__pb2.TruncateRequest.SerializeToString,
@@ -68,6 +73,14 @@ class TargetServiceServicer:
     def Verify(self, request, context):
         """Appends the unseen tokens and the drafts, runs one forward pass, and
         returns the target's view of every drafted position and the next one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyStream(self, request_iterator, context):
+        """Verify on one long-lived stream (one per generation): each request gets one
+        response, in order; the first error ends the stream with its status.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,6 +119,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
+                    request_deserializer=specdec_dot_v1_dot_target__pb2.VerifyRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=specdec_dot_v1_dot_target__pb2.VerifyRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
             ),
@@ -155,6 +173,33 @@ class TargetService:
             request,
             target,
             '/specdec.v1.TargetService/Verify',
+            specdec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
+            specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.TargetService/VerifyStream',
             specdec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
             specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
             options,

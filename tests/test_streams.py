@@ -1,0 +1,178 @@
+"""A generation's calls ride one stream per server: same answers and statuses as unary calls,
+one stream per generation, and a shutting-down server ends idle streams at once."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from conftest import make_stack, stop_stack
+from draft_service.servicer import DraftServicer
+from specdec.config import ModelServerConfig
+from specdec.model_server import ModelServer, start_model_server
+from specdec.server import serve
+from specdec.v1 import draft_pb2, draft_pb2_grpc, model_server_pb2 as ms, target_pb2, target_pb2_grpc
+from target_service.app import services as target_services
+from target_service.servicer import TargetServicer
+
+GREEDY = ms.SamplingParams(temperature=0.0, top_p=1.0)
+SAMPLED = ms.SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+
+
+def cursor(sid, expected, keep, tokens):
+    return ms.SessionCursor(session_id=sid, expected_length=expected, keep_length=keep, tokens=tokens)
+
+
+class _Counting:
+    streams = unary = 0
+
+
+class CountingDraft(_Counting, DraftServicer):
+    async def ProposeTokens(self, request, context):
+        self.unary += 1
+        return await super().ProposeTokens(request, context)
+
+    async def ProposeTokensStream(self, request_iterator, context):
+        self.streams += 1
+        async for response in super().ProposeTokensStream(request_iterator, context):
+            yield response
+
+
+class CountingTarget(_Counting, TargetServicer):
+    async def Verify(self, request, context):
+        self.unary += 1
+        return await super().Verify(request, context)
+
+    async def VerifyStream(self, request_iterator, context):
+        self.streams += 1
+        async for response in super().VerifyStream(request_iterator, context):
+            yield response
+
+
+@pytest.fixture(scope="module")
+def stubs(tiny_stack):
+    return (draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(tiny_stack.draft_address)),
+            target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(tiny_stack.target_address)))
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_streamed_calls_answer_exactly_as_unary_calls_in_order(stubs, sampling):
+    draft, target = stubs
+
+    def rounds(sid):  # three rounds of a session: create, extend, roll back and extend
+        return [(cursor(sid, 0, 0, [1, 2, 3, 4]), [5, 6]),
+                (cursor(sid, 6, 6, [7]), [8]),
+                (cursor(sid, 8, 5, [9, 10]), [])]
+
+    unary = [target.Verify(target_pb2.VerifyRequest(cursor=c, draft_tokens=d, sampling=sampling))
+             for c, d in rounds("unary")]
+    streamed = list(target.VerifyStream(iter(
+        [target_pb2.VerifyRequest(cursor=c, draft_tokens=d, sampling=sampling) for c, d in rounds("stream")])))
+    assert [r.length for r in streamed] == [r.length for r in unary] == [6, 8, 7]
+    for a, b in zip(unary, streamed):
+        a.compute_seconds = b.compute_seconds = 0.0
+        assert a == b
+
+    proposals = [draft_pb2.ProposeTokensRequest(cursor=cursor(sid, 0, 0, [1, 2, 3]), num_tokens=3, sampling=sampling)
+                 for sid in ("du", "ds")]
+    a, b = draft.ProposeTokens(proposals[0]), next(draft.ProposeTokensStream(iter(proposals[1:])))
+    assert list(a.token_ids) == list(b.token_ids) and list(a.token_probs) == list(b.token_probs)
+    for sid in ("unary", "stream", "du", "ds"):
+        draft.ReleaseSession(ms.ReleaseSessionRequest(session_id=sid))
+        target.ReleaseSession(ms.ReleaseSessionRequest(session_id=sid))
+
+
+def test_an_error_ends_the_stream_with_the_calls_status(stubs):
+    draft, target = stubs
+    requests = [draft_pb2.ProposeTokensRequest(cursor=cursor("e", 0, 0, [1, 2]), num_tokens=2, sampling=GREEDY),
+                draft_pb2.ProposeTokensRequest(cursor=cursor("e", 9, 9, [3]), num_tokens=2, sampling=GREEDY),
+                draft_pb2.ProposeTokensRequest(cursor=cursor("e", 3, 3, [3]), num_tokens=2, sampling=GREEDY)]
+    got = []
+    with pytest.raises(grpc.RpcError) as err:
+        for r in draft.ProposeTokensStream(iter(requests)):
+            got.append(r)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "holds 3" in err.value.details()
+    assert len(got) == 1  # the request after the error was not served
+    with pytest.raises(grpc.RpcError) as err:
+        list(target.VerifyStream(iter([target_pb2.VerifyRequest(cursor=cursor("v", 0, 0, [10 ** 7]), sampling=GREEDY)])))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    draft.ReleaseSession(ms.ReleaseSessionRequest(session_id="e"))
+
+
+def test_a_generation_uses_one_stream_per_server_and_unary_calls_give_the_same_tokens(
+        event_loop_thread, tokenizer, partial_draft, target_model):
+    tokens, counts = {}, {}
+    for streams in (True, False):
+        stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model, draft_servicer=CountingDraft,
+                           target_servicer=CountingTarget, orch_cfg=dict(rpc_streams=streams))
+        try:
+            tokens[streams] = []
+            for sampling in (dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=5)):
+                ids, _, stats = stack.generate(prompt="The capital of France is", max_tokens=24,
+                                               num_speculative_tokens=3, **sampling)
+                assert stats.rounds > 3
+                tokens[streams].append(ids)
+            counts[streams] = [(s.streams, s.unary) for s in (stack.servicers_draft, stack.servicers_target)]
+        finally:
+            stop_stack(stack)
+    assert counts[True] == [(2, 0), (2, 0)]  # one stream per generation and server, every round on it
+    assert counts[False][0][0] == counts[False][1][0] == 0 and min(counts[False][0][1], counts[False][1][1]) > 6
+    assert tokens[True] == tokens[False]
+
+
+def test_shutdown_ends_idle_streams_at_once_with_unavailable(event_loop_thread, tokenizer, tiny_draft):
+    grace_s = 30.0
+
+    async def start():
+        core = ModelServer(ModelServerConfig(role="target", model="t", port=0, metrics_port=0), tiny_draft, tokenizer)
+        server, port, health_servicer, _ = await start_model_server(core, target_services(core), "127.0.0.1", 0)
+        return core, server, port, health_servicer
+
+    core, server, port, health_servicer = event_loop_thread.run(start())
+    stop = asyncio.Event()
+    serving = asyncio.run_coroutine_threadsafe(
+        serve(server, health_servicer, grace_s, stop_event=stop, on_draining=core.begin_shutdown), event_loop_thread.loop)
+    stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    outbox: list = [target_pb2.VerifyRequest(cursor=cursor("s", 0, 0, [1, 2, 3]), sampling=GREEDY)]
+    gate = threading.Event()
+
+    def requests():  # one request, then stay open as a generation between rounds does
+        yield outbox[0]
+        gate.wait(grace_s)
+
+    responses = stub.VerifyStream(requests())
+    assert next(responses).length == 3
+    t = time.monotonic()
+    event_loop_thread.loop.call_soon_threadsafe(stop.set)
+    with pytest.raises(grpc.RpcError) as err:
+        next(responses)
+    serving.result(timeout=grace_s)
+    gate.set()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
+    assert time.monotonic() - t < grace_s / 3  # it did not wait out the grace period for the open stream
+
+
+class ThreadRecordingTarget(TargetServicer):
+    def _verify(self, request):
+        self.threads = getattr(self, "threads", []) + [(len(request.cursor.tokens) + len(request.draft_tokens),
+                                                         threading.current_thread().name)]
+        return super()._verify(request)
+
+
+def test_one_thread_servers_run_round_calls_on_the_event_loop_and_prefills_on_the_model_thread(
+        event_loop_thread, tokenizer, partial_draft, target_model):
+    stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model,
+                       target_servicer=ThreadRecordingTarget, target_cfg=dict(threads=1))
+    try:
+        stack.generate(prompt="Write a short poem about the sea, the wind over it and the ships that sail "
+                              "from one harbour to the next.", max_tokens=16,
+                       temperature=0.0, num_speculative_tokens=3)
+    finally:
+        stop_stack(stack)
+    (prefill, first), *rounds = stack.servicers_target.threads
+    assert prefill > 16 and first.startswith("target-model")
+    assert rounds and all(n <= 16 and name == event_loop_thread.thread.name for n, name in rounds)
