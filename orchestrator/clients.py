@@ -98,10 +98,8 @@ class Duplex:
             self._call = getattr(self.client.stub, self.method)()
         call = self._call
         try:
-            async with asyncio.timeout(self.client.cfg.rpc_timeout_s):
-                await call.write(request)
-                response = await call.read()
-        except TimeoutError:
+            response = await asyncio.wait_for(_write_read(call, request), self.client.cfg.rpc_timeout_s)
+        except asyncio.TimeoutError:
             self.close()
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"no answer within {self.client.cfg.rpc_timeout_s:g} s") from None
@@ -123,3 +121,8 @@ class Duplex:
         if self._call is not None:
             self._call.cancel()
             self._call = None
+
+
+async def _write_read(call, request):
+    await call.write(request)
+    return await call.read()

@@ -176,3 +176,25 @@ def test_one_thread_servers_run_round_calls_on_the_event_loop_and_prefills_on_th
     (prefill, first), *rounds = stack.servicers_target.threads
     assert prefill > 16 and first.startswith("target-model")
     assert rounds and all(n <= 16 and name == event_loop_thread.thread.name for n, name in rounds)
+
+
+class SlowTarget(TargetServicer):
+    """Answers the third Verify after the orchestrator's deadline."""
+
+    def _verify(self, request):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 3:
+            time.sleep(2.0)
+        return super()._verify(request)
+
+
+def test_a_round_past_the_deadline_fails_with_deadline_exceeded(event_loop_thread, tokenizer, tiny_draft, target_model):
+    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model, target_servicer=SlowTarget,
+                       orch_cfg=dict(rpc_timeout_s=0.5))
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            stack.generate(prompt="Count to ten:", max_tokens=20, temperature=0.0, num_speculative_tokens=2)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "target service" in err.value.details() and "0.5 s" in err.value.details()
+    finally:
+        stop_stack(stack)
