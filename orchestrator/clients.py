@@ -85,27 +85,34 @@ class Duplex:
     its response. Errors surface as ``AioRpcError`` with the server's status, exactly as a unary
     call's would; a broken stream is dropped and the next call opens a fresh one."""
 
+    # A stream torn down under a message (a server stopped or killed) may end INTERNAL, UNKNOWN or
+    # CANCELLED rather than UNAVAILABLE. On a stream that already carried a call, these are taken as
+    # UNAVAILABLE: the request goes again on a fresh stream, where a real error shows with its own code.
+    # Resending is safe: the session cursor makes a request that did run answer FAILED_PRECONDITION.
+    _BROKEN = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED)
+
     def __init__(self, client: ModelClient, method: str):
         self.client = client
         self.method = method
         self._call = None
+        self._answered = 0  # calls the current stream has answered
 
     async def call(self, request, *, wait_s: float | None = None):
         return await self.client.retrying(lambda: self._exchange(request), wait_s)
 
     async def _exchange(self, request):
         if self._call is None:
-            self._call = getattr(self.client.stub, self.method)()
-        call = self._call
+            self._call, self._answered = getattr(self.client.stub, self.method)(), 0
+        call, reused = self._call, self._answered > 0
         try:
             response = await asyncio.wait_for(_write_read(call, request), self.client.cfg.rpc_timeout_s)
         except asyncio.TimeoutError:
             self.close()
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"no answer within {self.client.cfg.rpc_timeout_s:g} s") from None
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as e:
             self.close()
-            raise
+            raise self._reopenable(e.code(), e.details(), reused) from None
         except asyncio.InvalidStateError:  # the stream had ended; its status says why
             response = grpc.aio.EOF
         if response is grpc.aio.EOF:
@@ -113,8 +120,14 @@ class Duplex:
             code, details = await call.code(), await call.details()
             if code == grpc.StatusCode.OK:  # ended without an error: the server went away cleanly
                 code, details = grpc.StatusCode.UNAVAILABLE, "the server closed the stream"
-            raise rpc_error(code, details)
+            raise self._reopenable(code, details, reused)
+        self._answered += 1
         return response
+
+    def _reopenable(self, code: grpc.StatusCode, details: str, reused: bool) -> grpc.aio.AioRpcError:
+        if reused and code in self._BROKEN:
+            return rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream broke ({code.name}: {details})")
+        return rpc_error(code, details)
 
     def close(self) -> None:
         """Drop the stream; the server frees its side at once."""

@@ -198,3 +198,34 @@ def test_a_round_past_the_deadline_fails_with_deadline_exceeded(event_loop_threa
         assert "target service" in err.value.details() and "0.5 s" in err.value.details()
     finally:
         stop_stack(stack)
+
+
+class BreakingTarget(TargetServicer):
+    """Its first stream breaks after two answers, as a stream torn down under a message does (UNKNOWN)."""
+
+    streams = 0
+
+    async def VerifyStream(self, request_iterator, context):
+        self.streams += 1
+        first, answered = self.streams == 1, 0
+        async for response in super().VerifyStream(request_iterator, context):
+            if first and answered == 2:
+                raise RuntimeError("transport gone")
+            answered += 1
+            yield response
+
+
+def test_a_stream_that_breaks_mid_generation_is_reopened_and_costs_no_request(
+        event_loop_thread, tokenizer, partial_draft, target_model, partial_stack):
+    kw = dict(prompt="The capital of France is", max_tokens=24, temperature=0.0, num_speculative_tokens=3)
+    expected, _, _ = partial_stack.generate(**kw)
+    stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model, target_servicer=BreakingTarget)
+    try:
+        got, _, _ = stack.generate(**kw)
+        assert got == expected
+        # the resend on a fresh stream finds the session past it (the lost answer did run): FAILED_PRECONDITION,
+        # which ends that stream as any error does, and the rebuild goes on a third
+        assert stack.servicers_target.streams == 3
+        assert stack.metric("specdec_session_rebuilds_total", {"service": "target"}) == 1
+    finally:
+        stop_stack(stack)
