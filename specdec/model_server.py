@@ -135,6 +135,7 @@ class ModelServer:
         pending = requests.__aiter__()
         while True:
             nxt = asyncio.ensure_future(pending.__anext__())
+            nxt.add_done_callback(_consume)  # a client that cancels leaves it to end unread
             await asyncio.wait((nxt, self._stopping), return_when=asyncio.FIRST_COMPLETED)
             if not nxt.done():
                 nxt.cancel()
@@ -243,6 +244,11 @@ class ModelServer:
 
     def model_info(self, req) -> pb.ModelInfo:
         return self.info
+
+
+def _consume(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class SessionRpcs:
