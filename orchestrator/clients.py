@@ -56,12 +56,6 @@ class ModelClient:
             await asyncio.sleep(delay)
             delay = min(2 * delay, 1.0)
 
-    def duplex(self, method: str) -> "Duplex":
-        return Duplex(self, method)
-
-    def unary(self, method: str) -> "Unary":
-        return Unary(self, method)
-
     async def close(self) -> None:
         await self.channel.close()
 

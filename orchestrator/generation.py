@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 
 from orchestrator import rejection_sampler as rs
-from orchestrator.clients import ModelClient
+from orchestrator.clients import Duplex, ModelClient, Unary
 from orchestrator.detokenizer import TextStream
 from orchestrator.metrics import OrchestratorMetrics
 from specdec.errors import ServiceError
@@ -67,8 +67,8 @@ class Generation:
         self.draft = draft
         self.target = target
         streams = draft.cfg.rpc_streams
-        self.proposals = draft.duplex("ProposeTokensStream") if streams else draft.unary("ProposeTokens")
-        self.verifies = target.duplex("VerifyStream") if streams else target.unary("Verify")
+        self.proposals = Duplex(draft, "ProposeTokensStream") if streams else Unary(draft, "ProposeTokens")
+        self.verifies = Duplex(target, "VerifyStream") if streams else Unary(target, "Verify")
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.metrics = metrics

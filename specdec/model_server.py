@@ -112,7 +112,7 @@ class ModelServer:
                     return self._timed(fn, request)
                 finally:
                     self._model_lock.release()
-            return await self.on_model_thread(self._timed, fn, request)
+            return await self._on_model_thread(self._timed, fn, request)
         except ServiceError as e:
             self.metrics.rpc_errors.labels(method, e.code.name).inc()
             await context.abort(e.code, e.message)
@@ -151,7 +151,7 @@ class ModelServer:
         if self._stopping is not None and not self._stopping.done():
             self._stopping.set_result(None)
 
-    async def on_model_thread(self, fn, *args):
+    async def _on_model_thread(self, fn, *args):
         """fn(*args) on the model thread, under the model lock."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._locked, fn, args)
 
@@ -174,7 +174,7 @@ class ModelServer:
     async def expire_idle_forever(self, every_s: float = 5.0) -> None:
         while True:
             await asyncio.sleep(every_s)
-            n = await self.on_model_thread(self.pool.expire_idle)
+            n = await self._on_model_thread(self.pool.expire_idle)
             if n:
                 self.metrics.sessions_expired.inc(n)
                 self._update_pool_metrics()

@@ -69,7 +69,7 @@ async def serve(server: grpc.aio.Server, health_servicer, grace_s: float,
                 on_draining: Callable[[], None] | None = None) -> None:
     """Run a started server until a signal (or stop_event), then shut down gracefully.
 
-    on_draining runs once new calls are refused, before the grace period; on_stop after it."""
+    on_draining runs as shutdown begins, before the grace period; on_stop after it."""
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -80,10 +80,8 @@ async def serve(server: grpc.aio.Server, health_servicer, grace_s: float,
     await stop.wait()
     log.info("shutting down: NOT_SERVING, draining for up to %.0f s", grace_s)
     await health_servicer.enter_graceful_shutdown()
-    stopped = asyncio.ensure_future(server.stop(grace_s))
-    await asyncio.sleep(0)  # let stop() refuse new calls first
     if on_draining is not None:
         on_draining()
-    await stopped
+    await server.stop(grace_s)
     if on_stop is not None:
         await on_stop()
