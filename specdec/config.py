@@ -31,8 +31,8 @@ class ModelServerConfig:
     model: str = field(default=DEFAULT_TARGET, metadata={"help": "hub id, local folder or embedded:NAME"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device: cpu, cuda, cuda:1..."})
-    runner: str = field(default="hf", metadata={"help": "forward pass: hf (stock transformers), lean (Llama, "
-                                                        "less per-call overhead) or auto"})
+    runner: str = field(default="auto", metadata={"help": "forward pass: hf (stock transformers), lean (Llama, "
+                                                          "less per-call overhead) or auto (lean for Llama)"})
     host: str = field(default="0.0.0.0", metadata={"help": "address to bind"})
     port: int = field(default=50053, metadata={"help": "gRPC port (0 picks a free one)"})
     metrics_port: int = field(default=8003, metadata={"help": "Prometheus port (0 disables)"})

@@ -7,10 +7,12 @@ hand-off to a worker thread and back costs two thread wake-ups, measured at
 rebuild) or anything that finds the model busy goes to the model thread, so the
 loop stays free for health checks and metrics while it runs.
 
-Only where the model computes on one CPU thread or on an accelerator: a CPU
-model with several threads would then start OpenMP teams from two threads, and
-two live teams made every forward pass about 1.5x slower here (35 -> 50 ms for
-the target's 3-token verify), far more than the hand-off saves.
+Only where the model computes on one CPU thread or on an accelerator. A CPU
+model with several threads keeps all its work, loading included, on the model
+thread: a second thread that runs one parallel op starts a second OpenMP team,
+libgomp then counts more threads than cores and stops spinning at its barriers,
+and every forward pass became 1.6-1.8x slower here for good (a 1-token target
+step: 26 -> 41 ms with the lean forward, 31 -> 55 ms with the stock one).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def _tokens_bucket(n: int) -> str:
 class ModelServer:
     """A loaded model behind a session pool; the servicers call into it."""
 
-    def __init__(self, cfg: ModelServerConfig, model, tokenizer, registry: CollectorRegistry | None = None):
+    def __init__(self, cfg: ModelServerConfig, model, tokenizer, registry: CollectorRegistry | None = None,
+                 executor: ThreadPoolExecutor | None = None):
         self.cfg = cfg
         self.vocab_size = len(tokenizer)
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 20
@@ -83,20 +86,26 @@ class ModelServer:
         self.metrics = ModelServerMetrics(self.registry)
         self.metrics.sessions_capacity.set(cfg.max_sessions)
         self.metrics.tokens_capacity.set(cfg.max_tokens)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{cfg.role}-model")
+        self._executor = executor or _model_thread(cfg.role)
         self._stopping: asyncio.Future | None = None  # set by begin_shutdown; ends idle streams
         self._model_lock = threading.Lock()  # one model or pool operation at a time, on any thread
         self._inline = self.runner.device.type != "cpu" or (cfg.threads or torch.get_num_threads()) == 1
 
     @classmethod
-    def load(cls, cfg: ModelServerConfig, registry: CollectorRegistry | None = None) -> "ModelServer":
+    async def load(cls, cfg: ModelServerConfig, registry: CollectorRegistry | None = None) -> "ModelServer":
+        """Load on the model thread, which then runs every forward pass (see the module's docstring)."""
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        t = time.monotonic()
-        tokenizer = models.load_tokenizer(cfg.model)
-        model = models.load_model(cfg.model, cfg.dtype, cfg.device)
-        log.info("%s: loaded %s in %.1f s", cfg.role, cfg.model, time.monotonic() - t)
-        return cls(cfg, model, tokenizer, registry)
+        executor = _model_thread(cfg.role)
+
+        def load() -> "ModelServer":
+            t = time.monotonic()
+            tokenizer = models.load_tokenizer(cfg.model)
+            model = models.load_model(cfg.model, cfg.dtype, cfg.device)
+            log.info("%s: loaded %s in %.1f s", cfg.role, cfg.model, time.monotonic() - t)
+            return cls(cfg, model, tokenizer, registry, executor)
+
+        return await asyncio.get_running_loop().run_in_executor(executor, load)
 
     # -- plumbing ------------------------------------------------------------
     async def call(self, method: str, fn, request, context: grpc.aio.ServicerContext, *, tokens: int | None = None):
@@ -246,6 +255,10 @@ class ModelServer:
         return self.info
 
 
+def _model_thread(role: str) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-model")
+
+
 def _consume(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()
@@ -286,7 +299,7 @@ async def run_model_server(cfg: ModelServerConfig, make_services) -> None:
     from specdec.server import serve, start_metrics
 
     registry = CollectorRegistry()
-    core = ModelServer.load(cfg, registry)
+    core = await ModelServer.load(cfg, registry)
     start_metrics(cfg.metrics_port, registry)
     server, _, health_servicer, expiry = await start_model_server(core, make_services(core), cfg.host, cfg.port)
 

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import make_stack, stop_stack
 from draft_service.servicer import DraftServicer
+from specdec import models
 from specdec.config import ModelServerConfig
 from specdec.model_server import ModelServer, start_model_server
 from specdec.server import serve
@@ -176,6 +177,40 @@ def test_one_thread_servers_run_round_calls_on_the_event_loop_and_prefills_on_th
     (prefill, first), *rounds = stack.servicers_target.threads
     assert prefill > 16 and first.startswith("target-model")
     assert rounds and all(n <= 16 and name == event_loop_thread.thread.name for n, name in rounds)
+
+
+def test_a_multithreaded_cpu_server_loads_and_computes_on_its_model_thread_only(
+        event_loop_thread, tokenizer, tiny_draft, tmp_path, monkeypatch):
+    # Torch work on a second thread would start a second OpenMP team and slow every pass for good.
+    tiny_draft.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded_on = []
+    load_model = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: loaded_on.append(threading.current_thread().name)
+                        or load_model(*a, **k))
+    cfg = ModelServerConfig(role="target", model=str(tmp_path), port=0, metrics_port=0, threads=2)
+
+    async def start():
+        core = await ModelServer.load(cfg)
+        servicer = ThreadRecordingTarget(core)
+        server, port, _, expiry = await start_model_server(
+            core, [(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer, "specdec.v1.TargetService")],
+            "127.0.0.1", 0)
+        return core, servicer, server, port, expiry
+
+    core, servicer, server, port, expiry = event_loop_thread.run(start())
+    try:
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        length = 0
+        for tokens in ([1, 2, 3, 4], [5], [6], [7]):  # a prefill, then round-sized calls; the draft is rejected
+            length = stub.Verify(target_pb2.VerifyRequest(cursor=cursor("s", length, max(length - 1, 0), tokens),
+                                                          draft_tokens=[8], sampling=GREEDY)).length
+    finally:
+        expiry.cancel()
+        event_loop_thread.run(server.stop(None))
+        core.shutdown()
+    names = {name for _, name in servicer.threads}
+    assert len(servicer.threads) == 4 and names == set(loaded_on) and loaded_on[0].startswith("target-model")
 
 
 class SlowTarget(TargetServicer):
