@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     ap.add_argument("--draft", default="models/smollm2-draft", help="the draft the services run, to time c")
     ap.add_argument("--target", default=models.DEFAULT_TARGET)
     ap.add_argument("--draft-runner", default="auto")
-    ap.add_argument("--target-runner", default="hf")
+    ap.add_argument("--target-runner", default="auto", help="as the services run it (auto: lean for Llama)")
     args = ap.parse_args(argv)
     conversations = make_prompts(args.prompts, seed=7, held_out=True)
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(args.address))
