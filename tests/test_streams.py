@@ -186,8 +186,12 @@ def test_a_multithreaded_cpu_server_loads_and_computes_on_its_model_thread_only(
     tokenizer.save_pretrained(tmp_path)
     loaded_on = []
     load_model = models.load_model
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: loaded_on.append(threading.current_thread().name)
-                        or load_model(*a, **k))
+
+    def recording_load_model(*args, **kwargs):
+        loaded_on.append(threading.current_thread().name)
+        return load_model(*args, **kwargs)
+
+    monkeypatch.setattr(models, "load_model", recording_load_model)
     cfg = ModelServerConfig(role="target", model=str(tmp_path), port=0, metrics_port=0, threads=2)
 
     async def start():

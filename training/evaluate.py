@@ -22,6 +22,7 @@ import torch
 from bench.metrics import leviathan_alpha, leviathan_bound
 from specdec import models
 from specdec.cli import ROLE_DEFAULTS
+from specdec.config import ModelServerConfig
 from specdec.runner import make_runner
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 from training.prompts import make_prompts
@@ -80,8 +81,8 @@ def main(argv=None) -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--draft", default="models/smollm2-draft", help="the draft the services run, to time c")
     ap.add_argument("--target", default=models.DEFAULT_TARGET)
-    ap.add_argument("--draft-runner", default="auto")
-    ap.add_argument("--target-runner", default="auto", help="as the services run it (auto: lean for Llama)")
+    ap.add_argument("--draft-runner", default=ModelServerConfig.runner, help="as the services run it")
+    ap.add_argument("--target-runner", default=ModelServerConfig.runner, help="as the services run it")
     args = ap.parse_args(argv)
     conversations = make_prompts(args.prompts, seed=7, held_out=True)
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(args.address))
