@@ -44,7 +44,10 @@ def _forward(r: LeanLlamaRunner, ids, pos, k_cache, v_cache, start: int, key_val
 @torch.inference_mode()
 def generate(r: LeanLlamaRunner, prompts: list[list[int]], max_new: int, temperature: float, top_p: float,
              eos_ids: set[int], seed: int, top_k_labels: int = 20):
-    """One batch. Returns per row: (completion ids, top-k ids [m, k] int32, top-k log-probs [m, k] fp16)."""
+    """One batch. Returns per row: (completion ids, top-k ids [m, k] int32, top-k log-probs [m, k] fp16).
+
+    Rows that finished are dropped from the batch (and its caches) once they are a quarter of it,
+    so a batch's long answers do not drag its short ones' share of the compute along."""
     g = torch.Generator().manual_seed(seed)
     B, P = len(prompts), max(len(p) for p in prompts)
     T = P + max_new
@@ -59,26 +62,32 @@ def generate(r: LeanLlamaRunner, prompts: list[list[int]], max_new: int, tempera
     pos = (torch.arange(P)[None] - pad[:, None]).clamp(min=0)
     logits = _forward(r, ids, pos, k_cache, v_cache, 0, key_valid)
     out = [[] for _ in range(B)]
-    labels_i, labels_v = [], []
+    labels_i, labels_v = [[] for _ in range(B)], [[] for _ in range(B)]
+    rows = torch.arange(B)  # original index of each row still in the batch
     done = torch.zeros(B, dtype=torch.bool)
     eos = torch.tensor(sorted(eos_ids))
     for t in range(max_new):
         logp = torch.log_softmax(logits, dim=-1)
         top = torch.topk(logp, top_k_labels, dim=-1)
-        labels_i.append(top.indices.int())
-        labels_v.append(top.values.half())
+        top_i, top_v = top.indices.int(), top.values.half()
         if temperature == 0:
             nxt = logits.argmax(-1)
         else:
             nxt = torch.multinomial(logits_to_probs(logits, temperature, 0, top_p), 1, generator=g)[:, 0]
-        for b in torch.nonzero(~done).flatten().tolist():
-            out[b].append(int(nxt[b]))
+        for j in torch.nonzero(~done).flatten().tolist():
+            b = int(rows[j])
+            out[b].append(int(nxt[j]))
+            labels_i[b].append(top_i[j])
+            labels_v[b].append(top_v[j])
         done |= torch.isin(nxt, eos)
         if bool(done.all()) or t == max_new - 1:
             break
+        if int(done.sum()) * 4 >= len(rows):  # compact: keep the unfinished rows only
+            keep = torch.nonzero(~done).flatten()
+            rows, done, nxt, pad, key_valid = rows[keep], done[keep], nxt[keep], pad[keep], key_valid[keep]
+            k_cache, v_cache = k_cache[:, keep], v_cache[:, keep]
         logits = _forward(r, nxt[:, None], (P - pad + t)[:, None], k_cache, v_cache, P + t, key_valid)
-    li, lv = torch.stack(labels_i, 1), torch.stack(labels_v, 1)  # [B, steps, k]
-    return [(out[b], li[b, : len(out[b])], lv[b, : len(out[b])]) for b in range(B)]
+    return [(out[b], torch.stack(labels_i[b]), torch.stack(labels_v[b])) for b in range(B)]
 
 
 def generate_all(r, prompts, max_new, temperature, top_p, eos_ids, seed, batch_size, deadline=None, log=print):

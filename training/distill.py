@@ -28,7 +28,7 @@ import torch
 from specdec import models
 from specdec.lean_llama import LeanLlamaRunner
 from training import batched
-from training.prompts import make_prompts
+from training.prompts import VERSION as PROMPTS_VERSION, make_prompts
 
 SEED = 20261121
 
@@ -50,7 +50,7 @@ def stage_data(args, tokenizer) -> list[Path]:
 
 def _data_part(args, tokenizer, part: int) -> Path:
     seed = SEED + part
-    key = hashlib.sha256(json.dumps([args.num_prompts, args.max_new, seed]).encode()).hexdigest()[:10]
+    key = hashlib.sha256(json.dumps([args.num_prompts, args.max_new, seed, PROMPTS_VERSION]).encode()).hexdigest()[:10]
     path = work_dir() / f"data-{key}.pt"
     if path.exists():
         log(f"data: cached {path}")

@@ -158,7 +158,7 @@ def stage_train(args, tokenizer, data_paths: list[Path]) -> None:
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
             opt.step()
             step += 1
-            if step % 50 == 0 or step == 1:
+            if step % 100 == 0 or step == 1:
                 draft.eval()
                 with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
                     vl, va = zip(*(loss_on(draft, kept_t, slot, val[i:i + 8]) for i in range(0, len(val), 8)))
