@@ -1,6 +1,7 @@
 """specdec bench: how much sooner tokens arrive, measured side by side, against the bound and the in-process peer.
 
     specdec bench [--quick] [--out DIR] [--draft-model M] [--target-model M]
+    specdec bench --production [--device cuda]     # Llama 3.2 1B/3B sizes: see bench/production.py
 
 Starts the three services on free loopback ports. For each temperature (0, and
 0.7 with top_p 0.9), each repetition and each prompt of bench/prompts.json, it
@@ -217,6 +218,11 @@ def run_peer(args, prompts, progress) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--production" in argv:  # the production-size profile (bench/production.py)
+        from bench.production import main as production_main
+
+        return production_main([a for a in argv if a != "--production"])
     ap = argparse.ArgumentParser(prog="specdec bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smoke check under 5 minutes: 6 prompts, K in {2, 4}, one repetition")

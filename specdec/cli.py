@@ -5,6 +5,7 @@
   specdec generate "PROMPT"   stream a completion from a running orchestrator
   specdec health ADDRESS      exit 0 when a server reports SERVING (for container health checks)
   specdec bench [--quick]     speedup measured side by side (see bench/run.py)
+  specdec bench --production  c, verify cost and projected speedup at Llama 3.2 1B/3B sizes (bench/production.py)
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """Evaluate a draft through the real services on held-out prompts (issue 3).
 
     specdec up &                                   # with the draft to evaluate
-    python -m training.evaluate [--address localhost:50051] [--prompts 40]
+    python -m training.evaluate [--address localhost:50051] [--prompts 40] [--prompt-set held-out|bench]
 
 Reports, at K = 4 for T = 0 and T = 0.7 (top_p 0.9): alpha = accepted / (accepted +
 rounds ending in a rejection), accepted/drafted, tokens per round tau; c = one
 draft step / one target step measured here with the runners the services use; and
 the speedup (1 - a^(K+1)) / ((1 - a)(Kc + 1)) predicted at the best K.
+Prompt sets: the generator's held-out content (default), or the bench's hand-written
+prompts (bench/prompts.json, which the generator never produces).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import grpc
 import torch
 
 from bench.metrics import leviathan_alpha, leviathan_bound
+from bench.run import load_prompts
 from specdec import models
 from specdec.cli import ROLE_DEFAULTS
 from specdec.config import ModelServerConfig
@@ -83,10 +86,14 @@ def main(argv=None) -> None:
     ap.add_argument("--target", default=models.DEFAULT_TARGET)
     ap.add_argument("--draft-runner", default=ModelServerConfig.runner, help="as the services run it")
     ap.add_argument("--target-runner", default=ModelServerConfig.runner, help="as the services run it")
+    ap.add_argument("--prompt-set", default="held-out", choices=["held-out", "bench"])
     args = ap.parse_args(argv)
-    conversations = make_prompts(args.prompts, seed=7, held_out=True)
+    if args.prompt_set == "bench":
+        conversations = [[{"role": "user", "content": p["prompt"]}] for p in load_prompts(args.prompts)]
+    else:
+        conversations = make_prompts(args.prompts, seed=7, held_out=True)
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(args.address))
-    report = {"prompts": len(conversations), "k": args.k}
+    report = {"prompt_set": args.prompt_set, "prompts": len(conversations), "k": args.k}
     for name, temperature, top_p in (("greedy", 0.0, 1.0), ("t0.7_top_p0.9", 0.7, 0.9)):
         report[name] = run(stub, conversations, args.k, temperature, top_p, args.max_tokens, seed=1)
     d_ms, t_ms = measure_c(args.draft, args.target, args.draft_runner, args.target_runner)
