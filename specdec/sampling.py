@@ -72,18 +72,23 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Mask of the smallest set of most likely tokens whose mass reaches top_p. probs: [n, vocab] -> bool [n, vocab].
 
     Sorting the whole vocabulary costs milliseconds a row; the nucleus is usually
-    small, so look at the top 64, then 256... until every row's mass is reached.
+    small, so look at the top 64, then 256... until the row's mass is reached. Only
+    the rows still short of it look further, so one flat row in a batch of peaky
+    ones does not make the whole batch sort thousands of tokens.
     """
-    vocab = probs.shape[-1]
+    n, vocab = probs.shape
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    rows = torch.arange(n, device=probs.device)
     k = min(64, vocab)
-    while True:
-        top, idx = torch.topk(probs, k, dim=-1)  # [n, k], descending
+    while rows.numel():
+        top, idx = torch.topk(probs[rows], k, dim=-1)  # [rows, k], descending
         cum = torch.cumsum(top, dim=-1)
-        if k == vocab or bool((cum[..., -1] >= top_p).all()):
-            break
+        reached = (cum[:, -1] >= top_p) | (k == vocab)
+        done = rows[reached]
+        keep[done] = keep[done].scatter(-1, idx[reached], (cum - top)[reached] < top_p)  # mass before it not yet reached
+        rows = rows[~reached]
         k = min(4 * k, vocab)
-    keep_sorted = (cum - top) < top_p  # mass before the token not yet reached
-    return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, idx, keep_sorted)
+    return keep
 
 
 def sample_dense(probs: torch.Tensor, u: float) -> int:
