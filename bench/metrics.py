@@ -37,7 +37,11 @@ def leviathan_alpha(accepted: int, rejected_rounds: int) -> float:
     return accepted / (accepted + rejected_rounds) if accepted + rejected_rounds else 0.0
 
 
+def expected_tokens_per_round(alpha: float, k: int) -> float:
+    """tau = (1 - alpha^(K+1)) / (1 - alpha): accepted drafts plus the one token the target adds."""
+    return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
 def leviathan_bound(alpha: float, k: int, c: float) -> float:
     """Expected speedup (1 - alpha^(K+1)) / ((1 - alpha)(Kc + 1)): tokens per round over a round's cost."""
-    tau = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tau / (k * c + 1)
+    return expected_tokens_per_round(alpha, k) / (k * c + 1)

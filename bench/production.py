@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.metrics import leviathan_bound
+from bench.metrics import expected_tokens_per_round, leviathan_bound
 
 _ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "high_freq_factor": 4.0,
          "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
@@ -74,32 +74,28 @@ def build(cfg: dict, dtype: torch.dtype, device: str):
         torch.set_default_dtype(default)
 
 
-def pass_ms(runner, n_new: int, context: int, reps: int, sync) -> float:
+def pass_ms(runner, n_new: int, context: int, reps: int, sync=lambda: None, warmup: int = 2) -> float:
     """Median time of one pass over n_new tokens after a prefill of context tokens (all n_new logits)."""
     cache = runner.new_cache()
     runner.forward(cache, [i % 1000 + 1 for i in range(context)], 1)
     times = []
-    for r in range(reps + 2):  # two warm-up passes
+    for r in range(reps + warmup):
         tokens = [(r * 7 + i) % 1000 + 1 for i in range(n_new)]
         sync()
         t = time.perf_counter()
         runner.forward(cache, tokens, n_new)
         sync()
-        if r >= 2:
+        if r >= warmup:
             times.append(time.perf_counter() - t)
         runner.crop(cache, context)
     return 1000 * statistics.median(times)
-
-
-def tau(alpha: float, k: int) -> float:
-    return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 def projected_speedup(alpha: float, k: int, draft_ms: float, verify_ms: dict[int, float], overhead_ms: float) -> float:
     """Tokens per round over a round's measured cost, against the target alone (one step per token)."""
     if k == 0:
         return 1.0
-    return tau(alpha, k) * verify_ms[0] / (k * draft_ms + verify_ms[k] + overhead_ms)
+    return expected_tokens_per_round(alpha, k) * verify_ms[0] / (k * draft_ms + verify_ms[k] + overhead_ms)
 
 
 def profile(device: str, dtype: str, context: int, reps: int, overhead_ms: float, max_k: int = 8,

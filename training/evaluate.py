@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import grpc
 import torch
 
 from bench.metrics import leviathan_alpha, leviathan_bound
+from bench.production import pass_ms
 from bench.run import load_prompts
 from specdec import models
 from specdec.cli import ROLE_DEFAULTS
@@ -36,15 +36,7 @@ _DEFAULT_THREADS = torch.get_num_threads()
 def step_ms(runner, context: int = 200, reps: int = 30, threads: int = 0) -> float:
     """Median time of one 1-token step after `context` tokens, with the CPU threads its server uses (0: torch's default)."""
     torch.set_num_threads(threads or _DEFAULT_THREADS)
-    cache = runner.new_cache()
-    runner.forward(cache, list(range(1000, 1000 + context)), 1)
-    times = []
-    for i in range(reps):
-        t = time.perf_counter()
-        runner.forward(cache, [500 + i], 1)
-        times.append(time.perf_counter() - t)
-        runner.crop(cache, context)
-    return 1000 * statistics.median(times)
+    return pass_ms(runner, 1, context, reps, warmup=0)  # measure_c warms both runners up first
 
 
 def measure_c(draft: str, target: str, draft_runner: str, target_runner: str) -> tuple[float, float]:
