@@ -33,6 +33,9 @@ class ModelServerConfig:
     device: str = field(default="cpu", metadata={"help": "torch device: cpu, cuda, cuda:1..."})
     runner: str = field(default="auto", metadata={"help": "forward pass: hf (stock transformers), lean (Llama, "
                                                           "less per-call overhead) or auto (lean for Llama)"})
+    matmul: str = field(default="auto", metadata={"help": "lean runner's product form for steps and verify passes: "
+                                                          "auto (the faster on this CPU, timed at load), linear "
+                                                          "(x @ W^T) or weights-first (W @ x^T)"})
     host: str = field(default="0.0.0.0", metadata={"help": "address to bind"})
     port: int = field(default=50053, metadata={"help": "gRPC port (0 picks a free one)"})
     metrics_port: int = field(default=8003, metadata={"help": "Prometheus port (0 disables)"})
@@ -50,6 +53,8 @@ class ModelServerConfig:
             raise ConfigError(f"role must be draft or target, not {self.role!r}")
         if self.runner not in ("hf", "lean", "auto"):
             raise ConfigError(f"--runner must be hf, lean or auto, not {self.runner!r}")
+        if self.matmul not in ("auto", "linear", "weights-first"):
+            raise ConfigError(f"--matmul must be auto, linear or weights-first, not {self.matmul!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         _ports(self.port, self.metrics_port)

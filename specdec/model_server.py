@@ -72,7 +72,7 @@ class ModelServer:
         self.vocab_size = len(tokenizer)
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(cfg.max_model_len or limit, limit)
-        self.runner = make_runner(model, self.vocab_size, self.max_model_len, cfg.runner)
+        self.runner = make_runner(model, self.vocab_size, self.max_model_len, cfg.runner, cfg.matmul)
         self.pool = SessionPool(self.runner.new_cache, self.runner.crop, max_sessions=cfg.max_sessions,
                                 max_tokens=cfg.max_tokens, max_model_len=self.max_model_len,
                                 idle_ttl_s=cfg.idle_ttl_s)

@@ -49,10 +49,11 @@ def output_token_ids(model) -> torch.Tensor | None:
     return None if kept is None else torch.tensor(sorted(kept), dtype=torch.long)
 
 
-def make_runner(model, vocab_size: int, max_len: int, kind: str = "auto"):
-    """kind: hf (the stock transformers forward), lean (Llama only), auto (lean for Llama, else hf)."""
+def make_runner(model, vocab_size: int, max_len: int, kind: str = "auto", matmul: str = "auto"):
+    """kind: hf (the stock transformers forward), lean (Llama only), auto (lean for Llama, else hf).
+    matmul: the lean runner's product form for steps and verify passes (see specdec.lean_llama)."""
     if kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama"):
         from specdec.lean_llama import LeanLlamaRunner
 
-        return LeanLlamaRunner(model, vocab_size, max_len)
+        return LeanLlamaRunner(model, vocab_size, max_len, matmul)
     return CausalLMRunner(model, vocab_size)

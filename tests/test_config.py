@@ -30,6 +30,11 @@ def test_bad_orchestrator_settings_are_refused(argv, match):
         parse(OrchestratorConfig, argv)
 
 
+def test_unknown_product_form_is_refused_at_start_up():
+    with pytest.raises(ConfigError, match="--matmul must be auto, linear or weights-first"):
+        parse(ModelServerConfig, ["--matmul", "fast"], role="target")
+
+
 def test_bad_environment_value_is_named(monkeypatch):
     monkeypatch.setenv("SPECDEC_ORCHESTRATOR_PORT", "fifty")
     with pytest.raises(ConfigError, match="SPECDEC_ORCHESTRATOR_PORT"):

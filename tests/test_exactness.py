@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_stack, stop_stack
 
 PROMPTS = [  # each at least 64 tokens after the chat template; answers run past 64 tokens
     "Write a detailed story about a lighthouse keeper who finds a message in a bottle. Describe the weather, "
@@ -49,6 +50,22 @@ def test_greedy_output_equals_target_alone(partial_stack, reference, k):
         assert len(ids) == MAX_TOKENS
         if k:
             assert 0 < stats.accepted_tokens < stats.draft_tokens  # both accept and reject paths ran
+
+
+@pytest.mark.parametrize("matmul", ["linear", "weights-first"])
+def test_greedy_output_equals_target_alone_with_either_product_form(event_loop_thread, tokenizer, partial_draft,
+                                                                     target_model, reference, matmul):
+    """The servers' --matmul auto picks one form on a given CPU; both must keep the target's output."""
+    stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model,
+                       draft_cfg={"matmul": matmul}, target_cfg={"matmul": matmul})
+    try:
+        assert stack.target.runner.matmul == matmul and stack.draft.runner.matmul == matmul
+        for text, expected in zip(PROMPTS, reference):
+            ids, _, _ = stack.generate(messages=[("user", text)], max_tokens=MAX_TOKENS, temperature=0.0,
+                                       num_speculative_tokens=4)
+            assert ids == expected
+    finally:
+        stop_stack(stack)
 
 
 def test_greedy_parity_holds_with_a_draft_that_always_misses(tiny_stack, reference):
