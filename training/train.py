@@ -15,7 +15,8 @@ from specdec import models
 from training.distill import SEED, log
 
 ARCH = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64)
+            num_key_value_heads=2, head_dim=64)  # --init-from pca: a fresh draft of this shape
+CALIBRATION_ANSWERS = 96  # --init-from slice: answers the target's stream statistics are gathered on
 COVERAGE = 0.995  # the output layer keeps the most frequent tokens covering this share of the answers
 MAX_KEPT = 16384
 
@@ -52,6 +53,25 @@ def build_draft(target, kept: list[int]):
     # the standard init scale: the tied output layer starts with small logits
     draft.get_input_embeddings().weight.data.copy_(proj * (draft.config.initializer_range / proj.std()))
     return draft
+
+
+def build_sliced_draft(target, kept: list[int], records, layers: int, intermediate: int):
+    """The target cut to at most ARCH's width: its most influential layers, rotated and cut (training.slice).
+    The width is a multiple of the target's head count, which the draft keeps (252 for SmolLM2's 9 heads)."""
+    from training.slice import calibrate, choose_layers, slice_target
+
+    heads = target.config.num_attention_heads
+    hidden = ARCH["hidden_size"] - ARCH["hidden_size"] % heads
+
+    rng = random.Random(SEED)
+    sample = rng.sample(records, min(CALIBRATION_ANSWERS, len(records)))
+    cal = calibrate(target, [r["prompt"] + r["completion"] for r in sample])
+    chosen = choose_layers(cal.influence, layers)
+    energy = (cal.eigenvalues[:hidden].sum() / cal.eigenvalues.sum()).item()
+    log(f"slice: {cal.tokens} calibration tokens; layers {chosen} of {len(cal.influence)} by influence "
+        f"({', '.join(f'{v:.2f}' for v in cal.influence.tolist())}); top {hidden} directions "
+        f"hold {energy:.1%} of the stream's energy; {intermediate} MLP neurons per layer")
+    return slice_target(target, cal, chosen, hidden, intermediate, kept)
 
 
 def batches(records, batch_tokens: int, rng: random.Random):
@@ -128,15 +148,31 @@ def stage_train(args, tokenizer, data_paths: list[Path]) -> None:
     else:
         kept = kept_vocabulary(train)
         target = models.load_model(models.DEFAULT_TARGET)
-        draft = build_draft(target, kept)
+        if args.init_from == "slice":
+            draft = build_sliced_draft(target, kept, train, args.layers, args.intermediate).float()
+        else:
+            draft = build_draft(target, kept)
         del target
     log(f"train: {len(train)} answers ({sum(len(r['completion']) for r in train)} tokens), "
         f"output layer keeps {len(kept)} tokens ({COVERAGE:.1%} of answer tokens)")
     kept_t = torch.tensor(kept)
     slot = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
     slot[kept_t] = torch.arange(len(kept))
-    log(f"train: draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters {ARCH}")
+    c = draft.config
+    log(f"train: draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters, {c.num_hidden_layers} "
+        f"layers x {c.hidden_size} wide, MLP {c.intermediate_size}, {c.num_attention_heads} heads "
+        f"({c.num_key_value_heads} KV) of {c.head_dim}")
+    bf16 = args.device == "cpu" and models.cpu_has_native_bf16()  # emulated bf16 is slower than fp32
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+
+    def validate() -> str:
+        draft.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            vl, va = zip(*(loss_on(draft, kept_t, slot, val[i:i + 8]) for i in range(0, len(val), 8)))
+        draft.train()
+        return f"val loss {sum(vl) / len(vl):.3f} agree {sum(va) / len(va):.3f}"
+
+    log(f"train: before training, {validate()}")
     budget = 60 * args.train_minutes
     t0, step, epoch = time.monotonic(), 0, 0
     draft.train()
@@ -151,20 +187,17 @@ def stage_train(args, tokenizer, data_paths: list[Path]) -> None:
             lr = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * frac))  # warm-up, cosine
             for g in opt.param_groups:
                 g["lr"] = lr
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.device == "cpu"):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 loss, agree = loss_on(draft, kept_t, slot, [train[i] for i in group])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
             opt.step()
             step += 1
-            if step % 100 == 0 or step == 1:
-                draft.eval()
-                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-                    vl, va = zip(*(loss_on(draft, kept_t, slot, val[i:i + 8]) for i in range(0, len(val), 8)))
-                draft.train()
+            if step % 100 == 0:
                 log(f"train: step {step} epoch {epoch} {frac:.0%} lr {lr:.2e} loss {loss.item():.3f} "
-                    f"agree {agree.item():.3f} | val loss {sum(vl) / len(vl):.3f} agree {sum(va) / len(va):.3f}")
+                    f"agree {agree.item():.3f} | {validate()}")
+    log(f"train: after {step} steps, {validate()}")
     draft.eval()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
