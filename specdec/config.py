@@ -36,6 +36,9 @@ class ModelServerConfig:
     matmul: str = field(default="auto", metadata={"help": "lean runner's product form for steps and verify passes: "
                                                           "auto (the faster on this CPU, timed at load), linear "
                                                           "(x @ W^T) or weights-first (W @ x^T)"})
+    quantize: str = field(default="auto", metadata={"help": "lean runner's weights on CPU: int8 (per-row scales) or "
+                                                            "none; auto = int8 for a draft on CPU in float32, none "
+                                                            "otherwise (a draft's numbers change q, not the output)"})
     host: str = field(default="0.0.0.0", metadata={"help": "address to bind"})
     port: int = field(default=50053, metadata={"help": "gRPC port (0 picks a free one)"})
     metrics_port: int = field(default=8003, metadata={"help": "Prometheus port (0 disables)"})
@@ -55,6 +58,10 @@ class ModelServerConfig:
             raise ConfigError(f"--runner must be hf, lean or auto, not {self.runner!r}")
         if self.matmul not in ("auto", "linear", "weights-first"):
             raise ConfigError(f"--matmul must be auto, linear or weights-first, not {self.matmul!r}")
+        if self.quantize not in ("auto", "none", "int8"):
+            raise ConfigError(f"--quantize must be auto, none or int8, not {self.quantize!r}")
+        if self.quantize == "int8" and (not self.device.startswith("cpu") or self.dtype != "float32"):
+            raise ConfigError(f"--quantize int8 runs on CPU from float32 weights, not {self.device} {self.dtype}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         _ports(self.port, self.metrics_port)

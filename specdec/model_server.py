@@ -31,7 +31,7 @@ from specdec import models
 from specdec.config import ModelServerConfig
 from specdec.errors import ServiceError, invalid
 from specdec.kv_pool import Session, SessionPool
-from specdec.runner import make_runner
+from specdec.runner import make_runner, resolve_quantize
 from specdec.sampling import SamplingParams, to_sparse
 from specdec.v1 import model_server_pb2 as pb
 
@@ -72,7 +72,8 @@ class ModelServer:
         self.vocab_size = len(tokenizer)
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(cfg.max_model_len or limit, limit)
-        self.runner = make_runner(model, self.vocab_size, self.max_model_len, cfg.runner, cfg.matmul)
+        quantize = resolve_quantize(cfg.quantize, cfg.role, model)
+        self.runner = make_runner(model, self.vocab_size, self.max_model_len, cfg.runner, cfg.matmul, quantize)
         self.pool = SessionPool(self.runner.new_cache, self.runner.crop, max_sessions=cfg.max_sessions,
                                 max_tokens=cfg.max_tokens, max_model_len=self.max_model_len,
                                 idle_ttl_s=cfg.idle_ttl_s)

@@ -49,11 +49,26 @@ def output_token_ids(model) -> torch.Tensor | None:
     return None if kept is None else torch.tensor(sorted(kept), dtype=torch.long)
 
 
-def make_runner(model, vocab_size: int, max_len: int, kind: str = "auto", matmul: str = "auto"):
+def make_runner(model, vocab_size: int, max_len: int, kind: str = "auto", matmul: str = "auto",
+                quantize: str = "none"):
     """kind: hf (the stock transformers forward), lean (Llama only), auto (lean for Llama, else hf).
-    matmul: the lean runner's product form for steps and verify passes (see specdec.lean_llama)."""
+    matmul: the lean runner's product form for steps and verify passes; quantize: none, or int8 products
+    on CPU (see specdec.lean_llama). The stock forward has neither."""
     if kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama"):
         from specdec.lean_llama import LeanLlamaRunner
 
-        return LeanLlamaRunner(model, vocab_size, max_len, matmul)
+        return LeanLlamaRunner(model, vocab_size, max_len, matmul, quantize)
+    if quantize != "none":
+        raise ValueError(f"quantize={quantize!r} needs the lean runner (a Llama model)")
     return CausalLMRunner(model, vocab_size)
+
+
+def resolve_quantize(quantize: str, role: str, model) -> str:
+    """auto: int8 for a draft on CPU in float32 when the lean runner serves it, else none. A draft's
+    numbers only change q, which the ratio test accounts for, so the output stays exact; a target's
+    numbers are the output, so auto leaves them alone."""
+    if quantize != "auto":
+        return quantize
+    weight = next(model.parameters())
+    lean = getattr(model.config, "model_type", "") == "llama"
+    return "int8" if role == "draft" and lean and weight.device.type == "cpu" and weight.dtype == torch.float32 else "none"

@@ -35,6 +35,16 @@ def test_unknown_product_form_is_refused_at_start_up():
         parse(ModelServerConfig, ["--matmul", "fast"], role="target")
 
 
+@pytest.mark.parametrize("argv, match", [
+    (["--quantize", "int4"], "--quantize must be auto, none or int8"),
+    (["--quantize", "int8", "--device", "cuda"], "runs on CPU from float32 weights"),
+    (["--quantize", "int8", "--dtype", "bfloat16"], "runs on CPU from float32 weights"),
+])
+def test_int8_weights_are_refused_where_they_cannot_run(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse(ModelServerConfig, argv, role="draft")
+
+
 def test_bad_environment_value_is_named(monkeypatch):
     monkeypatch.setenv("SPECDEC_ORCHESTRATOR_PORT", "fifty")
     with pytest.raises(ConfigError, match="SPECDEC_ORCHESTRATOR_PORT"):

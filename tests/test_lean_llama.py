@@ -1,12 +1,12 @@
 """The lean Llama forward gives the stock transformers logits, through cache growth and rollback,
-with either form of its few-row products."""
+with either form of its few-row products; its int8 products stay close to them."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from specdec.lean_llama import LeanLlamaRunner, choose_matmul, weights_first
-from specdec.runner import CausalLMRunner
+from specdec.runner import CausalLMRunner, make_runner, resolve_quantize
 
 FORMS = ("linear", "weights-first")
 
@@ -81,3 +81,45 @@ def test_auto_times_both_forms_and_keeps_linear_unless_weights_first_clearly_win
 def test_unknown_product_form_is_refused(tiny_draft, tokenizer):
     with pytest.raises(ValueError, match="matmul must be one of"):
         LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="fast")
+
+
+def test_int8_products_stay_close_to_float_products(tiny_draft, tokenizer):
+    ids = list(range(100, 400))
+    chunks = [ids[:200], ids[200:201], ids[201:206], ids[206:300], ids[150:153]]
+    full = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=1024, matmul="linear")
+    int8 = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=1024, quantize="int8")
+    for a, b in zip(steps(full, chunks, crop_at=(4, 150)), steps(int8, chunks, crop_at=(4, 150))):
+        assert a.shape == b.shape and b.dtype == torch.float32
+        tv = 0.5 * (a.softmax(-1) - b.softmax(-1)).abs().sum(-1)  # total variation per position; measured 0.002
+        assert tv.max() < 0.02, f"total variation {tv.max():.4f}"
+        assert not torch.equal(a, b)  # the int8 path really ran
+
+
+def test_int8_keeps_the_restricted_output_vocabulary(tiny_draft, tokenizer):
+    import copy
+
+    draft = copy.deepcopy(tiny_draft)
+    draft.config.specdec_output_token_ids = list(range(1000, 5000))
+    runner = make_runner(draft, len(tokenizer), 512, "lean", quantize="int8")
+    logits = runner.forward(runner.new_cache(), list(range(100, 140)), 3)
+    assert torch.isinf(logits[:, :1000]).all() and torch.isinf(logits[:, 5000:]).all()
+    assert torch.isfinite(logits[:, 1000:5000]).all()
+
+
+def test_int8_is_refused_where_it_cannot_run(tiny_draft, tokenizer):
+    import copy
+
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, quantize="int4")
+    with pytest.raises(ValueError, match="from float32 weights"):
+        LeanLlamaRunner(copy.deepcopy(tiny_draft).to(torch.bfloat16), len(tokenizer), max_len=64, quantize="int8")
+    with pytest.raises(ValueError, match="needs the lean runner"):
+        make_runner(tiny_draft, len(tokenizer), 64, "hf", quantize="int8")
+
+
+def test_auto_quantizes_only_a_float32_draft_on_cpu(tiny_draft):
+    """A draft's numbers only change q, which the ratio test accounts for; a target's numbers are the output."""
+    assert resolve_quantize("auto", "draft", tiny_draft) == "int8"
+    assert resolve_quantize("auto", "target", tiny_draft) == "none"
+    assert resolve_quantize("none", "draft", tiny_draft) == "none"
+    assert resolve_quantize("int8", "target", tiny_draft) == "int8"  # asked for explicitly

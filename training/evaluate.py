@@ -26,7 +26,7 @@ from bench.run import load_prompts
 from specdec import models
 from specdec.cli import ROLE_DEFAULTS
 from specdec.config import ModelServerConfig
-from specdec.runner import make_runner
+from specdec.runner import make_runner, resolve_quantize
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 from training.prompts import make_prompts
 
@@ -39,9 +39,11 @@ def step_ms(runner, context: int = 200, reps: int = 30, threads: int = 0) -> flo
     return pass_ms(runner, 1, context, reps, warmup=0)  # measure_c warms both runners up first
 
 
-def measure_c(draft: str, target: str, draft_runner: str, target_runner: str) -> tuple[float, float]:
+def measure_c(draft: str, target: str, draft_runner: str, target_runner: str,
+              draft_quantize: str = "auto") -> tuple[float, float]:
     tok = models.load_tokenizer(target)
-    d = make_runner(models.load_model(draft), len(tok), 4096, draft_runner)
+    d_model = models.load_model(draft)
+    d = make_runner(d_model, len(tok), 4096, draft_runner, quantize=resolve_quantize(draft_quantize, "draft", d_model))
     t = make_runner(models.load_model(target), len(tok), 4096, target_runner)
     d_threads, t_threads = (ROLE_DEFAULTS[role].get("threads", 0) for role in ("draft", "target"))
     step_ms(d, reps=5, threads=d_threads), step_ms(t, reps=5, threads=t_threads)
@@ -78,6 +80,7 @@ def main(argv=None) -> None:
     ap.add_argument("--target", default=models.DEFAULT_TARGET)
     ap.add_argument("--draft-runner", default=ModelServerConfig.runner, help="as the services run it")
     ap.add_argument("--target-runner", default=ModelServerConfig.runner, help="as the services run it")
+    ap.add_argument("--draft-quantize", default=ModelServerConfig.quantize, help="as the draft service runs it")
     ap.add_argument("--prompt-set", default="held-out", choices=["held-out", "bench"])
     args = ap.parse_args(argv)
     if args.prompt_set == "bench":
@@ -88,9 +91,9 @@ def main(argv=None) -> None:
     report = {"prompt_set": args.prompt_set, "prompts": len(conversations), "k": args.k}
     for name, temperature, top_p in (("greedy", 0.0, 1.0), ("t0.7_top_p0.9", 0.7, 0.9)):
         report[name] = run(stub, conversations, args.k, temperature, top_p, args.max_tokens, seed=1)
-    d_ms, t_ms = measure_c(args.draft, args.target, args.draft_runner, args.target_runner)
+    d_ms, t_ms = measure_c(args.draft, args.target, args.draft_runner, args.target_runner, args.draft_quantize)
     c = d_ms / t_ms
-    report.update(draft_step_ms=d_ms, target_step_ms=t_ms, c=c)
+    report.update(draft_step_ms=d_ms, target_step_ms=t_ms, c=c, draft_quantize=args.draft_quantize)
     for name in ("greedy", "t0.7_top_p0.9"):
         a = report[name]["alpha"]
         best = max(range(1, 9), key=lambda k: leviathan_bound(a, k, c))
