@@ -14,7 +14,7 @@ from training.prompts import make_prompts
 DRAFT = "embedded:smollm2-135m-draft"
 # Measured greedy agreement on held-out prompts is reported in models/smollm2-draft/README.md;
 # the floor sits well below it so that only a broken or stale draft fails.
-MIN_GREEDY_AGREEMENT = 0.33  # measured 0.375 (the previous draft: 0.312); deterministic: greedy, fixed prompts
+MIN_GREEDY_AGREEMENT = 0.33  # measured 0.434, 0.389 with int8 products (the previous draft: 0.375, 0.365); deterministic: greedy, fixed prompts
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +31,22 @@ def test_draft_is_a_small_llama_with_the_targets_tokenizer(draft, tokenizer):
     assert sorted(kept) == kept and 1000 < len(kept) < len(tokenizer)
 
 
-def test_draft_agrees_with_the_target_on_held_out_prompts(draft, target_model, tokenizer):
-    """Teacher-forced on the target's own greedy answers: the draft's argmax equals the target's (alpha at T = 0)."""
-    runner = make_runner(draft, len(tokenizer), 4096, "auto")
-    agree = total = 0
+@pytest.fixture(scope="module")
+def answers(target_model, tokenizer):
+    """(prompt ids, the target's greedy answer) on 6 held-out prompts."""
+    out = []
     for messages in make_prompts(6, seed=99, held_out=True):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-        answer = target_model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids):].tolist()
+        out.append((ids, target_model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids):].tolist()))
+    return out
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])  # int8: as the draft service runs it on CPU
+def test_draft_agrees_with_the_target_on_held_out_prompts(draft, answers, tokenizer, quantize):
+    """Teacher-forced on the target's own greedy answers: the draft's argmax equals the target's (alpha at T = 0)."""
+    runner = make_runner(draft, len(tokenizer), 4096, "auto", quantize=quantize)
+    agree = total = 0
+    for ids, answer in answers:
         logits = runner.forward(runner.new_cache(), ids + answer[:-1], len(answer))  # [len(answer), vocab]
         agree += int((logits.argmax(-1) == torch.tensor(answer)).sum())
         total += len(answer)
