@@ -82,11 +82,12 @@ class OrchestratorConfig:
     draft_address: str = field(default="localhost:50052", metadata={"help": "draft service host:port"})
     target_address: str = field(default="localhost:50053", metadata={"help": "target service host:port"})
     tokenizer: str = field(default=DEFAULT_TARGET, metadata={"help": "the target's tokenizer: hub id, folder or embedded:NAME"})
-    # 2 for the embedded pair on a 2-core CPU (specdec bench: 1.01x at K = 1 and 0.96x at K = 2, within
-    # each other's spread; 0.71x at K = 4); K = 2 gains more as the draft's alpha rises.
-    # docker-compose.yml sets 4 for the Llama 3.2 pair on a GPU, where a verify pass costs about one step,
-    # and 2 for its CPU profile.
-    num_speculative_tokens: int = field(default=2, metadata={"help": "default K per request"})
+    # 3 for the embedded pair on a 2-core CPU (specdec bench, int8 draft: K = 1, 2, 3, 4 gave 1.49x, 1.35x,
+    # 1.51x, 1.30x greedy and 1.48x, 1.35x, 1.41x, 1.17x at T = 0.7, K = 1 to 3 within each other's spread;
+    # the Leviathan bound at the measured alpha and c peaks at K = 3 greedy, 2-3 sampled), and K = 3 gains
+    # more as the draft's alpha rises. docker-compose.yml sets 4 for the Llama 3.2 pair on a GPU, where a
+    # verify pass costs about one step, and 3 for its CPU profile.
+    num_speculative_tokens: int = field(default=3, metadata={"help": "default K per request"})
     max_speculative_tokens: int = field(default=8, metadata={"help": "largest K a request may ask"})
     max_tokens: int = field(default=256, metadata={"help": "default max_tokens per request"})
     temperature: float = field(default=0.7, metadata={"help": "default temperature (0 = greedy)"})
