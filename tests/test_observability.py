@@ -19,6 +19,7 @@ from prometheus_client import start_http_server
 
 from conftest import make_stack, stop_stack
 from specdec.cli import prometheus_config
+from specdec.config import OrchestratorConfig
 from specdec.server import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,10 +44,11 @@ def test_compose_file_is_valid(profile):
     for name in ("draft", "target", "orchestrator"):
         assert services[name]["healthcheck"]["test"][1:3] == ["specdec", "health"]
     assert services["orchestrator"]["depends_on"]["draft"]["condition"] == "service_healthy"
-    # each pair runs its measured best K: verify costs about one step on a GPU, more on a CPU
+    # each pair runs its measured best K: 4 for the Llama pair on a GPU, where verify costs about one step; the
+    # embedded pair on a CPU runs the same K as `specdec up`, so the two ways of starting it cannot drift apart
     k = {name: services[name]["environment"]["SPECDEC_ORCHESTRATOR_NUM_SPECULATIVE_TOKENS"]
          for name in ("orchestrator", "orchestrator-cpu")}
-    assert k == {"orchestrator": "4", "orchestrator-cpu": "2"}
+    assert k == {"orchestrator": "4", "orchestrator-cpu": str(OrchestratorConfig().num_speculative_tokens)}
     assert services["orchestrator-cpu"]["environment"]["SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS"] == "draft:50052"
 
 
