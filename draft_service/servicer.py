@@ -15,15 +15,11 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
         self.core = core
 
     async def ProposeTokens(self, request, context):
-        return await self.core.call("ProposeTokens", self._propose, request, context, tokens=self._tokens(request))
+        return await self.core.call("ProposeTokens", self._propose, request, context)
 
     async def ProposeTokensStream(self, request_iterator, context):
-        async for response in self.core.stream("ProposeTokens", self._propose, request_iterator, context, self._tokens):
+        async for response in self.core.stream("ProposeTokens", self._propose, request_iterator, context):
             yield response
-
-    @staticmethod
-    def _tokens(req: draft_pb2.ProposeTokensRequest) -> int:
-        return len(req.cursor.tokens) + req.num_tokens
 
     def _propose(self, req: draft_pb2.ProposeTokensRequest) -> draft_pb2.ProposeTokensResponse:
         core = self.core

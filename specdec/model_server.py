@@ -1,27 +1,26 @@
 """What the draft and target servers share: a model, its session pool, and the session RPCs.
 
-Model and pool operations run one at a time under one lock. A round's small
-call (a few tokens) runs right on the event loop when the model is free: a
-hand-off to a worker thread and back costs two thread wake-ups, measured at
-0.7-1.0 ms per call on the 2-core CPU machine. Anything larger (a prefill, a
-rebuild) or anything that finds the model busy goes to the model thread, so the
-loop stays free for health checks and metrics while it runs.
+All model and pool work runs on the server's event loop thread, one call at a
+time, with no hand-off. A hand-off to a worker thread and back costs two thread
+wake-ups, measured at 0.6-1.0 ms per call on the 2-core CPU machine, and a
+round makes two calls. One thread also keeps one OpenMP team per process: a
+second thread that runs one parallel op starts a second team, libgomp then
+counts more threads than cores and stops spinning at its barriers, and every
+forward pass became 1.6-1.8x slower here for good (a 1-token target step:
+26 -> 41 ms with the lean forward, 31 -> 55 ms with the stock one). So the
+model loads on the loop thread too.
 
-Only where the model computes on one CPU thread or on an accelerator. A CPU
-model with several threads keeps all its work, loading included, on the model
-thread: a second thread that runs one parallel op starts a second OpenMP team,
-libgomp then counts more threads than cores and stops spinning at its barriers,
-and every forward pass became 1.6-1.8x slower here for good (a 1-token target
-step: 26 -> 41 ms with the lean forward, 31 -> 55 ms with the stock one).
+A long feed (a prefill, a session rebuild) runs in chunks of ``prefill_chunk``
+tokens with the loop free between them: health checks answer within a chunk's
+time, and the rounds of other generations go on between the chunks of a long
+prompt instead of waiting for all of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -37,8 +36,10 @@ from specdec.v1 import model_server_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# A call that feeds at most this many tokens may run on the event loop (see the module's docstring).
-INLINE_MAX_TOKENS = 16
+# Tokens per pass of a long feed when --prefill-chunk is 0. The embedded target on the 2-core CPU, prefill of
+# 512 / 1024 tokens: one pass 1.16 / 2.79 s; chunks of 256, +5% (passes of 0.6-0.7 s); of 128, +18-24%
+# (0.34-0.43 s); of 64, +38-48%. An accelerator takes 512 tokens in a few tens of ms.
+PREFILL_CHUNK = {"cpu": 256, "accelerator": 512}
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
 
@@ -66,8 +67,7 @@ def _tokens_bucket(n: int) -> str:
 class ModelServer:
     """A loaded model behind a session pool; the servicers call into it."""
 
-    def __init__(self, cfg: ModelServerConfig, model, tokenizer, registry: CollectorRegistry | None = None,
-                 executor: ThreadPoolExecutor | None = None):
+    def __init__(self, cfg: ModelServerConfig, model, tokenizer, registry: CollectorRegistry | None = None):
         self.cfg = cfg
         self.vocab_size = len(tokenizer)
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 20
@@ -87,42 +87,38 @@ class ModelServer:
         self.metrics = ModelServerMetrics(self.registry)
         self.metrics.sessions_capacity.set(cfg.max_sessions)
         self.metrics.tokens_capacity.set(cfg.max_tokens)
-        self._executor = executor or _model_thread(cfg.role)
+        self.prefill_chunk = cfg.prefill_chunk or PREFILL_CHUNK[
+            "cpu" if self.runner.device.type == "cpu" else "accelerator"]
         self._stopping: asyncio.Future | None = None  # set by begin_shutdown; ends idle streams
-        self._model_lock = threading.Lock()  # one model or pool operation at a time, on any thread
-        self._inline = self.runner.device.type != "cpu" or (cfg.threads or torch.get_num_threads()) == 1
 
     @classmethod
-    async def load(cls, cfg: ModelServerConfig, registry: CollectorRegistry | None = None) -> "ModelServer":
-        """Load on the model thread, which then runs every forward pass (see the module's docstring)."""
+    def load(cls, cfg: ModelServerConfig, registry: CollectorRegistry | None = None) -> "ModelServer":
+        """Load on the calling thread, which must be the loop's: it runs every forward pass (see the module)."""
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        executor = _model_thread(cfg.role)
-
-        def load() -> "ModelServer":
-            t = time.monotonic()
-            tokenizer = models.load_tokenizer(cfg.model)
-            model = models.load_model(cfg.model, cfg.dtype, cfg.device)
-            log.info("%s: loaded %s in %.1f s", cfg.role, cfg.model, time.monotonic() - t)
-            return cls(cfg, model, tokenizer, registry, executor)
-
-        return await asyncio.get_running_loop().run_in_executor(executor, load)
+        t = time.monotonic()
+        tokenizer = models.load_tokenizer(cfg.model)
+        model = models.load_model(cfg.model, cfg.dtype, cfg.device)
+        log.info("%s: loaded %s in %.1f s", cfg.role, cfg.model, time.monotonic() - t)
+        return cls(cfg, model, tokenizer, registry)
 
     # -- plumbing ------------------------------------------------------------
-    async def call(self, method: str, fn, request, context: grpc.aio.ServicerContext, *, tokens: int | None = None):
-        """Run fn(request) under the model lock; a ServiceError becomes its status.
-
-        tokens: how many tokens the call feeds the model (0 for pool-only calls). Calls of at most
-        INLINE_MAX_TOKENS may run on the event loop when the model is free; others, and None, on the model thread."""
+    async def call(self, method: str, fn, request, context: grpc.aio.ServicerContext):
+        """Run fn(request) on the loop, after feeding a long cursor ahead in chunks; a ServiceError
+        becomes its status."""
         start = time.perf_counter()
         try:
-            if (self._inline and tokens is not None and tokens <= INLINE_MAX_TOKENS
-                    and self._model_lock.acquire(blocking=False)):
-                try:
-                    return self._timed(fn, request)
-                finally:
-                    self._model_lock.release()
-            return await self._on_model_thread(self._timed, fn, request)
+            fed_s = await self._feed_ahead(request)
+            t = time.perf_counter()
+            try:
+                response = fn(request)
+            except BaseException:
+                if fed_s is not None:  # the call failed after feeding ahead: do not keep half its work
+                    self.pool.release(request.cursor.session_id)
+                raise
+            if hasattr(response, "compute_seconds"):
+                response.compute_seconds = (fed_s or 0.0) + time.perf_counter() - t
+            return response
         except ServiceError as e:
             self.metrics.rpc_errors.labels(method, e.code.name).inc()
             await context.abort(e.code, e.message)
@@ -134,7 +130,38 @@ class ModelServer:
             self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - start)
             self._update_pool_metrics()
 
-    async def stream(self, method: str, fn, requests, context: grpc.aio.ServicerContext, tokens):
+    async def _feed_ahead(self, request) -> float | None:
+        """Feed all but the last prefill_chunk of a request's unseen tokens in chunks, yielding the loop
+        between them, and move its cursor past them; fn then feeds the rest in one pass as before.
+        Seconds spent computing, or None when the request needed no feeding ahead."""
+        cursor = getattr(request, "cursor", None)
+        if cursor is None or len(cursor.tokens) <= self.prefill_chunk:
+            return None
+        ahead = len(cursor.tokens) - self.prefill_chunk
+        ids = self.check_tokens(cursor.tokens[:ahead])
+        s = self.open(cursor, len(cursor.tokens))
+        spent = 0.0
+        try:
+            for i in range(0, ahead, self.prefill_chunk):
+                if i:
+                    # Health checks and other generations' calls run here. A call takes a few loop steps, each
+                    # waiting on gRPC's poller thread, so the loop gets a pause, not one step: 2% of a pass, at most 2 ms.
+                    await asyncio.sleep(min(pass_s / 50, 0.002))
+                    s = self.pool.get(s.id, length)  # NOT_FOUND if released meanwhile: the client resends
+                    self.pool.reserve(s, len(cursor.tokens) - i)
+                t = time.perf_counter()
+                self.forward(s, ids[i: i + self.prefill_chunk], 1)
+                pass_s = time.perf_counter() - t
+                spent += pass_s
+                length = len(s.tokens)
+        except BaseException:  # an error, or the client cancelled: a partial prefill serves no one
+            self.pool.release(s.id)
+            raise
+        cursor.expected_length = cursor.keep_length = length
+        del cursor.tokens[:ahead]
+        return spent
+
+    async def stream(self, method: str, fn, requests, context: grpc.aio.ServicerContext):
         """Serve a stream of requests in order, each as ``call`` serves one; an error ends the stream.
 
         A stream lives as long as a generation, so shutdown must not wait for it: between two
@@ -154,28 +181,12 @@ class ModelServer:
                 request = nxt.result()
             except StopAsyncIteration:
                 return
-            yield await self.call(method, fn, request, context, tokens=tokens(request))
+            yield await self.call(method, fn, request, context)
 
     def begin_shutdown(self) -> None:
         """End the open streams between requests (see ``stream``)."""
         if self._stopping is not None and not self._stopping.done():
             self._stopping.set_result(None)
-
-    async def _on_model_thread(self, fn, *args):
-        """fn(*args) on the model thread, under the model lock."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._locked, fn, args)
-
-    def _locked(self, fn, args):
-        with self._model_lock:
-            return fn(*args)
-
-    @staticmethod
-    def _timed(fn, request):
-        start = time.perf_counter()
-        response = fn(request)
-        if hasattr(response, "compute_seconds"):
-            response.compute_seconds = time.perf_counter() - start
-        return response
 
     def _update_pool_metrics(self) -> None:
         self.metrics.sessions.set(len(self.pool))
@@ -184,13 +195,10 @@ class ModelServer:
     async def expire_idle_forever(self, every_s: float = 5.0) -> None:
         while True:
             await asyncio.sleep(every_s)
-            n = await self._on_model_thread(self.pool.expire_idle)
+            n = self.pool.expire_idle()
             if n:
                 self.metrics.sessions_expired.inc(n)
                 self._update_pool_metrics()
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
 
     # -- shared pieces of the model RPCs ---------------------------------------
     def sampling(self, p: pb.SamplingParams) -> SamplingParams:
@@ -256,10 +264,6 @@ class ModelServer:
         return self.info
 
 
-def _model_thread(role: str) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-model")
-
-
 def _consume(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()
@@ -271,16 +275,16 @@ class SessionRpcs:
     core: ModelServer
 
     async def Truncate(self, request, context):
-        return await self.core.call("Truncate", self.core.truncate, request, context, tokens=0)
+        return await self.core.call("Truncate", self.core.truncate, request, context)
 
     async def ReleaseSession(self, request, context):
-        return await self.core.call("ReleaseSession", self.core.release, request, context, tokens=0)
+        return await self.core.call("ReleaseSession", self.core.release, request, context)
 
     async def GetDistribution(self, request, context):
-        return await self.core.call("GetDistribution", self.core.get_distribution, request, context, tokens=0)
+        return await self.core.call("GetDistribution", self.core.get_distribution, request, context)
 
     async def GetModelInfo(self, request, context):
-        return await self.core.call("GetModelInfo", self.core.model_info, request, context, tokens=0)
+        return await self.core.call("GetModelInfo", self.core.model_info, request, context)
 
 
 async def start_model_server(core: ModelServer, services: list[tuple], host: str, port: int):
@@ -300,12 +304,11 @@ async def run_model_server(cfg: ModelServerConfig, make_services) -> None:
     from specdec.server import serve, start_metrics
 
     registry = CollectorRegistry()
-    core = await ModelServer.load(cfg, registry)
+    core = ModelServer.load(cfg, registry)
     start_metrics(cfg.metrics_port, registry)
     server, _, health_servicer, expiry = await start_model_server(core, make_services(core), cfg.host, cfg.port)
 
     async def on_stop():
         expiry.cancel()
-        core.shutdown()
 
     await serve(server, health_servicer, cfg.grace_s, on_stop, on_draining=core.begin_shutdown)

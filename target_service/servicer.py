@@ -13,15 +13,11 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         self.core = core
 
     async def Verify(self, request, context):
-        return await self.core.call("Verify", self._verify, request, context, tokens=self._tokens(request))
+        return await self.core.call("Verify", self._verify, request, context)
 
     async def VerifyStream(self, request_iterator, context):
-        async for response in self.core.stream("Verify", self._verify, request_iterator, context, self._tokens):
+        async for response in self.core.stream("Verify", self._verify, request_iterator, context):
             yield response
-
-    @staticmethod
-    def _tokens(req: target_pb2.VerifyRequest) -> int:
-        return len(req.cursor.tokens) + len(req.draft_tokens)
 
     def _verify(self, req: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         core = self.core

@@ -126,7 +126,7 @@ def make_stack(lt: _Loop, tokenizer, draft_model, target_model, *, draft_service
 
     async def start():
         dcfg = ModelServerConfig(role="draft", model="test-draft", port=0, metrics_port=0,
-                                 **{"threads": 1, **(draft_cfg or {})})  # as deployed: small calls run inline
+                                 **{"threads": 1, **(draft_cfg or {})})  # as deployed: one CPU thread
         tcfg = ModelServerConfig(role="target", model="test-target", port=0, metrics_port=0, **(target_cfg or {}))
         draft = ModelServer(dcfg, draft_model, tokenizer)
         target = ModelServer(tcfg, target_model, tokenizer)

@@ -127,7 +127,7 @@ class _Recorder:
     def _before(self, sid):
         self.calls = getattr(self, "calls", 0) + 1
         if self.calls % self.every == 0:
-            self.core.pool.release(sid)  # on the model thread, like every pool operation
+            self.core.pool.release(sid)  # on the event loop, like every pool operation
 
     def _record(self, sid, n_spec):
         s = self.core.pool._sessions.get(sid)
@@ -289,32 +289,34 @@ def test_every_server_serves_health_and_reflection(tiny_stack):
         assert {service, "grpc.health.v1.Health"} <= names
 
 
-@pytest.fixture(scope="module")
-def inline_stack(event_loop_thread, tokenizer, tiny_draft, target_model):
-    """Both servers configured for one CPU thread, where small calls run on the event loop."""
-    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model, target_cfg=dict(threads=1))
-    assert stack.draft._inline and stack.target._inline
-    yield stack
-    stop_stack(stack)
-
-
-def test_health_answers_while_a_long_prefill_holds_the_model(inline_stack):
-    """Small calls may run on the event loop; a prefill must not, or health checks would wait it out."""
+def test_health_and_other_generations_answer_while_a_long_prompt_prefills(tiny_stack):
+    """A long feed runs in chunks on the event loop: between two chunks the server answers health checks
+    and serves other sessions' rounds, instead of holding them for the whole prompt."""
     import threading
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    target = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(inline_stack.target_address))
-    prompt = [(7 * i) % 5000 + 100 for i in range(4000)]
+    target = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(tiny_stack.target_address))
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(tiny_stack.target_address))
+    prompt = [(7 * i) % 5000 + 100 for i in range(2500)]
+    sessions = tiny_stack.target.pool._sessions
+    held = lambda sid: len(sessions[sid].tokens) if sid in sessions else 0  # noqa: E731
     verify = threading.Thread(target=target.Verify, args=(target_pb2.VerifyRequest(
         cursor=ms.SessionCursor(session_id="long", tokens=prompt), sampling=ms.SamplingParams(top_p=1.0)),))
     verify.start()
-    deadline = time.monotonic() + 30
-    while not inline_stack.target._model_lock.locked():
-        assert time.monotonic() < deadline, "the prefill never started"
-        time.sleep(0.001)
-    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(inline_stack.target_address))
-    assert health.Check(health_pb2.HealthCheckRequest(), timeout=60).status == health_pb2.HealthCheckResponse.SERVING
-    assert inline_stack.target._model_lock.locked()  # answered while the prefill still held the model
-    verify.join()
-    target.ReleaseSession(ms.ReleaseSessionRequest(session_id="long"))
+    try:
+        deadline = time.monotonic() + 30
+        while held("long") == 0:
+            assert time.monotonic() < deadline, "the prefill never started"
+            time.sleep(0.001)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=60).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        short = target.Verify(target_pb2.VerifyRequest(cursor=ms.SessionCursor(session_id="short", tokens=[1, 2, 3]),
+                                                       draft_tokens=[4], sampling=ms.SamplingParams(top_p=1.0)))
+        assert short.length == 4
+        assert 0 < held("long") < len(prompt)  # both answered while the long prompt was still being fed
+    finally:
+        verify.join()
+        for sid in ("long", "short"):
+            target.ReleaseSession(ms.ReleaseSessionRequest(session_id=sid))
+    assert held("long") == 0

@@ -157,31 +157,22 @@ def test_shutdown_ends_idle_streams_at_once_with_unavailable(event_loop_thread, 
     assert time.monotonic() - t < grace_s / 3  # it did not wait out the grace period for the open stream
 
 
-class ThreadRecordingTarget(TargetServicer):
-    def _verify(self, request):
-        self.threads = getattr(self, "threads", []) + [(len(request.cursor.tokens) + len(request.draft_tokens),
-                                                         threading.current_thread().name)]
-        return super()._verify(request)
+def _record_forwards(core: ModelServer) -> list[tuple[int, str]]:
+    """(tokens fed, thread) of every forward pass the core runs from now on."""
+    calls, forward = [], core.runner.forward
+
+    def recording_forward(cache, token_ids, num_logits):
+        calls.append((len(token_ids), threading.current_thread().name))
+        return forward(cache, token_ids, num_logits)
+
+    core.runner.forward = recording_forward
+    return calls
 
 
-def test_one_thread_servers_run_round_calls_on_the_event_loop_and_prefills_on_the_model_thread(
-        event_loop_thread, tokenizer, partial_draft, target_model):
-    stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model,
-                       target_servicer=ThreadRecordingTarget, target_cfg=dict(threads=1))
-    try:
-        stack.generate(prompt="Write a short poem about the sea, the wind over it and the ships that sail "
-                              "from one harbour to the next.", max_tokens=16,
-                       temperature=0.0, num_speculative_tokens=3)
-    finally:
-        stop_stack(stack)
-    (prefill, first), *rounds = stack.servicers_target.threads
-    assert prefill > 16 and first.startswith("target-model")
-    assert rounds and all(n <= 16 and name == event_loop_thread.thread.name for n, name in rounds)
-
-
-def test_a_multithreaded_cpu_server_loads_and_computes_on_its_model_thread_only(
+def test_a_multithreaded_cpu_server_loads_and_computes_on_its_event_loop_thread_only(
         event_loop_thread, tokenizer, tiny_draft, tmp_path, monkeypatch):
-    # Torch work on a second thread would start a second OpenMP team and slow every pass for good.
+    # Torch work on a second thread would start a second OpenMP team and slow every pass for good,
+    # and a hand-off to a worker thread costs two wake-ups per call.
     tiny_draft.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     loaded_on = []
@@ -192,39 +183,69 @@ def test_a_multithreaded_cpu_server_loads_and_computes_on_its_model_thread_only(
         return load_model(*args, **kwargs)
 
     monkeypatch.setattr(models, "load_model", recording_load_model)
-    cfg = ModelServerConfig(role="target", model=str(tmp_path), port=0, metrics_port=0, threads=2)
+    cfg = ModelServerConfig(role="target", model=str(tmp_path), port=0, metrics_port=0, threads=2, prefill_chunk=8)
 
     async def start():
-        core = await ModelServer.load(cfg)
-        servicer = ThreadRecordingTarget(core)
-        server, port, _, expiry = await start_model_server(
-            core, [(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer, "specdec.v1.TargetService")],
-            "127.0.0.1", 0)
-        return core, servicer, server, port, expiry
+        core = ModelServer.load(cfg)
+        server, port, _, expiry = await start_model_server(core, target_services(core), "127.0.0.1", 0)
+        return core, server, port, expiry
 
-    core, servicer, server, port, expiry = event_loop_thread.run(start())
+    core, server, port, expiry = event_loop_thread.run(start())
+    forwards = _record_forwards(core)
     try:
         stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
         length = 0
-        for tokens in ([1, 2, 3, 4], [5], [6], [7]):  # a prefill, then round-sized calls; the draft is rejected
+        for tokens in (list(range(1, 30)), [30], [31], [32]):  # a prefill, then round-sized calls; drafts rejected
             length = stub.Verify(target_pb2.VerifyRequest(cursor=cursor("s", length, max(length - 1, 0), tokens),
-                                                          draft_tokens=[8], sampling=GREEDY)).length
+                                                          draft_tokens=[40], sampling=GREEDY)).length
     finally:
         expiry.cancel()
         event_loop_thread.run(server.stop(None))
-        core.shutdown()
-    names = {name for _, name in servicer.threads}
-    assert len(servicer.threads) == 4 and names == set(loaded_on) and loaded_on[0].startswith("target-model")
+    assert loaded_on == [event_loop_thread.thread.name]
+    assert [n for n, _ in forwards] == [8, 8, 5, 8 + 1, 2, 2, 2]  # 29 prompt tokens: 21 fed ahead, then 8 + a draft
+    assert {name for _, name in forwards} == {event_loop_thread.thread.name}
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_prompt_fed_in_chunks_verifies_as_if_fed_in_one_pass(event_loop_thread, tokenizer, target_model, sampling):
+    prompt = tokenizer("The lighthouse keeper wrote in his log every night: the weather, the ships that "
+                       "passed, the state of the lamp and of the stairs, and now and then a line about the "
+                       "gulls, the seals on the rocks, the supply boat that came on Thursdays, and the long "
+                       "winter evenings when the sea was too rough for anyone to land.")["input_ids"]
+    assert len(prompt) > 3 * 16
+    answers, widths = [], []
+    for chunk in (16, 4096):
+        async def start(chunk=chunk):
+            return ModelServer(ModelServerConfig(role="target", model="t", port=0, metrics_port=0, prefill_chunk=chunk),
+                               target_model, tokenizer)
+
+        core = event_loop_thread.run(start())
+        forwards = _record_forwards(core)
+        servicer = TargetServicer(core)
+        request = target_pb2.VerifyRequest(cursor=cursor("s", 0, 0, prompt), draft_tokens=[13, 578, 2593],
+                                           sampling=sampling)
+        answers.append(event_loop_thread.run(servicer.Verify(request, context=None)))
+        widths.append([n for n, _ in forwards])
+    chunked, whole = answers
+    ahead = len(prompt) - 16
+    assert widths[0] == [16] * (ahead // 16) + [ahead % 16] * (ahead % 16 > 0) + [16 + 3]
+    assert widths[1] == [len(prompt) + 3]
+    assert chunked.length == whole.length == len(prompt) + 3
+    assert list(chunked.argmax_token_ids) == list(whole.argmax_token_ids)
+    assert chunked.draft_token_probs == pytest.approx(whole.draft_token_probs, rel=1e-4, abs=1e-6)
 
 
 class SlowTarget(TargetServicer):
     """Answers the third Verify after the orchestrator's deadline."""
 
-    def _verify(self, request):
-        self.calls = getattr(self, "calls", 0) + 1
-        if self.calls == 3:
-            time.sleep(2.0)
-        return super()._verify(request)
+    answered = 0
+
+    async def VerifyStream(self, request_iterator, context):
+        async for response in super().VerifyStream(request_iterator, context):
+            self.answered += 1
+            if self.answered == 3:
+                await asyncio.sleep(2.0)  # asleep, not computing: the test's servers share one event loop
+            yield response
 
 
 def test_a_round_past_the_deadline_fails_with_deadline_exceeded(event_loop_thread, tokenizer, tiny_draft, target_model):
