@@ -16,6 +16,23 @@ def test_adding_a_data_part_never_moves_trained_answers_into_validation():
     assert len(val0) == 20 and len(train0) == 380
 
 
+def _chat_prompts(tokenizer, texts=("What is 2 + 3?", "Name a color.", "Write one word about the sea.", "Say hi.")):
+    return [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          return_dict=True)["input_ids"] for text in texts]
+
+
+def _greedy_alone(runner, prompt, eos, max_new):
+    """One prompt at a time through the runner's own forward: the reference for the batched code."""
+    cache, out = runner.new_cache(), []
+    logits = runner.forward(cache, prompt, 1)
+    while len(out) < max_new:
+        out.append(int(logits[-1].argmax()))
+        if out[-1] in eos:
+            break
+        logits = runner.forward(cache, [out[-1]], 1)
+    return out
+
+
 def test_batched_generation_with_finished_rows_dropped_matches_one_prompt_at_a_time(target_model, tokenizer):
     """The data generator's left-padded batch, compacted as rows finish, answers each prompt as the
     target alone does, and its soft labels line up with the answer tokens."""
@@ -25,19 +42,10 @@ def test_batched_generation_with_finished_rows_dropped_matches_one_prompt_at_a_t
     from training.batched import generate
 
     runner = LeanLlamaRunner(target_model, len(tokenizer), 512)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             return_dict=True)["input_ids"]
-               for text in ("What is 2 + 3?", "Name a color.", "Write one word about the sea.", "Say hi.")]
+    prompts = _chat_prompts(tokenizer)
 
     def alone(prompt, eos, max_new):
-        cache, out = runner.new_cache(), []
-        logits = runner.forward(cache, prompt, 1)
-        while len(out) < max_new:
-            out.append(int(logits[-1].argmax()))
-            if out[-1] in eos:
-                break
-            logits = runner.forward(cache, [out[-1]], 1)
-        return out
+        return _greedy_alone(runner, prompt, eos, max_new)
 
     free = alone(prompts[1], set(), 3)
     eos = {free[2]}  # the second prompt stops after 3 tokens: the batch compacts while the others go on
@@ -50,6 +58,46 @@ def test_batched_generation_with_finished_rows_dropped_matches_one_prompt_at_a_t
         assert top_i[:, 0].tolist() == ids  # greedy: the label's top token is the answer's token
         assert bool((top_v[:, :-1] >= top_v[:, 1:]).all())
         assert torch.isfinite(top_v.float()).all()
+
+
+def test_teacher_forced_labels_equal_the_labels_recorded_while_generating(target_model, tokenizer):
+    """On-policy data labels given answers in one left-padded pass (training.batched.score); at every
+    position its top-20 must be what the target records when it generates that answer itself."""
+    import torch
+
+    from specdec.lean_llama import LeanLlamaRunner
+    from training.batched import generate, score
+
+    runner = LeanLlamaRunner(target_model, len(tokenizer), 512)
+    prompts = _chat_prompts(tokenizer)
+    got = generate(runner, prompts, 12, 0.7, 0.9, set(), seed=3)  # sampled: answers off the greedy path too
+    labels = score(runner, [(p, ids) for p, (ids, _, _) in zip(prompts, got)])
+    assert len({len(p) for p in prompts}) > 1  # the rows are padded differently in the two batches
+    for (ids, gen_i, gen_v), (top_i, top_v) in zip(got, labels):
+        assert top_i.shape == top_v.shape == (len(ids), 20) and top_i.dtype == gen_i.dtype
+        assert torch.equal(top_i[:, :5], gen_i[:, :5])  # near-ties further down may swap in float rounding
+        assert torch.allclose(top_v.float(), gen_v.float(), atol=1e-2)  # fp16 storage: 1e-3 apart at -5
+
+
+def test_a_restricted_vocabulary_draft_generates_token_ids_from_its_kept_tokens(tiny_draft, tokenizer):
+    """A draft whose output layer keeps some tokens returns logits over those only; the batched generator
+    must turn those indices back into token ids, greedy as its runner alone decodes, sampled inside the set."""
+    import copy
+
+    from specdec.lean_llama import LeanLlamaRunner
+    from training.batched import generate
+
+    draft = copy.deepcopy(tiny_draft)
+    kept = sorted(range(7, len(tokenizer), 97))
+    draft.config.specdec_output_token_ids = kept
+    runner = LeanLlamaRunner(draft, len(tokenizer), 512)
+    prompts = _chat_prompts(tokenizer)
+    greedy = generate(runner, prompts, 8, 0.0, 1.0, set(), seed=0, top_k_labels=0)
+    assert [ids for ids, _, _ in greedy] == [_greedy_alone(runner, p, set(), 8) for p in prompts]
+    assert all(top_i is None and top_v is None for _, top_i, top_v in greedy)
+    sampled = generate(runner, prompts, 8, 1.0, 1.0, set(), seed=0, top_k_labels=0)
+    tokens = {t for ids, _, _ in sampled for t in ids}
+    assert tokens <= set(kept) and len(tokens) > 8  # spread over the set, not one index repeated
 
 
 def test_held_out_prompts_share_no_content_with_training_prompts_and_no_bench_prompt_is_trained_on():

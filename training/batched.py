@@ -18,7 +18,13 @@ from specdec.sampling import logits_to_probs
 
 
 def _forward(r: LeanLlamaRunner, ids, pos, k_cache, v_cache, start: int, key_valid):
-    """ids, pos: [B, n]; caches [L, B, kv, T, d]; key_valid [B, T]. Returns logits of the last position [B, vocab]."""
+    """ids, pos: [B, n]; caches [L, B, kv, T, d]; key_valid [B, T]. Returns logits of the last position
+    [B, vocab], or [B, kept] for a draft that scores only its kept tokens (r.kept)."""
+    return F.linear(r._rms(_hidden(r, ids, pos, k_cache, v_cache, start, key_valid)[:, -1], r.norm), r.lm_head).float()
+
+
+def _hidden(r: LeanLlamaRunner, ids, pos, k_cache, v_cache, start: int, key_valid):
+    """The final residual stream, before the last norm: [B, n, hidden]."""
     B, n = ids.shape
     h, kv, d = r.n_heads, r.n_kv, r.head_dim
     end = start + n
@@ -38,13 +44,15 @@ def _forward(r: LeanLlamaRunner, ids, pos, k_cache, v_cache, start: int, key_val
         x = x + F.linear(att.transpose(1, 2).reshape(B, n, h * d), wo)
         gate, up = F.linear(r._rms(x, ln2), wgu).chunk(2, dim=-1)
         x = x + F.linear(F.silu(gate) * up, wd)
-    return F.linear(r._rms(x[:, -1], r.norm), r.lm_head).float()  # [B, vocab]
+    return x
 
 
 @torch.inference_mode()
 def generate(r: LeanLlamaRunner, prompts: list[list[int]], max_new: int, temperature: float, top_p: float,
              eos_ids: set[int], seed: int, top_k_labels: int = 20):
-    """One batch. Returns per row: (completion ids, top-k ids [m, k] int32, top-k log-probs [m, k] fp16).
+    """One batch. Returns per row: (completion ids, top-k ids [m, k] int32, top-k log-probs [m, k] fp16);
+    with top_k_labels=0, (completion ids, None, None). A draft that scores only its kept tokens samples
+    among them (its own q), and its labels would index the kept list: use top_k_labels=0 for drafts.
 
     Rows that finished are dropped from the batch (and its caches) once they are a quarter of it,
     so a batch's long answers do not drag its short ones' share of the compute along."""
@@ -66,19 +74,23 @@ def generate(r: LeanLlamaRunner, prompts: list[list[int]], max_new: int, tempera
     rows = torch.arange(B)  # original index of each row still in the batch
     done = torch.zeros(B, dtype=torch.bool)
     eos = torch.tensor(sorted(eos_ids))
+    token_of = r.kept if r.kept is not None else None  # a draft's logits index its kept tokens
     for t in range(max_new):
-        logp = torch.log_softmax(logits, dim=-1)
-        top = torch.topk(logp, top_k_labels, dim=-1)
-        top_i, top_v = top.indices.int(), top.values.half()
+        if top_k_labels:
+            top = torch.topk(torch.log_softmax(logits, dim=-1), top_k_labels, dim=-1)
+            top_i, top_v = top.indices.int(), top.values.half()
         if temperature == 0:
             nxt = logits.argmax(-1)
         else:
             nxt = torch.multinomial(logits_to_probs(logits, temperature, 0, top_p), 1, generator=g)[:, 0]
+        if token_of is not None:
+            nxt = token_of[nxt]
         for j in torch.nonzero(~done).flatten().tolist():
             b = int(rows[j])
             out[b].append(int(nxt[j]))
-            labels_i[b].append(top_i[j])
-            labels_v[b].append(top_v[j])
+            if top_k_labels:
+                labels_i[b].append(top_i[j])
+                labels_v[b].append(top_v[j])
         done |= torch.isin(nxt, eos)
         if bool(done.all()) or t == max_new - 1:
             break
@@ -87,7 +99,35 @@ def generate(r: LeanLlamaRunner, prompts: list[list[int]], max_new: int, tempera
             rows, done, nxt, pad, key_valid = rows[keep], done[keep], nxt[keep], pad[keep], key_valid[keep]
             k_cache, v_cache = k_cache[:, keep], v_cache[:, keep]
         logits = _forward(r, nxt[:, None], (P - pad + t)[:, None], k_cache, v_cache, P + t, key_valid)
+    if not top_k_labels:
+        return [(out[b], None, None) for b in range(B)]
     return [(out[b], torch.stack(labels_i[b]), torch.stack(labels_v[b])) for b in range(B)]
+
+
+@torch.inference_mode()
+def score(r: LeanLlamaRunner, pairs: list[tuple[list[int], list[int]]], top_k_labels: int = 20):
+    """Teacher-forced labels: one batched pass over each (prompt, completion), and at every completion
+    position the model's top-k ids [m, k] int32 and log-probs [m, k] fp16, as generate() records them for
+    the tokens it samples itself. A pass over given tokens costs a fraction of generating them (no
+    KV cache read back step after step), which is what makes labelling a draft's own answers cheap."""
+    seqs = [p + c for p, c in pairs]
+    B, T = len(seqs), max(len(s) for s in seqs)
+    pad = torch.tensor([T - len(s) for s in seqs])
+    ids = torch.zeros(B, T, dtype=torch.long)
+    key_valid = torch.zeros(B, T, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        ids[b, T - len(s):] = torch.tensor(s)
+        key_valid[b, T - len(s):] = True
+    k_cache = torch.empty(len(r.layers), B, r.n_kv, T, r.head_dim, dtype=r.dtype)
+    v_cache = torch.empty_like(k_cache)
+    pos = (torch.arange(T)[None] - pad[:, None]).clamp(min=0)
+    x = _hidden(r, ids, pos, k_cache, v_cache, 0, key_valid)  # [B, T, hidden]
+    out = []
+    for b, (_, c) in enumerate(pairs):
+        h = r._rms(x[b, T - len(c) - 1:T - 1], r.norm)  # the positions that predict each completion token
+        top = torch.topk(torch.log_softmax(F.linear(h, r.lm_head).float(), dim=-1), top_k_labels, dim=-1)
+        out.append((top.indices.int(), top.values.half()))
+    return out
 
 
 def generate_all(r, prompts, max_new, temperature, top_p, eos_ids, seed, batch_size, deadline=None, log=print):

@@ -92,7 +92,8 @@ def batches(records, batch_tokens: int, rng: random.Random):
 
 
 def loss_on(draft, kept_t, slot, recs, hard_weight=0.2):
-    """Soft KL to the target's renormalised top-20 on the kept tokens, plus hard-label CE."""
+    """Soft KL to the target's renormalised top-20 on the kept tokens, plus hard-label CE (the target's token:
+    its answer's for its own answers, its top choice for the draft's). Agreement is against the hard label."""
     lens = [len(r["prompt"]) + len(r["completion"]) for r in recs]
     T = max(lens)
     ids = torch.zeros(len(recs), T, dtype=torch.long)
@@ -109,7 +110,7 @@ def loss_on(draft, kept_t, slot, recs, hard_weight=0.2):
         rows.append(hidden[b, p - 1: p - 1 + m])  # positions predicting each completion token
         top_ids.append(r["top_ids"].long())
         top_logp.append(r["top_logp"].float())
-        hard.append(torch.tensor(r["completion"]))
+        hard.append(torch.tensor(r.get("hard", r["completion"])))  # on-policy answers: the target's top token
     h = torch.cat(rows)  # [N, hidden]
     logits = h @ draft.get_input_embeddings().weight[kept_t].T  # [N, kept]
     logq = torch.log_softmax(logits.float(), dim=-1)
