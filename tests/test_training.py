@@ -16,6 +16,24 @@ def test_adding_a_data_part_never_moves_trained_answers_into_validation():
     assert len(val0) == 20 and len(train0) == 380
 
 
+def test_a_time_budget_cuts_off_a_random_share_of_the_prompts_not_the_longest():
+    """Data generation stops at a deadline: the prompts answered first must be a fair sample of all of them,
+    while each batch stays of similar length."""
+    from training.batched import budget_order
+
+    rng = random.Random(0)
+    lengths = [rng.randint(20, 600) for _ in range(3000)]
+    order = budget_order(lengths, 32, seed=1)
+    assert sorted(order) == list(range(len(lengths)))
+    first = sorted(lengths[i] for i in order[:768])  # a budget that answers a quarter (three blocks of 8 batches)
+    everything = sorted(lengths)
+    assert abs(first[len(first) // 2] - everything[len(everything) // 2]) < 30  # median of all: about 310
+    assert first[-1] > everything[int(0.95 * len(everything))]  # the longest prompts are reached too
+    for s in range(0, 768, 32):  # a batch's rows come from one length-sorted block
+        batch = [lengths[i] for i in order[s:s + 32]]
+        assert batch == sorted(batch)
+
+
 def _chat_prompts(tokenizer, texts=("What is 2 + 3?", "Name a color.", "Write one word about the sea.", "Say hi.")):
     return [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                           return_dict=True)["input_ids"] for text in texts]

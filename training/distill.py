@@ -119,8 +119,9 @@ def _draft_part(args, tokenizer, part: int) -> Path:
     target = LeanLlamaRunner(models.load_model(models.DEFAULT_TARGET, dtype=compute_dtype()), len(tokenizer), 4096)
     eos = set(models.eos_token_ids(draft_model, tokenizer))
     conversations = make_prompts(args.num_prompts, seed)
-    prompts = sorted((tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True)["input_ids"]
-                      for m in conversations), key=len)
+    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True)["input_ids"]
+               for m in conversations]
+    prompts = [prompts[i] for i in batched.budget_order([len(p) for p in prompts], args.batch_size, seed)]
     deadline = time.monotonic() + 60 * args.gen_minutes
     records, t0, tokens = [], time.monotonic(), 0
     for s in range(0, len(prompts), args.batch_size):
@@ -128,10 +129,10 @@ def _draft_part(args, tokenizer, part: int) -> Path:
             log(f"  time budget reached after {len(records)} of {len(prompts)} prompts")
             break
         batch = prompts[s:s + args.batch_size]
-        n_greedy = round(ON_POLICY_GREEDY * len(batch))
+        greedy = [int((j + 1) * ON_POLICY_GREEDY) > int(j * ON_POLICY_GREEDY) for j in range(len(batch))]
         answers = []
-        for mode, rows, temperature in (("draft-greedy", batch[:n_greedy], 0.0),
-                                        ("draft-sampled", batch[n_greedy:], 0.7)):
+        for mode, rows, temperature in (("draft-greedy", [p for p, g in zip(batch, greedy) if g], 0.0),
+                                        ("draft-sampled", [p for p, g in zip(batch, greedy) if not g], 0.7)):
             got = batched.generate(draft, rows, args.max_new, temperature, 0.9, eos, seed + s, top_k_labels=0)
             answers += [(mode, p, ids) for p, (ids, _, _) in zip(rows, got) if ids]
         answers.sort(key=lambda a: len(a[1]) + len(a[2]))
