@@ -184,8 +184,9 @@ class LeanLlamaRunner:
         return x * cos + rotated * sin
 
     @torch.inference_mode()
-    def forward(self, cache: LeanCache, token_ids: list[int], num_logits: int) -> torch.Tensor:
-        """Append token_ids; logits of the last num_logits positions: [num_logits, vocab] float32."""
+    def forward(self, cache: LeanCache, token_ids, num_logits: int) -> torch.Tensor:
+        """Append token_ids (a list, or a 1-D tensor on the device); logits of the last num_logits positions:
+        [num_logits, vocab] float32."""
         n, start = len(token_ids), cache.length
         if start + n > self.max_len:
             raise ValueError(f"sequence of {start + n} tokens exceeds {self.max_len}")
@@ -193,7 +194,9 @@ class LeanLlamaRunner:
         h, kv, d = self.n_heads, self.n_kv, self.head_dim
         linear = (int8_linear if self.quantize == "int8" else
                   weights_first if self.matmul == "weights-first" and n <= SMALL_PASS_ROWS else F.linear)
-        x = self.embed[torch.tensor(token_ids, device=self.device)]  # [n, hidden]
+        if not isinstance(token_ids, torch.Tensor):  # a tensor on the device can be a CUDA graph's static input
+            token_ids = torch.tensor(token_ids, device=self.device)
+        x = self.embed[token_ids]  # [n, hidden]
         cos, sin = self.cos[start:start + n], self.sin[start:start + n]
         end = start + n
         mask = None

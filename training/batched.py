@@ -31,7 +31,7 @@ def _hidden(r: LeanLlamaRunner, ids, pos, k_cache, v_cache, start: int, key_vali
     end = start + n
     x = r.embed[ids]  # [B, n, hidden]
     cos, sin = r.cos[pos][:, None], r.sin[pos][:, None]  # [B, 1, n, d]
-    causal = torch.ones(n, end, dtype=torch.bool).tril(start)  # [n, end]
+    causal = torch.ones(n, end, dtype=torch.bool, device=ids.device).tril(start)  # [n, end]
     mask = causal[None, None] & key_valid[:, None, None, :end]  # [B, 1, n, end]
     for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(r.layers):
         qkv = F.linear(r._rms(x, ln1), wqkv)  # [B, n, (h + 2 kv) d]
@@ -57,7 +57,8 @@ def generate(r: LeanLlamaRunner, prompts: list[list[int]], max_new: int, tempera
 
     Rows that finished are dropped from the batch (and its caches) once they are a quarter of it,
     so a batch's long answers do not drag its short ones' share of the compute along."""
-    g = torch.Generator().manual_seed(seed)
+    dev = r.device
+    g = torch.Generator(device=dev).manual_seed(seed)
     B, P = len(prompts), max(len(p) for p in prompts)
     T = P + max_new
     pad = torch.tensor([P - len(p) for p in prompts])
@@ -66,38 +67,44 @@ def generate(r: LeanLlamaRunner, prompts: list[list[int]], max_new: int, tempera
     for b, p in enumerate(prompts):
         ids[b, P - len(p):] = torch.tensor(p)
         key_valid[b, P - len(p):] = True
-    k_cache = torch.empty(len(r.layers), B, r.n_kv, T, r.head_dim, dtype=r.dtype)
+    pad, ids, key_valid = pad.to(dev), ids.to(dev), key_valid.to(dev)
+    k_cache = torch.empty(len(r.layers), B, r.n_kv, T, r.head_dim, dtype=r.dtype, device=dev)
     v_cache = torch.empty_like(k_cache)
-    pos = (torch.arange(P)[None] - pad[:, None]).clamp(min=0)
+    pos = (torch.arange(P, device=dev)[None] - pad[:, None]).clamp(min=0)
     logits = _forward(r, ids, pos, k_cache, v_cache, 0, key_valid)
     out = [[] for _ in range(B)]
     labels_i, labels_v = [[] for _ in range(B)], [[] for _ in range(B)]
+    # the bookkeeping stays on the CPU: one copy of the step's tokens (and labels) per step, not one per row
     rows = torch.arange(B)  # original index of each row still in the batch
     done = torch.zeros(B, dtype=torch.bool)
     eos = torch.tensor(sorted(eos_ids))
-    token_of = r.kept if r.kept is not None else None  # a draft's logits index its kept tokens
+    token_of = r.kept.to(dev) if r.kept is not None else None  # a draft's logits index its kept tokens
     for t in range(max_new):
         if top_k_labels:
             top = torch.topk(torch.log_softmax(logits, dim=-1), top_k_labels, dim=-1)
-            top_i, top_v = top.indices.int(), top.values.half()
+            top_i, top_v = top.indices.int().cpu(), top.values.half().cpu()
         if temperature == 0:
             nxt = logits.argmax(-1)
         else:
             nxt = torch.multinomial(logits_to_probs(logits, temperature, 0, top_p), 1, generator=g)[:, 0]
         if token_of is not None:
             nxt = token_of[nxt]
+        nxt_cpu = nxt.cpu()
+        tokens = nxt_cpu.tolist()
         for j in torch.nonzero(~done).flatten().tolist():
             b = int(rows[j])
-            out[b].append(int(nxt[j]))
+            out[b].append(tokens[j])
             if top_k_labels:
                 labels_i[b].append(top_i[j])
                 labels_v[b].append(top_v[j])
-        done |= torch.isin(nxt, eos)
+        done |= torch.isin(nxt_cpu, eos)
         if bool(done.all()) or t == max_new - 1:
             break
         if int(done.sum()) * 4 >= len(rows):  # compact: keep the unfinished rows only
             keep = torch.nonzero(~done).flatten()
-            rows, done, nxt, pad, key_valid = rows[keep], done[keep], nxt[keep], pad[keep], key_valid[keep]
+            rows, done = rows[keep], done[keep]
+            keep = keep.to(dev)
+            nxt, pad, key_valid = nxt[keep], pad[keep], key_valid[keep]
             k_cache, v_cache = k_cache[:, keep], v_cache[:, keep]
         logits = _forward(r, nxt[:, None], (P - pad + t)[:, None], k_cache, v_cache, P + t, key_valid)
     if not top_k_labels:
@@ -112,6 +119,7 @@ def score(r: LeanLlamaRunner, pairs: list[tuple[list[int], list[int]]], top_k_la
     the tokens it samples itself. A pass over given tokens costs a fraction of generating them (no
     KV cache read back step after step), which is what makes labelling a draft's own answers cheap."""
     seqs = [p + c for p, c in pairs]
+    dev = r.device
     B, T = len(seqs), max(len(s) for s in seqs)
     pad = torch.tensor([T - len(s) for s in seqs])
     ids = torch.zeros(B, T, dtype=torch.long)
@@ -119,15 +127,16 @@ def score(r: LeanLlamaRunner, pairs: list[tuple[list[int], list[int]]], top_k_la
     for b, s in enumerate(seqs):
         ids[b, T - len(s):] = torch.tensor(s)
         key_valid[b, T - len(s):] = True
-    k_cache = torch.empty(len(r.layers), B, r.n_kv, T, r.head_dim, dtype=r.dtype)
+    pad, ids, key_valid = pad.to(dev), ids.to(dev), key_valid.to(dev)
+    k_cache = torch.empty(len(r.layers), B, r.n_kv, T, r.head_dim, dtype=r.dtype, device=dev)
     v_cache = torch.empty_like(k_cache)
-    pos = (torch.arange(T)[None] - pad[:, None]).clamp(min=0)
+    pos = (torch.arange(T, device=dev)[None] - pad[:, None]).clamp(min=0)
     x = _hidden(r, ids, pos, k_cache, v_cache, 0, key_valid)  # [B, T, hidden]
     out = []
     for b, (_, c) in enumerate(pairs):
         h = r._rms(x[b, T - len(c) - 1:T - 1], r.norm)  # the positions that predict each completion token
         top = torch.topk(torch.log_softmax(F.linear(h, r.lm_head).float(), dim=-1), top_k_labels, dim=-1)
-        out.append((top.indices.int(), top.values.half()))
+        out.append((top.indices.int().cpu(), top.values.half().cpu()))
     return out
 
 

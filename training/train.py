@@ -19,6 +19,7 @@ ARCH = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_att
 CALIBRATION_ANSWERS = 96  # --init-from slice: answers the target's stream statistics are gathered on
 COVERAGE = 0.995  # the output layer keeps the most frequent tokens covering this share of the answers
 MAX_KEPT = 16384
+VAL_CHECK = 512  # validation answers read at each check during training
 
 
 def kept_vocabulary(records) -> list[int]:
@@ -92,6 +93,7 @@ def batches(records, batch_tokens: int, rng: random.Random):
 
 
 def loss_on(draft, kept_t, slot, recs, hard_weight=0.2):
+    dev = kept_t.device
     """Soft KL to the target's renormalised top-20 on the kept tokens, plus hard-label CE (the target's token:
     its answer's for its own answers, its top choice for the draft's). Agreement is against the hard label."""
     lens = [len(r["prompt"]) + len(r["completion"]) for r in recs]
@@ -102,7 +104,7 @@ def loss_on(draft, kept_t, slot, recs, hard_weight=0.2):
         seq = r["prompt"] + r["completion"]
         ids[b, : len(seq)] = torch.tensor(seq)
         mask[b, : len(seq)] = 1
-    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, h]
+    hidden = draft.model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).last_hidden_state  # [B, T, h]
     rows, top_ids, top_logp, hard = [], [], [], []
     for b, r in enumerate(recs):
         p = len(r["prompt"])
@@ -114,11 +116,11 @@ def loss_on(draft, kept_t, slot, recs, hard_weight=0.2):
     h = torch.cat(rows)  # [N, hidden]
     logits = h @ draft.get_input_embeddings().weight[kept_t].T  # [N, kept]
     logq = torch.log_softmax(logits.float(), dim=-1)
-    ti = slot[torch.cat(top_ids)]  # [N, 20] index into kept, -1 outside
-    tp = torch.cat(top_logp).exp() * (ti >= 0)
+    ti = slot[torch.cat(top_ids).to(dev)]  # [N, 20] index into kept, -1 outside
+    tp = torch.cat(top_logp).to(dev).exp() * (ti >= 0)
     tp = tp / tp.sum(-1, keepdim=True).clamp_min(1e-9)
     soft = -(tp * logq.gather(1, ti.clamp_min(0))).sum(-1).mean()
-    hs = slot[torch.cat(hard)]
+    hs = slot[torch.cat(hard).to(dev)]
     hard_loss = F.nll_loss(logq[hs >= 0], hs[hs >= 0])
     agree = (logits.argmax(-1) == hs).float().mean()
     return soft + hard_weight * hard_loss, agree
@@ -156,26 +158,36 @@ def stage_train(args, tokenizer, data_paths: list[Path]) -> None:
         del target
     log(f"train: {len(train)} answers ({sum(len(r['completion']) for r in train)} tokens), "
         f"output layer keeps {len(kept)} tokens ({COVERAGE:.1%} of answer tokens)")
-    kept_t = torch.tensor(kept)
-    slot = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
-    slot[kept_t] = torch.arange(len(kept))
+    dev = torch.device(args.device)
+    draft.to(dev)
+    kept_t = torch.tensor(kept, device=dev)
+    slot = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=dev)
+    slot[kept_t] = torch.arange(len(kept), device=dev)
     c = draft.config
     log(f"train: draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters, {c.num_hidden_layers} "
         f"layers x {c.hidden_size} wide, MLP {c.intermediate_size}, {c.num_attention_heads} heads "
-        f"({c.num_key_value_heads} KV) of {c.head_dim}")
-    bf16 = args.device == "cpu" and models.cpu_has_native_bf16()  # emulated bf16 is slower than fp32
+        f"({c.num_key_value_heads} KV) of {c.head_dim}, on {dev}")
+    # bf16 products on a GPU; on a CPU only where they are in hardware (emulated bf16 is slower than fp32)
+    bf16 = dev.type == "cuda" or models.cpu_has_native_bf16()
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    val_rows = 8 if dev.type == "cpu" else 64
 
-    def validate() -> str:
+    def validate(records=val) -> tuple[str, float]:
         draft.eval()
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            vl, va = zip(*(loss_on(draft, kept_t, slot, val[i:i + 8]) for i in range(0, len(val), 8)))
+        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+            vl, va = zip(*(loss_on(draft, kept_t, slot, records[i:i + val_rows])
+                           for i in range(0, len(records), val_rows)))
         draft.train()
-        return f"val loss {sum(vl) / len(vl):.3f} agree {sum(va) / len(va):.3f}"
+        agree = float(sum(va) / len(va))
+        return f"val loss {sum(vl) / len(vl):.3f} agree {agree:.3f}", agree
 
-    log(f"train: before training, {validate()}")
+    # the checks during training read at most VAL_CHECK answers (a GPU run's slice is thousands); the best
+    # checkpoint by them is kept, so a run that starts to overfit late does not lose its best weights
+    check = val[:VAL_CHECK]
+    log(f"train: before training, {validate()[0]}")
     budget = 60 * args.train_minutes
     t0, step, epoch = time.monotonic(), 0, 0
+    best, best_state, best_step = -1.0, None, 0
     draft.train()
     done = False
     while not done:
@@ -188,7 +200,7 @@ def stage_train(args, tokenizer, data_paths: list[Path]) -> None:
             lr = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * frac))  # warm-up, cosine
             for g in opt.param_groups:
                 g["lr"] = lr
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
                 loss, agree = loss_on(draft, kept_t, slot, [train[i] for i in group])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -196,9 +208,17 @@ def stage_train(args, tokenizer, data_paths: list[Path]) -> None:
             opt.step()
             step += 1
             if step % 100 == 0:
+                text, got = validate(check)
+                if got > best:
+                    best, best_step = got, step
+                    best_state = {k: v.detach().to("cpu", copy=True) for k, v in draft.state_dict().items()}
                 log(f"train: step {step} epoch {epoch} {frac:.0%} lr {lr:.2e} loss {loss.item():.3f} "
-                    f"agree {agree.item():.3f} | {validate()}")
-    log(f"train: after {step} steps, {validate()}")
+                    f"agree {agree.item():.3f} | {text}")
+    text, last = validate(check)
+    if best_state is not None and best > last:
+        draft.load_state_dict(best_state)
+        log(f"train: the end ({last:.3f}) checks worse than step {best_step} ({best:.3f}): keeping step {best_step}")
+    log(f"train: after {step} steps, {validate()[0]}")
     draft.eval()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
