@@ -14,7 +14,7 @@ from training.prompts import make_prompts
 DRAFT = "embedded:smollm2-135m-draft"
 # Measured greedy agreement on held-out prompts is reported in models/smollm2-draft/README.md;
 # the floor sits well below it so that only a broken or stale draft fails.
-MIN_GREEDY_AGREEMENT = 0.33  # measured 0.424, 0.417 with int8 products (version 3: 0.434, 0.389); deterministic: greedy, fixed prompts
+MIN_GREEDY_AGREEMENT = 0.45  # measured 0.601, 0.528 with int8 products (version 3.2: 0.424, 0.417, so a stale 3.2 fails); deterministic: greedy, fixed prompts
 
 
 @pytest.fixture(scope="module")
