@@ -48,6 +48,24 @@ def _hidden(r: LeanLlamaRunner, ids, pos, k_cache, v_cache, start: int, key_vali
     return x
 
 
+def _left_padded(r: LeanLlamaRunner, seqs: list[list[int]], capacity: int):
+    """A batch of token sequences, left-padded to the longest, on the runner's device: ids and RoPE positions
+    [B, P] (each row's positions start after its padding), padding [B], key_valid [B, capacity] (the keys a
+    row may attend to), and empty K/V caches of `capacity` positions [L, B, kv, capacity, d]."""
+    dev = r.device
+    B, P = len(seqs), max(len(s) for s in seqs)
+    pad = torch.tensor([P - len(s) for s in seqs])
+    ids = torch.zeros(B, P, dtype=torch.long)
+    key_valid = torch.zeros(B, capacity, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        ids[b, P - len(s):] = torch.tensor(s)
+        key_valid[b, P - len(s):] = True
+    pad, ids, key_valid = pad.to(dev), ids.to(dev), key_valid.to(dev)
+    k_cache = torch.empty(len(r.layers), B, r.n_kv, capacity, r.head_dim, dtype=r.dtype, device=dev)
+    pos = (torch.arange(P, device=dev)[None] - pad[:, None]).clamp(min=0)
+    return ids, pos, pad, key_valid, k_cache, torch.empty_like(k_cache)
+
+
 @torch.inference_mode()
 def generate(r: LeanLlamaRunner, prompts: list[list[int]], max_new: int, temperature: float, top_p: float,
              eos_ids: set[int], seed: int, top_k_labels: int = 20):
@@ -60,17 +78,7 @@ def generate(r: LeanLlamaRunner, prompts: list[list[int]], max_new: int, tempera
     dev = r.device
     g = torch.Generator(device=dev).manual_seed(seed)
     B, P = len(prompts), max(len(p) for p in prompts)
-    T = P + max_new
-    pad = torch.tensor([P - len(p) for p in prompts])
-    ids = torch.zeros(B, P, dtype=torch.long)
-    key_valid = torch.zeros(B, T, dtype=torch.bool)
-    for b, p in enumerate(prompts):
-        ids[b, P - len(p):] = torch.tensor(p)
-        key_valid[b, P - len(p):] = True
-    pad, ids, key_valid = pad.to(dev), ids.to(dev), key_valid.to(dev)
-    k_cache = torch.empty(len(r.layers), B, r.n_kv, T, r.head_dim, dtype=r.dtype, device=dev)
-    v_cache = torch.empty_like(k_cache)
-    pos = (torch.arange(P, device=dev)[None] - pad[:, None]).clamp(min=0)
+    ids, pos, pad, key_valid, k_cache, v_cache = _left_padded(r, prompts, P + max_new)
     logits = _forward(r, ids, pos, k_cache, v_cache, 0, key_valid)
     out = [[] for _ in range(B)]
     labels_i, labels_v = [[] for _ in range(B)], [[] for _ in range(B)]
@@ -119,18 +127,8 @@ def score(r: LeanLlamaRunner, pairs: list[tuple[list[int], list[int]]], top_k_la
     the tokens it samples itself. A pass over given tokens costs a fraction of generating them (no
     KV cache read back step after step), which is what makes labelling a draft's own answers cheap."""
     seqs = [p + c for p, c in pairs]
-    dev = r.device
-    B, T = len(seqs), max(len(s) for s in seqs)
-    pad = torch.tensor([T - len(s) for s in seqs])
-    ids = torch.zeros(B, T, dtype=torch.long)
-    key_valid = torch.zeros(B, T, dtype=torch.bool)
-    for b, s in enumerate(seqs):
-        ids[b, T - len(s):] = torch.tensor(s)
-        key_valid[b, T - len(s):] = True
-    pad, ids, key_valid = pad.to(dev), ids.to(dev), key_valid.to(dev)
-    k_cache = torch.empty(len(r.layers), B, r.n_kv, T, r.head_dim, dtype=r.dtype, device=dev)
-    v_cache = torch.empty_like(k_cache)
-    pos = (torch.arange(T, device=dev)[None] - pad[:, None]).clamp(min=0)
+    T = max(len(s) for s in seqs)
+    ids, pos, _, key_valid, k_cache, v_cache = _left_padded(r, seqs, T)
     x = _hidden(r, ids, pos, k_cache, v_cache, 0, key_valid)  # [B, T, hidden]
     out = []
     for b, (_, c) in enumerate(pairs):

@@ -93,9 +93,10 @@ def batches(records, batch_tokens: int, rng: random.Random):
 
 
 def loss_on(draft, kept_t, slot, recs, hard_weight=0.2):
-    dev = kept_t.device
     """Soft KL to the target's renormalised top-20 on the kept tokens, plus hard-label CE (the target's token:
-    its answer's for its own answers, its top choice for the draft's). Agreement is against the hard label."""
+    its answer's for its own answers, its top choice for the draft's). Agreement is against the hard label.
+    The records' tensors are moved to the device of kept_t and slot (the draft's)."""
+    dev = kept_t.device
     lens = [len(r["prompt"]) + len(r["completion"]) for r in recs]
     T = max(lens)
     ids = torch.zeros(len(recs), T, dtype=torch.long)
