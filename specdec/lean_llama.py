@@ -6,8 +6,9 @@ runner takes the weights of any ``LlamaForCausalLM`` (fused QKV and gate/up
 projections, the model's own rotary tables, so rope scaling is honoured) and
 keeps a growable KV cache per session. Logits match the stock forward to float
 rounding; both model servers use it for Llama models (``--runner auto``, the default).
-The products of a step or a verify pass take whichever of two equivalent forms this
-CPU's BLAS runs faster at a few rows, timed once at load (``--matmul auto``). On CPU
+The products of a step or a verify pass take, for each row count, whichever of three equivalent
+forms this CPU runs fastest (MKL's F.linear, weights-first, oneDNN's packed GEMM), timed once at
+load (``--matmul auto``): few-row GEMMs fall off cliffs that differ from CPU to CPU. On CPU
 the products can instead run on int8 weights (``--quantize int8``, the draft's default
 there): a draft step is memory-bound, and a quarter of the bytes is most of its time.
 """
@@ -24,10 +25,13 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 # A pass of at most this many rows is a step or a verify (K + 1 tokens plus the few the session has not seen);
-# its products take the form chosen at load. Longer passes (prefills, rebuilds) keep F.linear, which MKL runs
-# well at many rows (batch-128 generation: 190 tokens/s with it, 130 with the weights-first form).
+# its products take the form planned at load for its row count. Longer passes (prefills, rebuilds) keep F.linear,
+# which MKL runs well at many rows (batch-128 generation: 190 tokens/s with it, 130 with the weights-first form;
+# a 256-row pass over the target's matrices: 262 ms with it, 320 with oneDNN's packed form).
 SMALL_PASS_ROWS = 32
-MATMUL_FORMS = ("auto", "linear", "weights-first")
+FORMS = ("linear", "weights-first", "onednn")
+MATMUL_FORMS = ("auto", *FORMS)
+TIMED_ROWS = (1, 2, 3, 4, 6, 9, 16, SMALL_PASS_ROWS)  # row counts `auto` times; the ones between take the next up
 QUANTIZE = ("none", "int8")
 
 
@@ -40,25 +44,70 @@ def weights_first(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (w @ x.t()).t().contiguous()
 
 
-def choose_matmul(weights: list[torch.Tensor], rows=(2, 5, 9), reps: int = 3, margin: float = 0.9) -> tuple[str, dict]:
-    """The faster form of a few-row product on this machine's BLAS, timed over `weights` (all of a model's
-    matrices, so they come cold from memory as in a real pass). Weights-first must beat F.linear by
-    `margin`, so that a near tie keeps the usual form rather than flipping between restarts."""
-    if weights[0].device.type != "cpu":
-        return "linear", {}
-    forms = {"linear": F.linear, "weights-first": weights_first}
-    xs = {(n, w.shape[1]): torch.randn(n, w.shape[1], dtype=w.dtype) for n in rows for w in weights}
-    best = {name: float("inf") for name in forms}
+def onednn_available(w: torch.Tensor) -> bool:
+    return w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack_onednn(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] float32 weights -> oneDNN's blocked layout for its GEMM (an opaque tensor, same bytes)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, None)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x @ w.T on weights packed by pack_onednn: the same product, summed in oneDNN's order.
+
+    On an AVX-512 Xeon (2 threads, the target's 121 matrices), MKL's F.linear takes 20 ms at 1-3 rows and
+    35-48 ms at 4-9, a cliff where its few-row GEMM changes kernel; this form takes 23-24 ms from 1 to 6 rows
+    and 29.5 at 9. It loses at 1 row (the reorder suits a GEMM, not a GEMV), hence a plan per row count."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def time_products(forms: dict, rows=TIMED_ROWS, reps: int = 2) -> dict[str, dict[int, float]]:
+    """forms: name -> (product, weights), the weights in that product's own layout (all of a model's
+    matrices, so they come cold from memory as in a real pass). The best of `reps` timed sweeps, in ms, per
+    form and row count; the sweeps alternate forms, so a slow moment of the machine hits all of them."""
+    first = next(iter(forms.values()))[1]
+    widths = {w.shape[1] for w in first}
+    xs = {(n, d): torch.randn(n, d, dtype=first[0].dtype) for n in rows for d in widths}
+    in_dims = [w.shape[1] for w in first]  # packed tensors hide their shape: take it from the first form's
+    best = {name: {n: float("inf") for n in rows} for name in forms}
     with torch.inference_mode():
-        for _ in range(reps + 1):  # the first sweep warms up
-            for name, fn in forms.items():
-                t0 = time.perf_counter()
-                for n in rows:
-                    for w in weights:
-                        fn(xs[n, w.shape[1]], w)
-                best[name] = min(best[name], time.perf_counter() - t0)
-    chosen = "weights-first" if best["weights-first"] < margin * best["linear"] else "linear"
-    return chosen, {name: round(1e3 * t, 2) for name, t in best.items()}
+        for name, (fn, weights) in forms.items():  # warm-up: touch every matrix once
+            for d, w in zip(in_dims, weights):
+                fn(xs[rows[0], d], w)
+        for _ in range(reps):
+            for n in rows:
+                for name, (fn, weights) in forms.items():
+                    t0 = time.perf_counter()
+                    for d, w in zip(in_dims, weights):
+                        fn(xs[n, d], w)
+                    best[name][n] = min(best[name][n], 1e3 * (time.perf_counter() - t0))
+    return best
+
+
+def plan_products(timings: dict[str, dict[int, float]], margin: float = 0.9,
+                  max_rows: int = SMALL_PASS_ROWS) -> tuple[str, ...]:
+    """The product form of a pass of n rows, for n = 0 .. max_rows (index n; 0 unused). A row count takes
+    the timings of the nearest timed count at or above it. Another form replaces F.linear only where it
+    beats it by `margin`, so that a near tie keeps the usual form rather than flipping between restarts."""
+    timed = sorted(timings["linear"])
+    plan = ["linear"]
+    for n in range(1, max_rows + 1):
+        at = next((r for r in timed if r >= n), timed[-1])
+        best = min(timings, key=lambda name: timings[name][at])
+        plan.append(best if timings[best][at] < margin * timings["linear"][at] else "linear")
+    return tuple(plan)
+
+
+def describe_plan(plan: tuple[str, ...]) -> str:
+    """("linear", "linear", "linear", "onednn", ...) -> "1-2 rows: linear, 3-32 rows: onednn"."""
+    spans, start = [], 1
+    for n in range(2, len(plan) + 1):
+        if n == len(plan) or plan[n] != plan[start]:
+            rows = f"{start}-{n - 1} rows" if n - 1 > start else f"{start} row" + "s" * (start > 1)
+            spans.append(f"{rows}: {plan[start]}")
+            start = n
+    return ", ".join(spans)
 
 
 def pack_int8(w: torch.Tensor):
@@ -153,20 +202,41 @@ class LeanLlamaRunner:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
         if quantize == "int8" and (self.device.type != "cpu" or self.dtype != torch.float32):
             raise ValueError(f"int8 products run on CPU from float32 weights, not {self.device.type} {self.dtype}")
+        if matmul == "onednn" and not onednn_available(self.lm_head):
+            raise ValueError(f"matmul onednn runs on CPU on float32 weights, not {self.device.type} {self.dtype}")
         self.quantize = quantize
+        self.matmul = matmul
         self.matmul_timings_ms: dict = {}
+        self.products = {"linear": (F.linear, self.layers, self.lm_head),
+                         "weights-first": (weights_first, self.layers, self.lm_head)}
         if quantize == "int8":  # every product, any width: fbgemm's int8 GEMM is fast at one row and at many
             self.layers = [(ln1, pack_int8(wqkv), pack_int8(wo), ln2, pack_int8(wgu), pack_int8(wd))
                            for ln1, wqkv, wo, ln2, wgu, wd in self.layers]
             self.lm_head = pack_int8(self.lm_head)
-            matmul = "int8"
+            self.products = {"int8": (int8_linear, self.layers, self.lm_head)}
+            self.plan = ("int8",) * (SMALL_PASS_ROWS + 1)
+            self.long_pass = "int8"
             log.info("lean runner: products on int8 weights (per output row), activations quantized per pass")
-        elif matmul == "auto":
-            weights = [w for layer in self.layers for w in (layer[1], layer[2], layer[4], layer[5])] + [self.lm_head]
-            matmul, self.matmul_timings_ms = choose_matmul(weights)
-            log.info("lean runner: passes of up to %d rows use the %s product (one timed sweep, ms: %s)",
-                     SMALL_PASS_ROWS, matmul, self.matmul_timings_ms)
-        self.matmul = matmul
+            return
+        self.long_pass = "linear"
+        if matmul == "onednn" or (matmul == "auto" and onednn_available(self.lm_head)):
+            self.products["onednn"] = (onednn_linear, [(ln1, pack_onednn(wqkv), pack_onednn(wo), ln2, pack_onednn(wgu),
+                                                        pack_onednn(wd)) for ln1, wqkv, wo, ln2, wgu, wd in self.layers],
+                                       pack_onednn(self.lm_head))
+        if matmul != "auto":
+            self.plan = ("linear",) + (matmul,) * SMALL_PASS_ROWS
+        elif self.device.type != "cpu":
+            self.plan = ("linear",) * (SMALL_PASS_ROWS + 1)
+        else:
+            matrices = lambda layers, head: [w for layer in layers for w in (layer[1], layer[2], layer[4], layer[5])] + [head]
+            self.matmul_timings_ms = time_products({name: (fn, matrices(layers, head))
+                                                    for name, (fn, layers, head) in self.products.items()})
+            self.plan = plan_products(self.matmul_timings_ms)
+            log.info("lean runner: few-row products (one timed sweep, ms: %s) -> %s",
+                     {name: {n: round(t, 1) for n, t in by_rows.items()} for name, by_rows in self.matmul_timings_ms.items()},
+                     describe_plan(self.plan))
+        for unused in set(self.products) - set(self.plan) - {"linear"}:  # long passes take linear
+            del self.products[unused]  # a packed copy nothing uses: give its memory back
 
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device)
@@ -192,8 +262,7 @@ class LeanLlamaRunner:
             raise ValueError(f"sequence of {start + n} tokens exceeds {self.max_len}")
         cache.reserve(n)
         h, kv, d = self.n_heads, self.n_kv, self.head_dim
-        linear = (int8_linear if self.quantize == "int8" else
-                  weights_first if self.matmul == "weights-first" and n <= SMALL_PASS_ROWS else F.linear)
+        linear, layers, lm_head = self.products[self.plan[n] if n <= SMALL_PASS_ROWS else self.long_pass]
         if not isinstance(token_ids, torch.Tensor):  # a tensor on the device can be a CUDA graph's static input
             token_ids = torch.tensor(token_ids, device=self.device)
         x = self.embed[token_ids]  # [n, hidden]
@@ -202,7 +271,7 @@ class LeanLlamaRunner:
         mask = None
         if n > 1:  # causal within the new tokens, everything before them visible
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
-        for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(self.layers):
+        for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(layers):
             qkv = linear(self._rms(x, ln1), wqkv)  # [n, (h + 2 kv) * d]
             q = qkv[:, : h * d].view(n, h, d).transpose(0, 1)  # [h, n, d]
             k = qkv[:, h * d:(h + kv) * d].view(n, kv, d).transpose(0, 1)  # [kv, n, d]
@@ -216,7 +285,7 @@ class LeanLlamaRunner:
             x = x + linear(F.silu(gate) * up, wd)
         cache.length = end
         x = self._rms(x[n - num_logits:], self.norm)
-        logits = linear(x, self.lm_head).float()  # [num_logits, vocab or kept]
+        logits = linear(x, lm_head).float()  # [num_logits, vocab or kept]
         if self.kept is None:
             return logits
         full = torch.full((num_logits, self.vocab_size), float("-inf"), device=logits.device)

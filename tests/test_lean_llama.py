@@ -1,14 +1,15 @@
 """The lean Llama forward gives the stock transformers logits, through cache growth and rollback,
-with either form of its few-row products; its int8 products stay close to them."""
+with every form of its few-row products and the per-row-count plan `auto` makes of them; its int8
+products stay close to them."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.lean_llama import LeanLlamaRunner, choose_matmul, weights_first
+import specdec.lean_llama as lean_llama
+from specdec.lean_llama import (FORMS, SMALL_PASS_ROWS, LeanLlamaRunner, describe_plan, onednn_linear, pack_onednn,
+                                plan_products, time_products, weights_first)
 from specdec.runner import CausalLMRunner, make_runner, resolve_quantize
-
-FORMS = ("linear", "weights-first")
 
 
 def steps(runner, chunks, crop_at=None):
@@ -69,13 +70,56 @@ def test_weights_first_is_the_same_product_as_linear():
     torch.testing.assert_close(y, F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
-def test_auto_times_both_forms_and_keeps_linear_unless_weights_first_clearly_wins():
+def test_onednn_is_the_same_product_as_linear():
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 64), torch.randn(96, 64)
+    y = onednn_linear(x, pack_onednn(w))
+    assert y.shape == (5, 96)
+    torch.testing.assert_close(y, F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_timing_covers_every_form_and_row_count():
     torch.manual_seed(0)
     weights = [torch.randn(256, 128), torch.randn(128, 256)]
-    form, timings = choose_matmul(weights, reps=1)
-    assert form in FORMS and set(timings) == set(FORMS) and all(t > 0 for t in timings.values())
-    assert choose_matmul(weights, reps=1, margin=0.0)[0] == "linear"  # a tie, or any gain under the margin
-    assert choose_matmul(weights, reps=1, margin=float("inf"))[0] == "weights-first"
+    forms = {"linear": (F.linear, weights), "onednn": (onednn_linear, [pack_onednn(w) for w in weights])}
+    timings = time_products(forms, rows=(1, 4), reps=1)
+    assert set(timings) == {"linear", "onednn"}
+    assert all(set(by_rows) == {1, 4} and all(0 < t < float("inf") for t in by_rows.values())
+               for by_rows in timings.values())
+
+
+def test_plan_keeps_linear_unless_another_form_clearly_wins_at_that_row_count():
+    timings = {"linear": {1: 20.0, 2: 20.5, 4: 35.0, 9: 48.0},
+               "weights-first": {1: 21.0, 2: 40.0, 4: 40.0, 9: 41.0},
+               "onednn": {1: 23.0, 2: 19.0, 4: 24.0, 9: 30.0}}
+    plan = plan_products(timings, margin=0.9, max_rows=12)
+    assert len(plan) == 13
+    assert plan[1] == "linear"  # onednn is slower at one row
+    assert plan[2] == "linear"  # 19 < 20.5 but not by the margin: a near tie keeps the usual form
+    assert plan[3:10] == ("onednn",) * 7  # 3 takes 4's timings, 5-9 take 9's; onednn beats weights-first there
+    assert plan[10:] == ("onednn",) * 3  # past the last timed count: the last timings
+    assert plan_products(timings, margin=0.0, max_rows=12)[1:] == ("linear",) * 12
+    assert describe_plan(plan) == "1-2 rows: linear, 3-12 rows: onednn"
+    mixed = ("linear", "linear", "weights-first", "linear")
+    assert describe_plan(mixed) == "1 row: linear, 2 rows: weights-first, 3 rows: linear"
+
+
+def test_auto_follows_its_plan_and_drops_a_packed_copy_it_does_not_use(tiny_draft, tokenizer, monkeypatch):
+    wins_from_3 = lambda forms, **_: {name: {n: (10.0 if name == "onednn" and n >= 3 else 20.0) for n in (1, 2, 3, 32)}
+                                      for name in forms}
+    monkeypatch.setattr(lean_llama, "time_products", wins_from_3)
+    runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=512, matmul="auto")
+    assert runner.plan[1:3] == ("linear", "linear") and set(runner.plan[3:]) == {"onednn"}
+    stock = CausalLMRunner(tiny_draft, len(tokenizer))
+    ids = list(range(100, 160))
+    chunks = [ids[:40], ids[40:41], ids[41:46]]  # long pass and step in linear, a 5-row pass in onednn
+    for a, b in zip(steps(stock, chunks), steps(runner, chunks)):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+    never = lambda forms, **_: {name: {n: (30.0 if name == "onednn" else 20.0) for n in (1, SMALL_PASS_ROWS)}
+                                for name in forms}
+    monkeypatch.setattr(lean_llama, "time_products", never)
+    runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=512, matmul="auto")
+    assert set(runner.plan) == {"linear"} and "onednn" not in runner.products
 
 
 def test_unknown_product_form_is_refused(tiny_draft, tokenizer):
