@@ -48,6 +48,15 @@ def onednn_available(w: torch.Tensor) -> bool:
     return w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+def memory_available() -> int | None:
+    """Bytes the kernel could give this process now (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def pack_onednn(w: torch.Tensor) -> torch.Tensor:
     """[out, in] float32 weights -> oneDNN's blocked layout for its GEMM (an opaque tensor, same bytes)."""
     return torch.ops.mkldnn._reorder_linear_weight(w, None)
@@ -219,7 +228,14 @@ class LeanLlamaRunner:
             log.info("lean runner: products on int8 weights (per output row), activations quantized per pass")
             return
         self.long_pass = "linear"
-        if matmul == "onednn" or (matmul == "auto" and onednn_available(self.lm_head)):
+        matrices = lambda layers, head: [w for layer in layers for w in (layer[1], layer[2], layer[4], layer[5])] + [head]
+        packed_bytes = sum(w.numel() * w.element_size() for w in matrices(self.layers, self.lm_head))
+        try_onednn = matmul == "auto" and onednn_available(self.lm_head)
+        if try_onednn and (room := memory_available()) is not None and packed_bytes > room // 4:
+            try_onednn = False  # the packed copy doubles the weights' memory: only where it stays a small share
+            log.info("lean runner: not timing oneDNN's packed products, a second copy of %.2f GB with %.2f GB "
+                     "available", packed_bytes / 1e9, room / 1e9)
+        if matmul == "onednn" or try_onednn:
             self.products["onednn"] = (onednn_linear, [(ln1, pack_onednn(wqkv), pack_onednn(wo), ln2, pack_onednn(wgu),
                                                         pack_onednn(wd)) for ln1, wqkv, wo, ln2, wgu, wd in self.layers],
                                        pack_onednn(self.lm_head))
@@ -228,7 +244,6 @@ class LeanLlamaRunner:
         elif self.device.type != "cpu":
             self.plan = ("linear",) * (SMALL_PASS_ROWS + 1)
         else:
-            matrices = lambda layers, head: [w for layer in layers for w in (layer[1], layer[2], layer[4], layer[5])] + [head]
             self.matmul_timings_ms = time_products({name: (fn, matrices(layers, head))
                                                     for name, (fn, layers, head) in self.products.items()})
             self.plan = plan_products(self.matmul_timings_ms)

@@ -122,6 +122,18 @@ def test_auto_follows_its_plan_and_drops_a_packed_copy_it_does_not_use(tiny_draf
     assert set(runner.plan) == {"linear"} and "onednn" not in runner.products
 
 
+def test_auto_leaves_out_the_packed_copy_when_memory_is_short(tiny_draft, tokenizer, monkeypatch):
+    timed = []
+    monkeypatch.setattr(lean_llama, "time_products", lambda forms, **_: timed.append(set(forms)) or
+                        {name: {1: 20.0, SMALL_PASS_ROWS: 20.0} for name in forms})
+    monkeypatch.setattr(lean_llama, "memory_available", lambda: 10 ** 6)  # 1 MB: a copy of the weights would not fit
+    runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="auto")
+    assert timed == [{"linear", "weights-first"}] and "onednn" not in runner.products
+    monkeypatch.setattr(lean_llama, "memory_available", lambda: 10 ** 12)
+    LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="auto")
+    assert timed[-1] == {"linear", "weights-first", "onednn"}
+
+
 def test_unknown_product_form_is_refused(tiny_draft, tokenizer):
     with pytest.raises(ValueError, match="matmul must be one of"):
         LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="fast")
