@@ -19,7 +19,11 @@ def markdown(report: dict) -> str:
              f"transformers {m['transformers']}.",
              f"Draft `{report['draft_model']}`, target `{report['target_model']}`; {report['prompts']} prompts x "
              f"{report['reps']} repetition(s), {report['max_tokens']} tokens each; batch 1, three services on loopback. "
-             "Speedup = tokens/s over the same prompt's K = 0 runs (target alone, same path), median [p25, p75].", ""]
+             "Speedup = tokens/s over the same prompt's K = 0 runs (target alone, same path), median [p25, p75]."]
+    if report.get("forward"):
+        lines.append(f"Forward passes, as each server chose at start-up: draft `{report['forward']['draft']}`, "
+                     f"target `{report['forward']['target']}`.")
+    lines.append("")
     for name, res in report["services"].items():
         lines += [f"## {name}" + (f", top_p {res['top_p']}" if res["temperature"] else " (greedy)"), "",
                   "| K | speedup | tokens/s | alpha | accepted/drafted | tokens/round | c | bound | efficiency | "

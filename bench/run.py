@@ -90,7 +90,19 @@ def start_services(draft: str, target: str, log_path: Path):
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"specdec bench: the services did not start; see {log_path}")
         time.sleep(1)
-    return proc, f"127.0.0.1:{o}", f"http://127.0.0.1:{om}/metrics"
+    return proc, f"127.0.0.1:{o}", f"http://127.0.0.1:{om}/metrics", forwards(f"127.0.0.1:{d}", f"127.0.0.1:{t}")
+
+
+def forwards(draft_address: str, target_address: str) -> dict:
+    """How each model server runs its passes (ModelInfo.forward): the product forms its start-up chose."""
+    from specdec.v1 import draft_pb2_grpc, model_server_pb2, target_pb2_grpc
+
+    out = {}
+    for role, address, stub_class in (("draft", draft_address, draft_pb2_grpc.DraftServiceStub),
+                                      ("target", target_address, target_pb2_grpc.TargetServiceStub)):
+        with grpc.insecure_channel(address) as channel:
+            out[role] = stub_class(channel).GetModelInfo(model_server_pb2.GetModelInfoRequest(), timeout=30).forward
+    return out
 
 
 def generate(stub, prompt: str, k: int, temperature: float, top_p: float, seed: int, max_tokens: int) -> dict:
@@ -117,7 +129,8 @@ def quartiles(xs: list[float]) -> dict:
 
 def run_services(args, prompts, ks, progress) -> dict:
     out_dir = Path(args.out)
-    proc, address, metrics_url = start_services(args.draft_model, args.target_model, out_dir / "services.log")
+    proc, address, metrics_url, forward = start_services(args.draft_model, args.target_model,
+                                                         out_dir / "services.log")
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
     results = {}
     try:
@@ -150,7 +163,7 @@ def run_services(args, prompts, ks, progress) -> dict:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    return results
+    return results, forward
 
 
 def summarize(runs, metric, speedups, temperature, top_p) -> dict:
@@ -251,8 +264,8 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     with tqdm(total=total, unit="gen", desc="specdec bench") as progress:
         report = {"machine": machine(), "draft_model": args.draft_model, "target_model": args.target_model,
-                  "prompts": len(prompts), "reps": args.reps, "max_tokens": args.max_tokens, "ks": ks,
-                  "services": run_services(args, prompts, ks, progress)}
+                  "prompts": len(prompts), "reps": args.reps, "max_tokens": args.max_tokens, "ks": ks}
+        report["services"], report["forward"] = run_services(args, prompts, ks, progress)
         if not args.no_peer:
             report["transformers_assisted"] = run_peer(args, peer_prompts, progress)
             report["transformers_assisted"]["prompts"] = len(peer_prompts)

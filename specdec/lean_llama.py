@@ -253,6 +253,11 @@ class LeanLlamaRunner:
         for unused in set(self.products) - set(self.plan) - {"linear"}:  # long passes take linear
             del self.products[unused]  # a packed copy nothing uses: give its memory back
 
+    def describe(self) -> str:
+        if self.quantize == "int8":
+            return "lean forward; products on int8 weights"
+        return f"lean forward; products: {describe_plan(self.plan)}, longer passes: {self.long_pass}"
+
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device)
 

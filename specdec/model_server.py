@@ -82,7 +82,7 @@ class ModelServer:
             tokenizer_fingerprint=models.tokenizer_fingerprint(tokenizer),
             eos_token_ids=models.eos_token_ids(model, tokenizer), max_model_len=self.max_model_len,
             max_sessions=cfg.max_sessions, max_tokens=cfg.max_tokens, max_draft_tokens=cfg.max_draft_tokens,
-            dtype=cfg.dtype, device=str(self.runner.device))
+            dtype=cfg.dtype, device=str(self.runner.device), forward=self.runner.describe())
         self.registry = registry or CollectorRegistry()
         self.metrics = ModelServerMetrics(self.registry)
         self.metrics.sessions_capacity.set(cfg.max_sessions)

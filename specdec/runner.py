@@ -26,6 +26,9 @@ class CausalLMRunner:
 
         return DynamicCache(config=self.model.config)
 
+    def describe(self) -> str:
+        return "transformers forward"
+
     @staticmethod
     def crop(cache, length: int) -> None:
         drop = cache.get_seq_length() - length

@@ -134,6 +134,14 @@ def test_auto_leaves_out_the_packed_copy_when_memory_is_short(tiny_draft, tokeni
     assert timed[-1] == {"linear", "weights-first", "onednn"}
 
 
+def test_a_runner_says_how_it_runs(tiny_draft, tokenizer):
+    assert CausalLMRunner(tiny_draft, len(tokenizer)).describe() == "transformers forward"
+    assert LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, quantize="int8").describe() == \
+        "lean forward; products on int8 weights"
+    assert LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="onednn").describe() == \
+        f"lean forward; products: 1-{SMALL_PASS_ROWS} rows: onednn, longer passes: linear"
+
+
 def test_unknown_product_form_is_refused(tiny_draft, tokenizer):
     with pytest.raises(ValueError, match="matmul must be one of"):
         LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="fast")
