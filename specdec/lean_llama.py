@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # which MKL runs well at many rows (batch-128 generation: 190 tokens/s with it, 130 with the weights-first form;
 # a 256-row pass over the target's matrices: 262 ms with it, 320 with oneDNN's packed form).
 SMALL_PASS_ROWS = 32
-FORMS = ("linear", "weights-first", "onednn")
+FORMS = ("linear", "weights-first", "onednn", "fewrow")
 MATMUL_FORMS = ("auto", *FORMS)
 TIMED_ROWS = (1, 2, 3, 4, 6, 9, 16, SMALL_PASS_ROWS)  # row counts `auto` times; the ones between take the next up
 QUANTIZE = ("none", "int8")
@@ -142,6 +142,11 @@ def int8_linear(x: torch.Tensor, packed) -> torch.Tensor:
     return torch.ops.quantized.linear_dynamic(x, packed, True)
 
 
+def _matrices(layers, head) -> list:
+    """A model's product weights in pass order: each layer's QKV, O, gate/up and down, then the head."""
+    return [w for layer in layers for w in (layer[1], layer[2], layer[4], layer[5])] + [head]
+
+
 class LeanCache:
     """Keys and values of one session: [layers, kv_heads, capacity, head_dim].
 
@@ -211,8 +216,8 @@ class LeanLlamaRunner:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
         if quantize == "int8" and (self.device.type != "cpu" or self.dtype != torch.float32):
             raise ValueError(f"int8 products run on CPU from float32 weights, not {self.device.type} {self.dtype}")
-        if matmul == "onednn" and not onednn_available(self.lm_head):
-            raise ValueError(f"matmul onednn runs on CPU on float32 weights, not {self.device.type} {self.dtype}")
+        if matmul in ("onednn", "fewrow") and not onednn_available(self.lm_head):
+            raise ValueError(f"matmul {matmul} runs on CPU on float32 weights, not {self.device.type} {self.dtype}")
         self.quantize = quantize
         self.matmul = matmul
         self.matmul_timings_ms: dict = {}
@@ -228,23 +233,13 @@ class LeanLlamaRunner:
             log.info("lean runner: products on int8 weights (per output row), activations quantized per pass")
             return
         self.long_pass = "linear"
-        matrices = lambda layers, head: [w for layer in layers for w in (layer[1], layer[2], layer[4], layer[5])] + [head]
-        packed_bytes = sum(w.numel() * w.element_size() for w in matrices(self.layers, self.lm_head))
-        try_onednn = matmul == "auto" and onednn_available(self.lm_head)
-        if try_onednn and (room := memory_available()) is not None and packed_bytes > room // 4:
-            try_onednn = False  # the packed copy doubles the weights' memory: only where it stays a small share
-            log.info("lean runner: not timing oneDNN's packed products, a second copy of %.2f GB with %.2f GB "
-                     "available", packed_bytes / 1e9, room / 1e9)
-        if matmul == "onednn" or try_onednn:
-            self.products["onednn"] = (onednn_linear, [(ln1, pack_onednn(wqkv), pack_onednn(wo), ln2, pack_onednn(wgu),
-                                                        pack_onednn(wd)) for ln1, wqkv, wo, ln2, wgu, wd in self.layers],
-                                       pack_onednn(self.lm_head))
+        self._add_forms(matmul)
         if matmul != "auto":
             self.plan = ("linear",) + (matmul,) * SMALL_PASS_ROWS
         elif self.device.type != "cpu":
             self.plan = ("linear",) * (SMALL_PASS_ROWS + 1)
         else:
-            self.matmul_timings_ms = time_products({name: (fn, matrices(layers, head))
+            self.matmul_timings_ms = time_products({name: (fn, _matrices(layers, head))
                                                     for name, (fn, layers, head) in self.products.items()})
             self.plan = plan_products(self.matmul_timings_ms)
             log.info("lean runner: few-row products (one timed sweep, ms: %s) -> %s",
@@ -252,6 +247,34 @@ class LeanLlamaRunner:
                      describe_plan(self.plan))
         for unused in set(self.products) - set(self.plan) - {"linear"}:  # long passes take linear
             del self.products[unused]  # a packed copy nothing uses: give its memory back
+
+    def _add_forms(self, matmul: str) -> None:
+        """Products beside linear and weights-first: fewrow, specdec's kernel, on CPU float32 where it builds
+        (it reads the plain weights); oneDNN's packed form when asked for, or under auto where the kernel is
+        missing and a second copy of the weights is a small share of the free memory."""
+        cpu_fp32 = onednn_available(self.lm_head)
+        if matmul in ("auto", "fewrow") and cpu_fp32:
+            from specdec.kernels import few_rows
+
+            if (op := few_rows()) is not None:
+                self.products["fewrow"] = (op, self.layers, self.lm_head)
+            elif matmul == "fewrow":
+                raise ValueError("matmul fewrow needs specdec's CPU kernel, which could not be built here "
+                                 "(see the log); use auto, linear or onednn")
+        if matmul == "onednn" or (matmul == "auto" and cpu_fp32 and "fewrow" not in self.products
+                                  and self._second_copy_fits()):
+            self.products["onednn"] = (onednn_linear, [(ln1, pack_onednn(wqkv), pack_onednn(wo), ln2, pack_onednn(wgu),
+                                                        pack_onednn(wd)) for ln1, wqkv, wo, ln2, wgu, wd in self.layers],
+                                       pack_onednn(self.lm_head))
+
+    def _second_copy_fits(self) -> bool:
+        size = sum(w.numel() * w.element_size() for w in _matrices(self.layers, self.lm_head))
+        room = memory_available()
+        if room is not None and size > room // 4:
+            log.info("lean runner: not timing oneDNN's packed products, a second copy of %.2f GB with %.2f GB "
+                     "available", size / 1e9, room / 1e9)
+            return False
+        return True
 
     def describe(self) -> str:
         if self.quantize == "int8":

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_stack, stop_stack
+from conftest import can_run, make_stack, stop_stack
+
+from specdec.lean_llama import FORMS
 
 PROMPTS = [  # each at least 64 tokens after the chat template; answers run past 64 tokens
     "Write a detailed story about a lighthouse keeper who finds a message in a bottle. Describe the weather, "
@@ -53,10 +55,11 @@ def test_greedy_output_equals_target_alone(partial_stack, reference, k):
             assert 0 < stats.accepted_tokens < stats.draft_tokens  # both accept and reject paths ran
 
 
-@pytest.mark.parametrize("matmul", ["linear", "weights-first", "onednn"])
+@pytest.mark.parametrize("matmul", FORMS)
 def test_greedy_output_equals_target_alone_with_every_product_form(event_loop_thread, tokenizer, partial_draft,
                                                                      target_model, reference, matmul):
     """The servers' --matmul auto picks a form per row count on a given CPU; each must keep the target's output."""
+    can_run(matmul)
     stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model,
                        draft_cfg={"matmul": matmul, "quantize": "none"}, target_cfg={"matmul": matmul})
     try:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import specdec.lean_llama as lean_llama
+from conftest import can_run
 from specdec.lean_llama import (FORMS, SMALL_PASS_ROWS, LeanLlamaRunner, describe_plan, onednn_linear, pack_onednn,
                                 plan_products, time_products, weights_first)
 from specdec.runner import CausalLMRunner, make_runner, resolve_quantize
@@ -23,6 +24,7 @@ def steps(runner, chunks, crop_at=None):
 
 @pytest.mark.parametrize("matmul", FORMS)
 def test_lean_forward_matches_stock_forward(tiny_draft, tokenizer, matmul):
+    can_run(matmul)
     ids = list(range(100, 400))  # 300 tokens: grows the cache past its first 256
     # a prefill, a step, a verify-sized pass, a long pass (over SMALL_PASS_ROWS), a pass after rollback
     chunks = [ids[:200], ids[200:201], ids[201:206], ids[206:300], ids[150:153]]
@@ -35,6 +37,7 @@ def test_lean_forward_matches_stock_forward(tiny_draft, tokenizer, matmul):
 
 @pytest.mark.parametrize("matmul", FORMS)
 def test_lean_forward_matches_on_the_embedded_target(target_model, tokenizer, matmul):
+    can_run(matmul)
     ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]
     stock = CausalLMRunner(target_model, len(tokenizer))
     lean = LeanLlamaRunner(target_model, len(tokenizer), max_len=512, matmul=matmul)
@@ -104,7 +107,26 @@ def test_plan_keeps_linear_unless_another_form_clearly_wins_at_that_row_count():
     assert describe_plan(mixed) == "1 row: linear, 2 rows: weights-first, 3 rows: linear"
 
 
-def test_auto_follows_its_plan_and_drops_a_packed_copy_it_does_not_use(tiny_draft, tokenizer, monkeypatch):
+@pytest.fixture
+def kernel():
+    """specdec's few-row CPU kernel, built on first use; its tests skip where no C++ compiler can build it."""
+    from specdec.kernels import few_rows
+
+    op = few_rows()
+    if op is None:
+        pytest.skip("specdec's CPU kernel cannot be built here (no C++ compiler or ninja)")
+    return op
+
+
+@pytest.fixture
+def no_kernel(monkeypatch):
+    """A machine where specdec's kernel cannot be built (no compiler): auto falls back on oneDNN's packed form."""
+    import specdec.kernels
+
+    monkeypatch.setattr(specdec.kernels, "few_rows", lambda: None)
+
+
+def test_auto_follows_its_plan_and_drops_a_packed_copy_it_does_not_use(tiny_draft, tokenizer, monkeypatch, no_kernel):
     wins_from_3 = lambda forms, **_: {name: {n: (10.0 if name == "onednn" and n >= 3 else 20.0) for n in (1, 2, 3, 32)}
                                       for name in forms}
     monkeypatch.setattr(lean_llama, "time_products", wins_from_3)
@@ -122,7 +144,7 @@ def test_auto_follows_its_plan_and_drops_a_packed_copy_it_does_not_use(tiny_draf
     assert set(runner.plan) == {"linear"} and "onednn" not in runner.products
 
 
-def test_auto_leaves_out_the_packed_copy_when_memory_is_short(tiny_draft, tokenizer, monkeypatch):
+def test_auto_leaves_out_the_packed_copy_when_memory_is_short(tiny_draft, tokenizer, monkeypatch, no_kernel):
     timed = []
     monkeypatch.setattr(lean_llama, "time_products", lambda forms, **_: timed.append(set(forms)) or
                         {name: {1: 20.0, SMALL_PASS_ROWS: 20.0} for name in forms})
@@ -132,6 +154,30 @@ def test_auto_leaves_out_the_packed_copy_when_memory_is_short(tiny_draft, tokeni
     monkeypatch.setattr(lean_llama, "memory_available", lambda: 10 ** 12)
     LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="auto")
     assert timed[-1] == {"linear", "weights-first", "onednn"}
+
+
+def test_auto_times_the_kernel_where_it_builds_and_needs_no_packed_copy(tiny_draft, tokenizer, monkeypatch, kernel):
+    timed = []
+    monkeypatch.setattr(lean_llama, "time_products", lambda forms, **_: timed.append(set(forms)) or
+                        {name: {1: 20.0, SMALL_PASS_ROWS: 20.0} for name in forms})
+    LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="auto")
+    assert timed == [{"linear", "weights-first", "fewrow"}]
+
+
+def test_the_kernel_is_the_same_product_as_linear_at_any_shape(kernel):
+    torch.manual_seed(0)
+    for rows, inner, out in [(1, 576, 960), (4, 1536, 576), (9, 64, 7), (16, 100, 33), (17, 48, 50), (40, 576, 130)]:
+        x, w = torch.randn(rows, inner), torch.randn(out, inner)  # inner 100, 48: a tail past the last 16
+        torch.testing.assert_close(kernel(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    x, w = torch.randn(576, 6).t(), torch.randn(20, 576)  # x not contiguous
+    torch.testing.assert_close(kernel(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="float32 tensors on CPU"):
+        kernel(x.double(), w.double())
+
+
+def test_asking_for_the_kernel_where_it_cannot_build_is_a_clear_error(tiny_draft, tokenizer, no_kernel):
+    with pytest.raises(ValueError, match="could not be built here"):
+        LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="fewrow")
 
 
 def test_a_runner_says_how_it_runs(tiny_draft, tokenizer):
