@@ -6,9 +6,11 @@ runner takes the weights of any ``LlamaForCausalLM`` (fused QKV and gate/up
 projections, the model's own rotary tables, so rope scaling is honoured) and
 keeps a growable KV cache per session. Logits match the stock forward to float
 rounding; both model servers use it for Llama models (``--runner auto``, the default).
-The products of a step or a verify pass take, for each row count, whichever of three equivalent
-forms this CPU runs fastest (MKL's F.linear, weights-first, oneDNN's packed GEMM), timed once at
-load (``--matmul auto``): few-row GEMMs fall off cliffs that differ from CPU to CPU. On CPU
+The products of a step or a verify pass take, for each row count, whichever equivalent form this
+CPU runs fastest, timed once at load (``--matmul auto``): MKL's F.linear, weights-first, specdec's
+own few-row kernel (``specdec/kernels``, compiled on first use) or, where that cannot be built,
+oneDNN's packed GEMM. Few-row GEMMs fall off cliffs that differ from CPU to CPU, and speculative
+decoding needs a verify of K + 1 rows to cost what a step costs. On CPU
 the products can instead run on int8 weights (``--quantize int8``, the draft's default
 there): a draft step is memory-bound, and a quarter of the bytes is most of its time.
 """
@@ -67,7 +69,8 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
     On an AVX-512 Xeon (2 threads, the target's 121 matrices), MKL's F.linear takes 20 ms at 1-3 rows and
     35-48 ms at 4-9, a cliff where its few-row GEMM changes kernel; this form takes 23-24 ms from 1 to 6 rows
-    and 29.5 at 9. It loses at 1 row (the reorder suits a GEMM, not a GEMV), hence a plan per row count."""
+    and 29.5 at 9. It loses at 1 row (the reorder suits a GEMM, not a GEMV), hence a plan per row count.
+    It needs a second copy of the weights, so auto tries it only where specdec's kernel cannot be built."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
