@@ -46,8 +46,9 @@ def weights_first(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (w @ x.t()).t().contiguous()
 
 
-def onednn_available(w: torch.Tensor) -> bool:
-    return w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+def cpu_float32(w: torch.Tensor) -> bool:
+    """Whether specdec's kernel and oneDNN's packed form can take these weights."""
+    return w.device.type == "cpu" and w.dtype == torch.float32
 
 
 def memory_available() -> int | None:
@@ -219,13 +220,13 @@ class LeanLlamaRunner:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
         if quantize == "int8" and (self.device.type != "cpu" or self.dtype != torch.float32):
             raise ValueError(f"int8 products run on CPU from float32 weights, not {self.device.type} {self.dtype}")
-        if matmul in ("onednn", "fewrow") and not onednn_available(self.lm_head):
+        if matmul in ("onednn", "fewrow") and not cpu_float32(self.lm_head):
             raise ValueError(f"matmul {matmul} runs on CPU on float32 weights, not {self.device.type} {self.dtype}")
+        if matmul == "onednn" and not torch.backends.mkldnn.is_available():
+            raise ValueError("matmul onednn needs a torch built with oneDNN (mkldnn); use auto, linear or fewrow")
         self.quantize = quantize
         self.matmul = matmul
         self.matmul_timings_ms: dict = {}
-        self.products = {"linear": (F.linear, self.layers, self.lm_head),
-                         "weights-first": (weights_first, self.layers, self.lm_head)}
         if quantize == "int8":  # every product, any width: fbgemm's int8 GEMM is fast at one row and at many
             self.layers = [(ln1, pack_int8(wqkv), pack_int8(wo), ln2, pack_int8(wgu), pack_int8(wd))
                            for ln1, wqkv, wo, ln2, wgu, wd in self.layers]
@@ -236,6 +237,8 @@ class LeanLlamaRunner:
             log.info("lean runner: products on int8 weights (per output row), activations quantized per pass")
             return
         self.long_pass = "linear"
+        self.products = {"linear": (F.linear, self.layers, self.lm_head),
+                         "weights-first": (weights_first, self.layers, self.lm_head)}
         self._add_forms(matmul)
         if matmul != "auto":
             self.plan = ("linear",) + (matmul,) * SMALL_PASS_ROWS
@@ -255,7 +258,7 @@ class LeanLlamaRunner:
         """Products beside linear and weights-first: fewrow, specdec's kernel, on CPU float32 where it builds
         (it reads the plain weights); oneDNN's packed form when asked for, or under auto where the kernel is
         missing and a second copy of the weights is a small share of the free memory."""
-        cpu_fp32 = onednn_available(self.lm_head)
+        cpu_fp32 = cpu_float32(self.lm_head)
         if matmul in ("auto", "fewrow") and cpu_fp32:
             from specdec.kernels import few_rows
 
@@ -264,8 +267,8 @@ class LeanLlamaRunner:
             elif matmul == "fewrow":
                 raise ValueError("matmul fewrow needs specdec's CPU kernel, which could not be built here "
                                  "(see the log); use auto, linear or onednn")
-        if matmul == "onednn" or (matmul == "auto" and cpu_fp32 and "fewrow" not in self.products
-                                  and self._second_copy_fits()):
+        if matmul == "onednn" or (matmul == "auto" and cpu_fp32 and torch.backends.mkldnn.is_available()
+                                  and "fewrow" not in self.products and self._second_copy_fits()):
             self.products["onednn"] = (onednn_linear, [(ln1, pack_onednn(wqkv), pack_onednn(wo), ln2, pack_onednn(wgu),
                                                         pack_onednn(wd)) for ln1, wqkv, wo, ln2, wgu, wd in self.layers],
                                        pack_onednn(self.lm_head))

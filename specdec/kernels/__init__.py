@@ -11,6 +11,7 @@ takes about 25 s once per machine, CPU and torch version; later loads take about
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -21,7 +22,6 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fewrow.cpp")
-_loaded: dict = {}
 
 
 def _cpu_signature() -> str:
@@ -33,11 +33,9 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
+@functools.cache
 def few_rows():
     """The compiled `few_rows(x, w)` (x @ w.T for [M, K] x [N, K] float32 on CPU), or None."""
-    if "few_rows" in _loaded:
-        return _loaded["few_rows"]
-    op = None
     try:
         import torch
         from filelock import FileLock
@@ -56,9 +54,9 @@ def few_rows():
         with FileLock(str(build) + ".lock"):  # the draft and target servers may start together
             module = load(name=f"specdec_fewrow_{key}", sources=[str(SOURCE)], build_directory=str(build),
                           extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
-        op = module.few_rows
+        return module.few_rows
     except Exception as e:  # no compiler, no ninja, a failed build: torch's products remain
+        last_line = (str(e).strip().splitlines() or [""])[-1][:200]
         log.warning("specdec's few-row CPU kernel is unavailable (%s: %s); using torch's products",
-                    type(e).__name__, str(e).strip().splitlines()[-1][:200] if str(e).strip() else "")
-    _loaded["few_rows"] = op
-    return op
+                    type(e).__name__, last_line)
+        return None
