@@ -17,6 +17,7 @@ there): a draft step is memory-bound, and a quarter of the bytes is most of its 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import warnings
@@ -151,6 +152,46 @@ def _matrices(layers, head) -> list:
     return [w for layer in layers for w in (layer[1], layer[2], layer[4], layer[5])] + [head]
 
 
+class TorchLayerOps:
+    """The work of a layer between its products, in eager torch: any device and dtype, and the reference
+    that specdec's CPU kernels (``specdec/kernels/layer.cpp``, same signatures) are tested against."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+    @staticmethod
+    def attend(qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               start: int, n_heads: int) -> torch.Tensor:
+        """qkv [n, (h + 2 kv) d] of n new tokens; k, v [kv, capacity, d], one layer of a cache holding `start`
+        tokens; cos, sin [n, d]. Writes the new keys (rotated) and values at start .. start + n - 1; returns
+        the causal attention of the rotated queries over everything before them and themselves: [n, h d]."""
+        n, (kv, _, d), h = qkv.shape[0], k.shape, n_heads
+        end = start + n
+        q = qkv[:, : h * d].view(n, h, d).transpose(0, 1)  # [h, n, d]
+        k[:, start:end] = _rope(qkv[:, h * d:(h + kv) * d].view(n, kv, d).transpose(0, 1), cos, sin)
+        v[:, start:end] = qkv[:, (h + kv) * d:].view(n, kv, d).transpose(0, 1)
+        att = F.scaled_dot_product_attention(_rope(q, cos, sin)[None], k[None, :, :end], v[None, :, :end],
+                                             attn_mask=_causal_mask(n, start, q.device), enable_gqa=True)
+        return att[0].transpose(0, 1).reshape(n, h * d)
+
+    @staticmethod
+    def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+        gate, up = gu.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _rope(x, cos, sin):  # x: [heads, n, d]; cos/sin: [n, d]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+@functools.lru_cache(maxsize=1)  # the same for every layer of a pass
+def _causal_mask(n: int, start: int, device) -> torch.Tensor | None:
+    """[n, start + n]: new token j sees positions up to start + j; None for one token, which sees all."""
+    return None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
+
+
 class LeanCache:
     """Keys and values of one session: [layers, kv_heads, capacity, head_dim].
 
@@ -226,6 +267,7 @@ class LeanLlamaRunner:
             raise ValueError("matmul onednn needs a torch built with oneDNN (mkldnn); use auto, linear or fewrow")
         self.quantize = quantize
         self.matmul = matmul
+        self.layer_ops = self._layer_ops()
         self.matmul_timings_ms: dict = {}
         if quantize == "int8":  # every product, any width: fbgemm's int8 GEMM is fast at one row and at many
             self.layers = [(ln1, pack_int8(wqkv), pack_int8(wo), ln2, pack_int8(wgu), pack_int8(wd))
@@ -273,6 +315,16 @@ class LeanLlamaRunner:
                                                         pack_onednn(wd)) for ln1, wqkv, wo, ln2, wgu, wd in self.layers],
                                        pack_onednn(self.lm_head))
 
+    def _layer_ops(self):
+        """specdec's CPU kernels for the work between the products (float32 on CPU, where they build),
+        else the same functions in torch."""
+        if cpu_float32(self.embed):
+            from specdec.kernels import layer_ops
+
+            if (ops := layer_ops()) is not None:
+                return ops
+        return TorchLayerOps
+
     def _second_copy_fits(self) -> bool:
         size = sum(w.numel() * w.element_size() for w in _matrices(self.layers, self.lm_head))
         room = memory_available()
@@ -283,9 +335,10 @@ class LeanLlamaRunner:
         return True
 
     def describe(self) -> str:
+        layer = "" if self.layer_ops is TorchLayerOps else " with specdec's CPU layer kernels"
         if self.quantize == "int8":
-            return "lean forward; products on int8 weights"
-        return f"lean forward; products: {describe_plan(self.plan)}, longer passes: {self.long_pass}"
+            return f"lean forward{layer}; products on int8 weights"
+        return f"lean forward{layer}; products: {describe_plan(self.plan)}, longer passes: {self.long_pass}"
 
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device)
@@ -293,14 +346,6 @@ class LeanLlamaRunner:
     @staticmethod
     def crop(cache: LeanCache, length: int) -> None:
         cache.length = min(cache.length, length)
-
-    def _rms(self, x, w):
-        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
-
-    def _rope(self, x, cos, sin):  # x: [heads, n, d]; cos/sin: [n, d]
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
 
     @torch.inference_mode()
     def forward(self, cache: LeanCache, token_ids, num_logits: int) -> torch.Tensor:
@@ -310,30 +355,19 @@ class LeanLlamaRunner:
         if start + n > self.max_len:
             raise ValueError(f"sequence of {start + n} tokens exceeds {self.max_len}")
         cache.reserve(n)
-        h, kv, d = self.n_heads, self.n_kv, self.head_dim
+        h = self.n_heads
         linear, layers, lm_head = self.products[self.plan[n] if n <= SMALL_PASS_ROWS else self.long_pass]
         if not isinstance(token_ids, torch.Tensor):  # a tensor on the device can be a CUDA graph's static input
             token_ids = torch.tensor(token_ids, device=self.device)
         x = self.embed[token_ids]  # [n, hidden]
         cos, sin = self.cos[start:start + n], self.sin[start:start + n]
-        end = start + n
-        mask = None
-        if n > 1:  # causal within the new tokens, everything before them visible
-            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
+        ops, eps = self.layer_ops, self.eps
         for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(layers):
-            qkv = linear(self._rms(x, ln1), wqkv)  # [n, (h + 2 kv) * d]
-            q = qkv[:, : h * d].view(n, h, d).transpose(0, 1)  # [h, n, d]
-            k = qkv[:, h * d:(h + kv) * d].view(n, kv, d).transpose(0, 1)  # [kv, n, d]
-            v = qkv[:, (h + kv) * d:].view(n, kv, d).transpose(0, 1)
-            cache.k[i, :, start:end] = self._rope(k, cos, sin)
-            cache.v[i, :, start:end] = v
-            att = F.scaled_dot_product_attention(self._rope(q, cos, sin)[None], cache.k[i, :, :end][None],
-                                                 cache.v[i, :, :end][None], attn_mask=mask, enable_gqa=True)
-            x = x + linear(att[0].transpose(0, 1).reshape(n, h * d), wo)
-            gate, up = linear(self._rms(x, ln2), wgu).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, wd)
-        cache.length = end
-        x = self._rms(x[n - num_logits:], self.norm)
+            att = ops.attend(linear(ops.rms_norm(x, ln1, eps), wqkv), cache.k[i], cache.v[i], cos, sin, start, h)
+            x = x + linear(att, wo)
+            x = x + linear(ops.silu_mul(linear(ops.rms_norm(x, ln2, eps), wgu)), wd)
+        cache.length = start + n
+        x = ops.rms_norm(x[n - num_logits:], self.norm, eps)
         logits = linear(x, lm_head).float()  # [num_logits, vocab or kept]
         if self.kept is None:
             return logits

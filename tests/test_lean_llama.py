@@ -1,6 +1,6 @@
 """The lean Llama forward gives the stock transformers logits, through cache growth and rollback,
-with every form of its few-row products and the per-row-count plan `auto` makes of them; its int8
-products stay close to them."""
+with every form of its few-row products and the per-row-count plan `auto` makes of them, and with the
+work between the products in specdec's CPU kernels or in torch; its int8 products stay close to them."""
 
 import pytest
 import torch
@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 import specdec.lean_llama as lean_llama
 from conftest import can_run
-from specdec.lean_llama import (FORMS, SMALL_PASS_ROWS, LeanLlamaRunner, describe_plan, onednn_linear, pack_onednn,
-                                plan_products, time_products, weights_first)
+from specdec.lean_llama import (FORMS, SMALL_PASS_ROWS, LeanLlamaRunner, TorchLayerOps, describe_plan, onednn_linear,
+                                pack_onednn, plan_products, time_products, weights_first)
 from specdec.runner import CausalLMRunner, make_runner, resolve_quantize
 
 
@@ -32,6 +32,16 @@ def test_lean_forward_matches_stock_forward(tiny_draft, tokenizer, matmul):
     lean = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=1024, matmul=matmul)
     for a, b in zip(steps(stock, chunks, crop_at=(4, 150)), steps(lean, chunks, crop_at=(4, 150))):
         assert a.shape == b.shape
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+
+
+def test_lean_forward_matches_stock_forward_with_torch_layer_ops(tiny_draft, tokenizer, no_kernel):
+    ids = list(range(100, 400))
+    chunks = [ids[:200], ids[200:201], ids[201:206], ids[206:300], ids[150:153]]
+    stock = CausalLMRunner(tiny_draft, len(tokenizer))
+    lean = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=1024)
+    assert lean.layer_ops is TorchLayerOps
+    for a, b in zip(steps(stock, chunks, crop_at=(4, 150)), steps(lean, chunks, crop_at=(4, 150))):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
 
 
@@ -120,10 +130,22 @@ def kernel():
 
 @pytest.fixture
 def no_kernel(monkeypatch):
-    """A machine where specdec's kernel cannot be built (no compiler): auto falls back on oneDNN's packed form."""
+    """A machine where specdec's kernels cannot be built (no compiler): auto falls back on oneDNN's packed form,
+    and the work between the products on torch."""
     import specdec.kernels
 
-    monkeypatch.setattr(specdec.kernels, "few_rows", lambda: None)
+    monkeypatch.setattr(specdec.kernels, "_module", lambda: None)
+
+
+@pytest.fixture
+def layer_kernels():
+    """specdec's CPU layer kernels (rms_norm, attend, silu_mul); their tests skip where they cannot be built."""
+    from specdec.kernels import layer_ops
+
+    ops = layer_ops()
+    if ops is None:
+        pytest.skip("specdec's CPU kernels cannot be built here (no C++ compiler or ninja)")
+    return ops
 
 
 def test_auto_follows_its_plan_and_drops_a_packed_copy_it_does_not_use(tiny_draft, tokenizer, monkeypatch, no_kernel):
@@ -175,17 +197,67 @@ def test_the_kernel_is_the_same_product_as_linear_at_any_shape(kernel):
         kernel(x.double(), w.double())
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 2, 32), (4, 4, 48), (2, 1, 128), (3, 1, 10)])
+def test_the_attention_kernel_is_torch_attention_and_writes_the_same_cache(layer_kernels, heads, kv_heads, head_dim):
+    # head_dim 48: three 16-lane vectors; 10: no vector path. Rows and starts: a step at the start, a step,
+    # a verify, one starting past a multiple of 16, a long pass (many rows, parallel).
+    torch.manual_seed(0)
+    for n, start in [(1, 0), (1, 37), (4, 100), (9, 250), (40, 17)]:
+        qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim)
+        cos, sin = torch.randn(n, head_dim), torch.randn(n, head_dim)
+        k, v = torch.randn(kv_heads, 320, head_dim), torch.randn(kv_heads, 320, head_dim)
+        k_ref, v_ref = k.clone(), v.clone()
+        out = layer_kernels.attend(qkv, k, v, cos, sin, start, heads)
+        expected = TorchLayerOps.attend(qkv, k_ref, v_ref, cos, sin, start, heads)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(k, k_ref, atol=1e-6, rtol=1e-6)  # rotated keys, written in place
+        assert torch.equal(v, v_ref)
+
+
+def test_the_attention_kernel_sees_only_earlier_tokens(layer_kernels):
+    """Changing the cache past a row's own position leaves that row's output unchanged."""
+    torch.manual_seed(1)
+    qkv, cos, sin = torch.randn(3, 15 * 16), torch.ones(3, 16), torch.zeros(3, 16)
+    k, v = torch.randn(3, 64, 16), torch.randn(3, 64, 16)
+    first = layer_kernels.attend(qkv, k.clone(), v.clone(), cos, sin, 20, 9)
+    k[:, 23:], v[:, 23:] = 100.0, 100.0  # beyond the last new token (position 22): must not be read
+    torch.testing.assert_close(layer_kernels.attend(qkv, k, v, cos, sin, 20, 9), first)
+
+
+def test_the_attention_kernel_refuses_a_pass_past_the_cache(layer_kernels):
+    k = v = torch.zeros(3, 8, 64)
+    with pytest.raises(RuntimeError, match="exceed the cache's capacity of 8"):
+        layer_kernels.attend(torch.zeros(2, 15 * 64), k, v, torch.zeros(2, 64), torch.zeros(2, 64), 7, 9)
+
+
+def test_the_norm_and_gate_kernels_are_the_torch_functions(layer_kernels):
+    torch.manual_seed(2)
+    for width in (576, 252, 7):  # 252: a tail past the last 16; 7: tail only
+        x, w = torch.randn(5, width), torch.randn(width)
+        torch.testing.assert_close(layer_kernels.rms_norm(x, w, 1e-5), TorchLayerOps.rms_norm(x, w, 1e-5))
+    x = torch.randn(40, 6).t()  # not contiguous
+    torch.testing.assert_close(layer_kernels.rms_norm(x, torch.ones(40), 1e-5), TorchLayerOps.rms_norm(x, torch.ones(40), 1e-5))
+    gu = torch.randn(3, 2 * 1536)
+    torch.testing.assert_close(layer_kernels.silu_mul(gu), TorchLayerOps.silu_mul(gu))
+
+
 def test_asking_for_the_kernel_where_it_cannot_build_is_a_clear_error(tiny_draft, tokenizer, no_kernel):
     with pytest.raises(ValueError, match="could not be built here"):
         LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="fewrow")
 
 
-def test_a_runner_says_how_it_runs(tiny_draft, tokenizer):
+def test_a_runner_says_how_it_runs(tiny_draft, tokenizer, no_kernel):
     assert CausalLMRunner(tiny_draft, len(tokenizer)).describe() == "transformers forward"
     assert LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, quantize="int8").describe() == \
         "lean forward; products on int8 weights"
     assert LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="onednn").describe() == \
         f"lean forward; products: 1-{SMALL_PASS_ROWS} rows: onednn, longer passes: linear"
+
+
+def test_a_runner_names_the_layer_kernels_it_uses(tiny_draft, tokenizer, layer_kernels):
+    runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, quantize="int8")
+    assert runner.layer_ops is layer_kernels
+    assert runner.describe() == "lean forward with specdec's CPU layer kernels; products on int8 weights"
 
 
 def test_unknown_product_form_is_refused(tiny_draft, tokenizer):

@@ -4,9 +4,11 @@
 ignored and the kernel runs on one); its OpenMP calls bind to the runtime torch has loaded, so the
 process keeps one OpenMP team.
 
-``few_rows()`` returns specdec's few-row product (``fewrow.cpp``), or None where it cannot be built: no
-C++ compiler, no ninja, an unsupported platform. Callers fall back to torch's products then. The build
-takes about 25 s once per machine, CPU and torch version; later loads take about a second.
+One module, built from every source here: ``few_rows()`` returns its few-row product (``products.cpp``),
+``layer_ops()`` the module itself for the work between the products (``layer.cpp``: ``rms_norm``,
+``attend``, ``silu_mul``). Both return None where it cannot be built: no C++ compiler, no ninja, an
+unsupported platform. Callers fall back to torch's functions then. The build takes about 30 s once per
+machine, CPU and torch version; later loads take about a second.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("fewrow.cpp")
+HERE = Path(__file__).parent
+SOURCES = ("module.cpp", "products.cpp", "layer.cpp")
+HEADERS = ("vec.h",)
 
 
 def _cpu_signature() -> str:
@@ -34,8 +38,7 @@ def _cpu_signature() -> str:
 
 
 @functools.cache
-def few_rows():
-    """The compiled `few_rows(x, w)` (x @ w.T for [M, K] x [N, K] float32 on CPU), or None."""
+def _module():
     try:
         import torch
         from filelock import FileLock
@@ -47,16 +50,28 @@ def few_rows():
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(),
+        code = [(HERE / name).read_bytes() for name in SOURCES + HEADERS]
+        key = hashlib.sha256(b"\0".join([*code, torch.__version__.encode(),
                                           _cpu_signature().encode()])).hexdigest()[:16]
-        build = cache_dir() / "kernels" / f"fewrow-{key}"
+        build = cache_dir() / "kernels" / f"cpu-{key}"
         build.mkdir(parents=True, exist_ok=True)
         with FileLock(str(build) + ".lock"):  # the draft and target servers may start together
-            module = load(name=f"specdec_fewrow_{key}", sources=[str(SOURCE)], build_directory=str(build),
-                          extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
-        return module.few_rows
-    except Exception as e:  # no compiler, no ninja, a failed build: torch's products remain
+            return load(name=f"specdec_cpu_{key}", sources=[str(HERE / name) for name in SOURCES],
+                        build_directory=str(build), extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                        verbose=False)
+    except Exception as e:  # no compiler, no ninja, a failed build: torch's functions remain
         last_line = (str(e).strip().splitlines() or [""])[-1][:200]
-        log.warning("specdec's few-row CPU kernel is unavailable (%s: %s); using torch's products",
+        log.warning("specdec's CPU kernels are unavailable (%s: %s); using torch's functions",
                     type(e).__name__, last_line)
         return None
+
+
+def few_rows():
+    """The compiled `few_rows(x, w)` (x @ w.T for [M, K] x [N, K] float32 on CPU), or None."""
+    module = _module()
+    return None if module is None else module.few_rows
+
+
+def layer_ops():
+    """The compiled module with `rms_norm`, `attend` and `silu_mul` (float32 on CPU), or None."""
+    return _module()

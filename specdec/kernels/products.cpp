@@ -9,30 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-typedef float vec __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register, two AVX2 ones
-
-#ifdef __AVX512F__
-constexpr int kRegisters = 32;  // vec-sized registers the compiler can keep accumulators in
-#else
-constexpr int kRegisters = 8;
-#endif
-
-static inline vec load(const float* p) {
-  vec v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-
-typedef float vec8 __attribute__((vector_size(32)));
-typedef float vec4 __attribute__((vector_size(16)));
-
-// A tree of shuffles: indexing lanes would give the accumulators an address and keep them in memory.
-static inline float lane_sum(vec v) {
-  vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
+#include "vec.h"
 
 template <int M, int R>
 static inline void block(const float* __restrict x, const float* __restrict w, float* __restrict y,
@@ -94,8 +71,4 @@ torch::Tensor few_rows(torch::Tensor x, torch::Tensor w) {
     if (rows_now != M) y.narrow(0, m0, rows_now).copy_(part);
   }
   return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("few_rows", &few_rows, "x @ w^T for a few rows of x (float32, CPU)");
 }
