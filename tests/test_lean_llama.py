@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import specdec.lean_llama as lean_llama
 from conftest import can_run
 from specdec.lean_llama import (FORMS, SMALL_PASS_ROWS, LeanLlamaRunner, TorchLayerOps, describe_plan, onednn_linear,
-                                pack_onednn, plan_products, time_products, weights_first)
+                                pack_onednn, plan_products, time_passes, weights_first)
 from specdec.runner import CausalLMRunner, make_runner, resolve_quantize
 
 
@@ -91,14 +91,26 @@ def test_onednn_is_the_same_product_as_linear():
     torch.testing.assert_close(y, F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
-def test_timing_covers_every_form_and_row_count():
-    torch.manual_seed(0)
-    weights = [torch.randn(256, 128), torch.randn(128, 256)]
-    forms = {"linear": (F.linear, weights), "onednn": (onednn_linear, [pack_onednn(w) for w in weights])}
-    timings = time_products(forms, rows=(1, 4), reps=1)
-    assert set(timings) == {"linear", "onednn"}
+def test_timing_covers_every_form_and_row_count_alternating_forms():
+    ran = []
+    timings = time_passes(["linear", "fewrow"], run_pass=lambda form, n: ran.append((form, n)), rows=(1, 4), reps=2)
+    assert set(timings) == {"linear", "fewrow"}
     assert all(set(by_rows) == {1, 4} and all(0 < t < float("inf") for t in by_rows.values())
                for by_rows in timings.values())
+    timed = ran[2:]  # after one warm-up pass per form
+    assert timed == [("linear", 1), ("fewrow", 1), ("linear", 4), ("fewrow", 4)] * 2
+
+
+def test_auto_times_whole_passes_in_each_form_and_leaves_the_session_state_alone(tiny_draft, tokenizer):
+    runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=512, matmul="linear")
+    run_pass = runner._scratch_pass()
+    seen = []
+    runner.products["probe"] = (lambda x, w: seen.append(x.shape[0]) or F.linear(x, w), *runner.products["linear"][1:])
+    run_pass("probe", 3)
+    assert seen == [3] * (4 * len(runner.layers) + 1)  # every product of the pass, the head included, in that form
+    assert runner.plan == ("linear",) * (SMALL_PASS_ROWS + 1)  # the plan is restored
+    small = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=20, matmul="auto")  # no room for 32 rows: times what fits
+    assert set(small.matmul_timings_ms["linear"]) == {1, 2, 3, 4, 6, 9, 16}
 
 
 def test_plan_keeps_linear_unless_another_form_clearly_wins_at_that_row_count():
@@ -151,7 +163,7 @@ def layer_kernels():
 def test_auto_follows_its_plan_and_drops_a_packed_copy_it_does_not_use(tiny_draft, tokenizer, monkeypatch, no_kernel):
     wins_from_3 = lambda forms, **_: {name: {n: (10.0 if name == "onednn" and n >= 3 else 20.0) for n in (1, 2, 3, 32)}
                                       for name in forms}
-    monkeypatch.setattr(lean_llama, "time_products", wins_from_3)
+    monkeypatch.setattr(lean_llama, "time_passes", wins_from_3)
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=512, matmul="auto")
     assert runner.plan[1:3] == ("linear", "linear") and set(runner.plan[3:]) == {"onednn"}
     stock = CausalLMRunner(tiny_draft, len(tokenizer))
@@ -161,14 +173,14 @@ def test_auto_follows_its_plan_and_drops_a_packed_copy_it_does_not_use(tiny_draf
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
     never = lambda forms, **_: {name: {n: (30.0 if name == "onednn" else 20.0) for n in (1, SMALL_PASS_ROWS)}
                                 for name in forms}
-    monkeypatch.setattr(lean_llama, "time_products", never)
+    monkeypatch.setattr(lean_llama, "time_passes", never)
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=512, matmul="auto")
     assert set(runner.plan) == {"linear"} and "onednn" not in runner.products
 
 
 def test_auto_leaves_out_the_packed_copy_when_memory_is_short(tiny_draft, tokenizer, monkeypatch, no_kernel):
     timed = []
-    monkeypatch.setattr(lean_llama, "time_products", lambda forms, **_: timed.append(set(forms)) or
+    monkeypatch.setattr(lean_llama, "time_passes", lambda forms, **_: timed.append(set(forms)) or
                         {name: {1: 20.0, SMALL_PASS_ROWS: 20.0} for name in forms})
     monkeypatch.setattr(lean_llama, "memory_available", lambda: 10 ** 6)  # 1 MB: a copy of the weights would not fit
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="auto")
@@ -180,7 +192,7 @@ def test_auto_leaves_out_the_packed_copy_when_memory_is_short(tiny_draft, tokeni
 
 def test_auto_times_the_kernel_where_it_builds_and_needs_no_packed_copy(tiny_draft, tokenizer, monkeypatch, kernel):
     timed = []
-    monkeypatch.setattr(lean_llama, "time_products", lambda forms, **_: timed.append(set(forms)) or
+    monkeypatch.setattr(lean_llama, "time_passes", lambda forms, **_: timed.append(set(forms)) or
                         {name: {1: 20.0, SMALL_PASS_ROWS: 20.0} for name in forms})
     LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="auto")
     assert timed == [{"linear", "weights-first", "fewrow"}]
