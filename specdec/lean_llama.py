@@ -168,9 +168,9 @@ class TorchLayerOps:
         n, (kv, _, d), h = qkv.shape[0], k.shape, n_heads
         end = start + n
         q = qkv[:, : h * d].view(n, h, d).transpose(0, 1)  # [h, n, d]
-        k[:, start:end] = _rope(qkv[:, h * d:(h + kv) * d].view(n, kv, d).transpose(0, 1), cos, sin)
+        k[:, start:end] = rope(qkv[:, h * d:(h + kv) * d].view(n, kv, d).transpose(0, 1), cos, sin)
         v[:, start:end] = qkv[:, (h + kv) * d:].view(n, kv, d).transpose(0, 1)
-        att = F.scaled_dot_product_attention(_rope(q, cos, sin)[None], k[None, :, :end], v[None, :, :end],
+        att = F.scaled_dot_product_attention(rope(q, cos, sin)[None], k[None, :, :end], v[None, :, :end],
                                              attn_mask=_causal_mask(n, start, q.device), enable_gqa=True)
         return att[0].transpose(0, 1).reshape(n, h * d)
 
@@ -180,7 +180,8 @@ class TorchLayerOps:
         return F.silu(gate) * up
 
 
-def _rope(x, cos, sin):  # x: [heads, n, d]; cos/sin: [n, d]
+def rope(x, cos, sin):
+    """Llama's rotary embedding (rotate_half form). x: [..., n, d]; cos, sin: [n, d]."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
@@ -322,12 +323,12 @@ class LeanLlamaRunner:
 
         def run_pass(form: str, n: int) -> None:
             nonlocal cache
-            if cache is None:
-                cache = self.new_cache()
-                if context:
-                    self.forward(cache, [i % self.vocab_size for i in range(context)], 1)
             plan, self.plan = getattr(self, "plan", None), ("linear",) + (form,) * SMALL_PASS_ROWS
             try:
+                if cache is None:
+                    cache = self.new_cache()
+                    if context:
+                        self.forward(cache, [i % self.vocab_size for i in range(context)], 1)
                 self.forward(cache, [(context + i) % self.vocab_size for i in range(n)], n)
             finally:
                 self.plan = plan

@@ -14,14 +14,19 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specdec.lean_llama import LeanLlamaRunner
+from specdec.lean_llama import LeanLlamaRunner, TorchLayerOps, rope
 from specdec.sampling import logits_to_probs
+
+
+def _rms(r: LeanLlamaRunner, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """RMS norm with the runner's epsilon, in torch: batched [B, n, hidden] rows, any device."""
+    return TorchLayerOps.rms_norm(x, w, r.eps)
 
 
 def _forward(r: LeanLlamaRunner, ids, pos, k_cache, v_cache, start: int, key_valid):
     """ids, pos: [B, n]; caches [L, B, kv, T, d]; key_valid [B, T]. Returns logits of the last position
     [B, vocab], or [B, kept] for a draft that scores only its kept tokens (r.kept)."""
-    return F.linear(r._rms(_hidden(r, ids, pos, k_cache, v_cache, start, key_valid)[:, -1], r.norm), r.lm_head).float()
+    return F.linear(_rms(r, _hidden(r, ids, pos, k_cache, v_cache, start, key_valid)[:, -1], r.norm), r.lm_head).float()
 
 
 def _hidden(r: LeanLlamaRunner, ids, pos, k_cache, v_cache, start: int, key_valid):
@@ -34,16 +39,16 @@ def _hidden(r: LeanLlamaRunner, ids, pos, k_cache, v_cache, start: int, key_vali
     causal = torch.ones(n, end, dtype=torch.bool, device=ids.device).tril(start)  # [n, end]
     mask = causal[None, None] & key_valid[:, None, None, :end]  # [B, 1, n, end]
     for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(r.layers):
-        qkv = F.linear(r._rms(x, ln1), wqkv)  # [B, n, (h + 2 kv) d]
+        qkv = F.linear(_rms(r, x, ln1), wqkv)  # [B, n, (h + 2 kv) d]
         q = qkv[..., : h * d].view(B, n, h, d).transpose(1, 2)  # [B, h, n, d]
         k = qkv[..., h * d:(h + kv) * d].view(B, n, kv, d).transpose(1, 2)
         v = qkv[..., (h + kv) * d:].view(B, n, kv, d).transpose(1, 2)
-        k_cache[i, :, :, start:end] = r._rope(k, cos, sin)
+        k_cache[i, :, :, start:end] = rope(k, cos, sin)
         v_cache[i, :, :, start:end] = v
-        att = F.scaled_dot_product_attention(r._rope(q, cos, sin), k_cache[i, :, :, :end], v_cache[i, :, :, :end],
+        att = F.scaled_dot_product_attention(rope(q, cos, sin), k_cache[i, :, :, :end], v_cache[i, :, :, :end],
                                              attn_mask=mask, enable_gqa=True)  # [B, h, n, d]
         x = x + F.linear(att.transpose(1, 2).reshape(B, n, h * d), wo)
-        gate, up = F.linear(r._rms(x, ln2), wgu).chunk(2, dim=-1)
+        gate, up = F.linear(_rms(r, x, ln2), wgu).chunk(2, dim=-1)
         x = x + F.linear(F.silu(gate) * up, wd)
     return x
 
@@ -132,7 +137,7 @@ def score(r: LeanLlamaRunner, pairs: list[tuple[list[int], list[int]]], top_k_la
     x = _hidden(r, ids, pos, k_cache, v_cache, 0, key_valid)  # [B, T, hidden]
     out = []
     for b, (_, c) in enumerate(pairs):
-        h = r._rms(x[b, T - len(c) - 1:T - 1], r.norm)  # the positions that predict each completion token
+        h = _rms(r, x[b, T - len(c) - 1:T - 1], r.norm)  # the positions that predict each completion token
         top = torch.topk(torch.log_softmax(F.linear(h, r.lm_head).float(), dim=-1), top_k_labels, dim=-1)
         out.append((top.indices.int().cpu(), top.values.half().cpu()))
     return out
