@@ -302,10 +302,10 @@ class LeanLlamaRunner:
         missing and a second copy of the weights is a small share of the free memory."""
         cpu_fp32 = cpu_float32(self.lm_head)
         if matmul in ("auto", "fewrow") and cpu_fp32:
-            from specdec.kernels import few_rows
+            from specdec.kernels import cpu_kernels
 
-            if (op := few_rows()) is not None:
-                self.products["fewrow"] = (op, self.layers, self.lm_head)
+            if (kernels := cpu_kernels()) is not None:
+                self.products["fewrow"] = (kernels.few_rows, self.layers, self.lm_head)
             elif matmul == "fewrow":
                 raise ValueError("matmul fewrow needs specdec's CPU kernel, which could not be built here "
                                  "(see the log); use auto, linear or onednn")
@@ -340,10 +340,10 @@ class LeanLlamaRunner:
         """specdec's CPU kernels for the work between the products (float32 on CPU, where they build),
         else the same functions in torch."""
         if cpu_float32(self.embed):
-            from specdec.kernels import layer_ops
+            from specdec.kernels import cpu_kernels
 
-            if (ops := layer_ops()) is not None:
-                return ops
+            if (kernels := cpu_kernels()) is not None:
+                return kernels
         return TorchLayerOps
 
     def _second_copy_fits(self) -> bool:

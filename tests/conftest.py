@@ -75,12 +75,20 @@ def event_loop_thread():
     lt.loop.call_soon_threadsafe(lt.loop.stop)
 
 
-def can_run(matmul: str) -> None:
-    """Skip a test of --matmul fewrow where specdec's CPU kernel cannot be built (no C++ compiler or ninja)."""
-    from specdec.kernels import few_rows
+def built_kernels():
+    """specdec's CPU kernels, built on first use; the calling test skips where no C++ compiler can build them."""
+    from specdec.kernels import cpu_kernels
 
-    if matmul == "fewrow" and few_rows() is None:
-        pytest.skip("specdec's CPU kernel cannot be built here (no C++ compiler or ninja)")
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("specdec's CPU kernels cannot be built here (no C++ compiler or ninja)")
+    return kernels
+
+
+def can_run(matmul: str) -> None:
+    """Skip a test of --matmul fewrow where specdec's CPU kernels cannot be built."""
+    if matmul == "fewrow":
+        built_kernels()
 
 
 @dataclass

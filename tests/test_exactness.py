@@ -66,9 +66,9 @@ def test_greedy_output_equals_target_alone_with_every_product_form(event_loop_th
         assert set(stack.target.runner.plan[1:]) == {matmul} and set(stack.draft.runner.plan[1:]) == {matmul}
         from bench.run import forwards  # what the benchmark's report says ran: each server's ModelInfo.forward
 
-        from specdec.kernels import layer_ops
+        from specdec.kernels import cpu_kernels
 
-        layer = " with specdec's CPU layer kernels" if layer_ops() is not None else ""
+        layer = " with specdec's CPU layer kernels" if cpu_kernels() is not None else ""
         said = f"lean forward{layer}; products: 1-32 rows: {matmul}, longer passes: linear"
         assert forwards(stack.draft_address, stack.target_address) == {"draft": said, "target": said}
         for text, expected in zip(PROMPTS, reference):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import specdec.lean_llama as lean_llama
-from conftest import can_run
+from conftest import built_kernels, can_run
 from specdec.lean_llama import (FORMS, SMALL_PASS_ROWS, LeanLlamaRunner, TorchLayerOps, describe_plan, onednn_linear,
                                 pack_onednn, plan_products, time_passes, weights_first)
 from specdec.runner import CausalLMRunner, make_runner, resolve_quantize
@@ -131,13 +131,8 @@ def test_plan_keeps_linear_unless_another_form_clearly_wins_at_that_row_count():
 
 @pytest.fixture
 def kernel():
-    """specdec's few-row CPU kernel, built on first use; its tests skip where no C++ compiler can build it."""
-    from specdec.kernels import few_rows
-
-    op = few_rows()
-    if op is None:
-        pytest.skip("specdec's CPU kernel cannot be built here (no C++ compiler or ninja)")
-    return op
+    """specdec's few-row CPU product; its tests skip where the kernels cannot be built."""
+    return built_kernels().few_rows
 
 
 @pytest.fixture
@@ -146,18 +141,13 @@ def no_kernel(monkeypatch):
     and the work between the products on torch."""
     import specdec.kernels
 
-    monkeypatch.setattr(specdec.kernels, "_module", lambda: None)
+    monkeypatch.setattr(specdec.kernels, "cpu_kernels", lambda: None)
 
 
 @pytest.fixture
 def layer_kernels():
     """specdec's CPU layer kernels (rms_norm, attend, silu_mul); their tests skip where they cannot be built."""
-    from specdec.kernels import layer_ops
-
-    ops = layer_ops()
-    if ops is None:
-        pytest.skip("specdec's CPU kernels cannot be built here (no C++ compiler or ninja)")
-    return ops
+    return built_kernels()
 
 
 def test_auto_follows_its_plan_and_drops_a_packed_copy_it_does_not_use(tiny_draft, tokenizer, monkeypatch, no_kernel):

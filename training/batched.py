@@ -48,8 +48,7 @@ def _hidden(r: LeanLlamaRunner, ids, pos, k_cache, v_cache, start: int, key_vali
         att = F.scaled_dot_product_attention(rope(q, cos, sin), k_cache[i, :, :, :end], v_cache[i, :, :, :end],
                                              attn_mask=mask, enable_gqa=True)  # [B, h, n, d]
         x = x + F.linear(att.transpose(1, 2).reshape(B, n, h * d), wo)
-        gate, up = F.linear(_rms(r, x, ln2), wgu).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, wd)
+        x = x + F.linear(TorchLayerOps.silu_mul(F.linear(_rms(r, x, ln2), wgu)), wd)
     return x
 
 

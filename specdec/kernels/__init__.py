@@ -4,9 +4,9 @@
 ignored and the kernel runs on one); its OpenMP calls bind to the runtime torch has loaded, so the
 process keeps one OpenMP team.
 
-One module, built from every source here: ``few_rows()`` returns its few-row product (``products.cpp``),
-``layer_ops()`` the module itself for the work between the products (``layer.cpp``: ``rms_norm``,
-``attend``, ``silu_mul``). Both return None where it cannot be built: no C++ compiler, no ninja, an
+``cpu_kernels()`` returns one module, built from every source here: ``few_rows``, the few-row product
+(``products.cpp``), and the work between the products (``layer.cpp``: ``rms_norm``, ``attend``,
+``silu_mul``). It returns None where the module cannot be built: no C++ compiler, no ninja, an
 unsupported platform. Callers fall back to torch's functions then. The build takes about 30 s once per
 machine, CPU and torch version; later loads take about a second.
 """
@@ -38,7 +38,8 @@ def _cpu_signature() -> str:
 
 
 @functools.cache
-def _module():
+def cpu_kernels():
+    """The compiled module (float32 tensors on CPU), or None where it cannot be built."""
     try:
         import torch
         from filelock import FileLock
@@ -65,13 +66,3 @@ def _module():
                     type(e).__name__, last_line)
         return None
 
-
-def few_rows():
-    """The compiled `few_rows(x, w)` (x @ w.T for [M, K] x [N, K] float32 on CPU), or None."""
-    module = _module()
-    return None if module is None else module.few_rows
-
-
-def layer_ops():
-    """The compiled module with `rms_norm`, `attend` and `silu_mul` (float32 on CPU), or None."""
-    return _module()
