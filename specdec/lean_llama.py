@@ -12,7 +12,9 @@ own few-row kernel (``specdec/kernels``, compiled on first use) or, where that c
 oneDNN's packed GEMM. Few-row GEMMs fall off cliffs that differ from CPU to CPU, and speculative
 decoding needs a verify of K + 1 rows to cost what a step costs. On CPU
 the products can instead run on int8 weights (``--quantize int8``, the draft's default
-there): a draft step is memory-bound, and a quarter of the bytes is most of its time.
+there): a draft step is memory-bound, and a quarter of the bytes is most of its time. specdec's
+kernel widens them to float in registers (one scale per row, x stays float32); where it cannot be
+built, fbgemm's dynamic int8 product runs them.
 """
 
 from __future__ import annotations
@@ -123,6 +125,22 @@ def describe_plan(plan: tuple[str, ...]) -> str:
     return ", ".join(spans)
 
 
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float weights -> (int8 [out, in rounded up to 16, zero-padded], float32 scale [out]):
+    symmetric, one scale per output row; the form specdec's ``few_rows_int8`` reads."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)  # [out]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return F.pad(q, (0, -w.shape[1] % 16)).contiguous(), scale
+
+
+def dequantized_linear(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x @ (q * scale).T for quantize_rows' form, on a float copy made for this pass: a long pass (a prefill)
+    is compute-bound, where MKL's GEMM beats a few-row kernel's sweeps, and the copy costs a few percent."""
+    q, scale = rows
+    return F.linear(x, q[:, : x.shape[-1]].float()) * scale
+
+
 def pack_int8(w: torch.Tensor):
     """[out, in] float weights -> fbgemm's packed int8 form: symmetric, one scale per output row."""
     w = w.float()
@@ -134,15 +152,14 @@ def pack_int8(w: torch.Tensor):
 
 
 def int8_linear(x: torch.Tensor, packed) -> torch.Tensor:
-    """x @ w.T on packed int8 weights; x is quantized per pass (dynamic), the result is float32.
-    reduce_range keeps AVX2's 16-bit int8 dot products from saturating.
+    """x @ w.T on fbgemm's packed int8 weights, where specdec's kernels cannot be built; x is quantized per pass
+    (dynamic), the result is float32. reduce_range keeps AVX2's 16-bit int8 dot products from saturating.
 
     The pass's one range makes a row's result depend a little on the rows beside it, and float rounding that
     crosses a quantization step moves a logit by ~1e-2 rather than ~1e-7: a session rebuilt in one prefill sees
     slightly other draft probabilities than the one it replaces. Sampling stays exact (any q is), but a seeded
-    sampled request replays token for token across a rebuild only with a float draft. Quantizing each row on
-    its own grid was measured: 1 ms more per draft step for +0.005 agreement, and attention's rounding still
-    crosses steps, so it bought no replay."""
+    sampled request then replays token for token across a rebuild only with a float draft. specdec's
+    ``few_rows_int8`` keeps x in float32, so with it the int8 draft replays as a float one does."""
     return torch.ops.quantized.linear_dynamic(x, packed, True)
 
 
@@ -269,14 +286,8 @@ class LeanLlamaRunner:
         self.matmul = matmul
         self.layer_ops = self._layer_ops()
         self.matmul_timings_ms: dict = {}
-        if quantize == "int8":  # every product, any width: fbgemm's int8 GEMM is fast at one row and at many
-            self.layers = [(ln1, pack_int8(wqkv), pack_int8(wo), ln2, pack_int8(wgu), pack_int8(wd))
-                           for ln1, wqkv, wo, ln2, wgu, wd in self.layers]
-            self.lm_head = pack_int8(self.lm_head)
-            self.products = {"int8": (int8_linear, self.layers, self.lm_head)}
-            self.plan = ("int8",) * (SMALL_PASS_ROWS + 1)
-            self.long_pass = "int8"
-            log.info("lean runner: products on int8 weights (per output row), activations quantized per pass")
+        if quantize == "int8":
+            self._quantize_int8()
             return
         self.long_pass = "linear"
         self.products = {"linear": (F.linear, self.layers, self.lm_head),
@@ -295,6 +306,28 @@ class LeanLlamaRunner:
                      describe_plan(self.plan))
         for unused in set(self.products) - set(self.plan) - {"linear"}:  # long passes take linear
             del self.products[unused]  # a packed copy nothing uses: give its memory back
+
+    def _quantize_int8(self) -> None:
+        """Every product on int8 weights, one scale per output row. With specdec's kernels: steps and verifies
+        in few_rows_int8, longer passes in F.linear on a float copy made per pass; x stays float32 in both, so
+        a row's result depends on that row alone. Without them, fbgemm's int8 GEMM at every width."""
+        from specdec.kernels import cpu_kernels
+
+        if (kernels := cpu_kernels()) is not None:
+            pack, few_rows = quantize_rows, lambda x, rows: kernels.few_rows_int8(x, *rows)
+            self.int8_products = "specdec's kernel"
+        else:
+            pack, few_rows = pack_int8, int8_linear
+            self.int8_products = "fbgemm"
+        self.layers = [(ln1, pack(wqkv), pack(wo), ln2, pack(wgu), pack(wd)) for ln1, wqkv, wo, ln2, wgu, wd in self.layers]
+        self.lm_head = pack(self.lm_head)
+        self.products = {"int8": (few_rows, self.layers, self.lm_head)}
+        self.plan = ("int8",) * (SMALL_PASS_ROWS + 1)
+        self.long_pass = "int8"
+        if kernels is not None:
+            self.products["int8-long"] = (dequantized_linear, self.layers, self.lm_head)
+            self.long_pass = "int8-long"
+        log.info("lean runner: products on int8 weights (one scale per output row) in %s", self.int8_products)
 
     def _add_forms(self, matmul: str) -> None:
         """Products beside linear and weights-first: fewrow, specdec's kernel, on CPU float32 where it builds
@@ -358,7 +391,7 @@ class LeanLlamaRunner:
     def describe(self) -> str:
         layer = "" if self.layer_ops is TorchLayerOps else " with specdec's CPU layer kernels"
         if self.quantize == "int8":
-            return f"lean forward{layer}; products on int8 weights"
+            return f"lean forward{layer}; products on int8 weights in {self.int8_products}"
         return f"lean forward{layer}; products: {describe_plan(self.plan)}, longer passes: {self.long_pass}"
 
     def new_cache(self) -> LeanCache:

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 import specdec.lean_llama as lean_llama
 from conftest import built_kernels, can_run
-from specdec.lean_llama import (FORMS, SMALL_PASS_ROWS, LeanLlamaRunner, TorchLayerOps, describe_plan, onednn_linear,
-                                pack_onednn, plan_products, time_passes, weights_first)
+from specdec.lean_llama import (FORMS, SMALL_PASS_ROWS, LeanLlamaRunner, TorchLayerOps, dequantized_linear, describe_plan,
+                                onednn_linear, pack_onednn, plan_products, quantize_rows, time_passes, weights_first)
 from specdec.runner import CausalLMRunner, make_runner, resolve_quantize
 
 
@@ -243,6 +243,42 @@ def test_the_norm_and_gate_kernels_are_the_torch_functions(layer_kernels):
     torch.testing.assert_close(layer_kernels.silu_mul(gu), TorchLayerOps.silu_mul(gu))
 
 
+def test_quantize_rows_rounds_each_row_on_its_own_scale_and_pads_to_16():
+    torch.manual_seed(0)
+    w = torch.randn(30, 37) * torch.logspace(-3, 1, 30)[:, None]  # rows of very different magnitudes
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and q.shape == (30, 48) and scale.shape == (30,)
+    assert (q[:, 37:] == 0).all() and (q[:, :37].abs().amax(dim=1) == 127).all()
+    assert ((q[:, :37].float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all()
+
+
+def test_the_int8_kernel_is_the_product_with_the_dequantized_weights(layer_kernels):
+    torch.manual_seed(0)
+    for rows, inner, out in [(1, 252, 960), (3, 1024, 252), (4, 37, 50), (9, 576, 7), (16, 64, 130), (40, 100, 33)]:
+        x, (q, scale) = torch.randn(rows, inner), quantize_rows(torch.randn(out, inner))
+        expected = F.linear(x, q[:, :inner].float() * scale[:, None])
+        torch.testing.assert_close(layer_kernels.few_rows_int8(x, q, scale), expected, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(dequantized_linear(x, (q, scale)), expected, atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="padded to 16"):
+        layer_kernels.few_rows_int8(torch.randn(2, 20), q, scale)
+    with pytest.raises(RuntimeError, match="int8 w"):
+        layer_kernels.few_rows_int8(torch.randn(2, 100), q.float(), scale)
+
+
+def test_the_int8_kernel_gives_each_row_the_result_it_gets_alone(tiny_draft, tokenizer, layer_kernels):
+    """x stays float32, so a pass's rows do not share a quantization grid: a verify, a prefill and a rebuild give
+    what steps give, to float rounding. That is what lets a seeded request replay across a session rebuild."""
+    runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=1024, quantize="int8")
+    ids = list(range(100, 160))
+    one_by_one = [runner.forward(cache := runner.new_cache(), ids[:40], 1)]
+    one_by_one += [runner.forward(cache, [t], 1) for t in ids[40:]]
+    prefill = runner.forward(runner.new_cache(), ids, 21)  # a long pass: F.linear on the dequantized weights
+    chunked = runner.forward(cache := runner.new_cache(), ids[:40], 1)
+    verify = runner.forward(cache, ids[40:], 20)  # a verify-sized pass: the kernel at 20 rows
+    torch.testing.assert_close(prefill, torch.cat(one_by_one), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.cat([chunked, verify]), torch.cat(one_by_one), atol=1e-4, rtol=1e-4)
+
+
 def test_asking_for_the_kernel_where_it_cannot_build_is_a_clear_error(tiny_draft, tokenizer, no_kernel):
     with pytest.raises(ValueError, match="could not be built here"):
         LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="fewrow")
@@ -251,7 +287,7 @@ def test_asking_for_the_kernel_where_it_cannot_build_is_a_clear_error(tiny_draft
 def test_a_runner_says_how_it_runs(tiny_draft, tokenizer, no_kernel):
     assert CausalLMRunner(tiny_draft, len(tokenizer)).describe() == "transformers forward"
     assert LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, quantize="int8").describe() == \
-        "lean forward; products on int8 weights"
+        "lean forward; products on int8 weights in fbgemm"
     assert LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="onednn").describe() == \
         f"lean forward; products: 1-{SMALL_PASS_ROWS} rows: onednn, longer passes: linear"
 
@@ -259,7 +295,7 @@ def test_a_runner_says_how_it_runs(tiny_draft, tokenizer, no_kernel):
 def test_a_runner_names_the_layer_kernels_it_uses(tiny_draft, tokenizer, layer_kernels):
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, quantize="int8")
     assert runner.layer_ops is layer_kernels
-    assert runner.describe() == "lean forward with specdec's CPU layer kernels; products on int8 weights"
+    assert runner.describe() == "lean forward with specdec's CPU layer kernels; products on int8 weights in specdec's kernel"
 
 
 def test_unknown_product_form_is_refused(tiny_draft, tokenizer):
@@ -267,7 +303,14 @@ def test_unknown_product_form_is_refused(tiny_draft, tokenizer):
         LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="fast")
 
 
-def test_int8_products_stay_close_to_float_products(tiny_draft, tokenizer):
+@pytest.mark.parametrize("products", ["specdec's kernel", "fbgemm"])
+def test_int8_products_stay_close_to_float_products(tiny_draft, tokenizer, products, monkeypatch):
+    import specdec.kernels
+
+    if products == "fbgemm":
+        monkeypatch.setattr(specdec.kernels, "cpu_kernels", lambda: None)
+    else:
+        built_kernels()
     ids = list(range(100, 400))
     chunks = [ids[:200], ids[200:201], ids[201:206], ids[206:300], ids[150:153]]
     full = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=1024, matmul="linear")
@@ -277,6 +320,7 @@ def test_int8_products_stay_close_to_float_products(tiny_draft, tokenizer):
         tv = 0.5 * (a.softmax(-1) - b.softmax(-1)).abs().sum(-1)  # total variation per position; measured 0.002
         assert tv.max() < 0.02, f"total variation {tv.max():.4f}"
         assert not torch.equal(a, b)  # the int8 path really ran
+    assert int8.describe().endswith(f"int8 weights in {products}")
 
 
 def test_int8_keeps_the_restricted_output_vocabulary(tiny_draft, tokenizer):

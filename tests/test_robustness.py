@@ -154,31 +154,35 @@ class EvictingTarget(_Recorder, TargetServicer):
 
 
 # A seeded sampled request replays token for token only where a rebuilt session (one prefill) gives the draft
-# probabilities the original (steps and catch-ups) gave to float rounding: with a float draft. The int8 draft
-# quantizes each pass on its own range, so a rebuild moves q by ~1e-2 and may change which tokens a seed
-# draws, never their distribution (specdec/lean_llama.py, int8_linear). Both stacks here run a float draft.
-FLOAT_DRAFT = {"quantize": "none"}
+# probabilities the original (steps and catch-ups) gave to float rounding. The int8 draft as deployed does, in
+# specdec's kernel, which keeps x in float32; fbgemm's int8 product, the fallback where the kernels cannot be built,
+# quantizes each pass on its own range, so a rebuild moves q by ~1e-2 and may change which tokens a seed draws,
+# never their distribution (specdec/lean_llama.py, int8_linear). There both stacks run a float draft.
+def replaying_draft_cfg() -> dict:
+    from specdec.kernels import cpu_kernels
+
+    return {"quantize": "int8" if cpu_kernels() is not None else "none"}
 
 
 @pytest.fixture(scope="module")
-def float_draft_stack(event_loop_thread, tokenizer, partial_draft, target_model):
-    stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model, draft_cfg=FLOAT_DRAFT)
+def deployed_draft_stack(event_loop_thread, tokenizer, partial_draft, target_model):
+    stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model, draft_cfg=replaying_draft_cfg())
     yield stack
     stop_stack(stack)
 
 
 @pytest.fixture(scope="module")
 def evicting_stack(event_loop_thread, tokenizer, partial_draft, target_model):
-    stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model, draft_cfg=FLOAT_DRAFT,
+    stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model, draft_cfg=replaying_draft_cfg(),
                        draft_servicer=EvictingDraft, target_servicer=EvictingTarget)
     yield stack
     stop_stack(stack)
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=99)])
-def test_evicted_sessions_are_rebuilt_and_output_is_unchanged(float_draft_stack, evicting_stack, tokenizer, sampling):
+def test_evicted_sessions_are_rebuilt_and_output_is_unchanged(deployed_draft_stack, evicting_stack, tokenizer, sampling):
     kw = dict(messages=CHAT, max_tokens=40, num_speculative_tokens=4, **sampling)
-    expected, _, _ = float_draft_stack.generate(**kw)
+    expected, _, _ = deployed_draft_stack.generate(**kw)
     got, _, stats = evicting_stack.generate(**kw)
     assert got == expected
     assert evicting_stack.metric("specdec_session_rebuilds_total", {"service": "draft"}) > 0

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 torch::Tensor few_rows(torch::Tensor x, torch::Tensor w);
+torch::Tensor few_rows_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor attend(torch::Tensor qkv, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                      int64_t start, int64_t h);
@@ -10,6 +11,7 @@ torch::Tensor silu_mul(torch::Tensor gu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_rows", &few_rows, "x @ w^T for a few rows of x (float32, CPU)");
+  m.def("few_rows_int8", &few_rows_int8, "x @ (w * scale)^T for a few rows of x, w int8 with a scale per row");
   m.def("rms_norm", &rms_norm, "RMS norm of each row of x, times w");
   m.def("attend", &attend, "rotary embedding, KV-cache write and causal attention of a few new tokens");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of side-by-side gate and up projections");

@@ -1,28 +1,61 @@
-// y = x @ w^T for a few rows of x: [M, K] x [N, K] -> [M, N], float32, row-major, on CPU.
+// y = x @ w^T for a few rows of x: [M, K] x [N, K] -> [M, N], float32 x and y, row-major, on CPU; w in
+// float32 (few_rows) or in int8 with one scale per row (few_rows_int8).
 //
 // A step or a verify pass multiplies 1 to ~9 rows by every weight matrix, so its cost is reading the
 // weights once from memory. BLAS GEMMs switch kernels as M grows and lose that roof at a few rows (on
 // an AVX-512 Xeon MKL takes 20 ms over the target's matrices at 1-3 rows, 35-48 ms at 4-9). Here each
 // weight row is read once and multiplied into all M rows while it is in registers: R output rows at a
-// time share each load of x, and the next R rows are prefetched a cache line per step, so the stream
+// time share each load of x, and rows further on are prefetched a cache line per step, so the stream
 // from memory never waits on the arithmetic. Same products as F.linear, summed in another order.
+//
+// int8 weights (the draft's): each weight row is widened to float in registers and its scale applied to
+// the sum, so x stays float32 and each row's result depends on that row alone (fbgemm's dynamic int8
+// product quantizes x on one grid per pass). A draft's step reads its weights cold, since the target's
+// pass between two rounds streams half a gigabyte through the caches: a quarter of the bytes of float32,
+// prefetched further ahead than the short rows of a small model would reach one block at a time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <immintrin.h>
+
 #include "vec.h"
 
-template <int M, int R>
-static inline void block(const float* __restrict x, const float* __restrict w, float* __restrict y,
-                         int64_t K, int64_t N, int64_t n, int64_t prefetch_end) {
+static inline vec load_weights(const float* p) { return load(p); }
+
+// 16 int8 weights widened to float: two instructions. GCC's __builtin_convertvector from 16 int8 lanes
+// compiles to 16 scalar conversions, 8x slower, so this one is written in intrinsics.
+static inline vec load_weights(const int8_t* p) {
+  vec v;
+#ifdef __AVX512F__
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  __builtin_memcpy(&v, &f, sizeof v);
+#elif defined(__AVX2__)
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+  __builtin_memcpy(&v, &lo, sizeof lo);
+  __builtin_memcpy((char*)&v + sizeof lo, &hi, sizeof hi);
+#else
+  for (int i = 0; i < 16; i++) v[i] = p[i];
+#endif
+  return v;
+}
+
+// Output rows n..n+R-1. w rows are K apart (an int8 row is padded to a multiple of 16, and so is x);
+// rows `ahead` further on are prefetched, one cache line per line read; scale: one per row, or null.
+template <int M, int R, typename W>
+static inline void block(const float* __restrict x, const W* __restrict w, const float* __restrict scale,
+                         float* __restrict y, int64_t K, int64_t N, int64_t n, int64_t ahead, int64_t prefetch_end) {
   vec acc[R][M];
   for (int r = 0; r < R; r++)
     for (int m = 0; m < M; m++) acc[r][m] = vec{};
   const int64_t K16 = K - K % 16;
   for (int64_t k = 0; k < K16; k += 16) {
     vec wv[R];
-    for (int r = 0; r < R; r++) wv[r] = load(w + (n + r) * K + k);
-    for (int r = 0; r < R; r++)
-      if (n + R + r < prefetch_end) __builtin_prefetch(w + (n + R + r) * K + k, 0, 3);
+    for (int r = 0; r < R; r++) wv[r] = load_weights(w + (n + r) * K + k);
+    if ((k * sizeof(W)) % 64 == 0)
+      for (int r = 0; r < R; r++)
+        if (n + ahead + r < prefetch_end) __builtin_prefetch(w + (n + ahead + r) * K + k, 0, 3);
     for (int m = 0; m < M; m++) {
       vec xv = load(x + m * K + k);
       for (int r = 0; r < R; r++) acc[r][m] += xv * wv[r];
@@ -32,29 +65,27 @@ static inline void block(const float* __restrict x, const float* __restrict w, f
     for (int m = 0; m < M; m++) {
       float s = lane_sum(acc[r][m]);
       for (int64_t k = K16; k < K; k++) s += x[m * K + k] * w[(n + r) * K + k];
-      y[m * N + n + r] = s;
+      y[m * N + n + r] = scale ? s * scale[n + r] : s;
     }
 }
 
-template <int M>
-static void rows(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
+// ahead_bytes: how far ahead to prefetch, at least the next block of rows.
+template <int M, typename W>
+static void rows(const float* x, const W* w, const float* scale, float* y, int64_t K, int64_t N, int64_t begin,
+                 int64_t end, int64_t ahead_bytes) {
   constexpr int fit = (kRegisters - 1) / (M + 1);  // R * M accumulators, R weight vectors, one of x
   constexpr int R = fit < 1 ? 1 : fit > 4 ? 4 : fit;
+  const int64_t ahead = std::max<int64_t>(1, ahead_bytes / (R * K * (int64_t)sizeof(W))) * R;
   int64_t n = begin;
-  for (; n + R <= end; n += R) block<M, R>(x, w, y, K, N, n, end);
-  for (; n < end; n++) block<M, 1>(x, w, y, K, N, n, end);
+  for (; n + R <= end; n += R) block<M, R>(x, w, scale, y, K, N, n, ahead, end);
+  for (; n < end; n++) block<M, 1>(x, w, scale, y, K, N, n, ahead, end);
 }
 
-// Up to 16 rows at a time; more rows take several sweeps over w (the load-time timing sees that cost).
-torch::Tensor few_rows(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "few_rows: x [M, K] and w [N, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat && x.device().is_cpu() &&
-              w.device().is_cpu(), "few_rows: float32 tensors on CPU");
-  x = x.contiguous();
-  w = w.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  const float* wp = w.data_ptr<float>();
+// Up to 16 rows of x at a time, each sweep over w split over torch's threads by output rows.
+template <typename W>
+static void sweep(const torch::Tensor& x, const W* wp, const float* scale, torch::Tensor& y, int64_t N,
+                  int64_t ahead_bytes) {
+  const int64_t M = x.size(0), K = x.size(1);
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t rows_now = std::min<int64_t>(16, M - m0);
     const float* xp = x.data_ptr<float>() + m0 * K;
@@ -62,7 +93,7 @@ torch::Tensor few_rows(torch::Tensor x, torch::Tensor w) {
     float* yp = part.data_ptr<float>();
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
       switch (rows_now) {
-#define ROWS(m) case m: rows<m>(xp, wp, yp, K, N, begin, end); break;
+#define ROWS(m) case m: rows<m>(xp, wp, scale, yp, K, N, begin, end, ahead_bytes); break;
         ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
         ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15) ROWS(16)
 #undef ROWS
@@ -70,5 +101,33 @@ torch::Tensor few_rows(torch::Tensor x, torch::Tensor w) {
     });
     if (rows_now != M) y.narrow(0, m0, rows_now).copy_(part);
   }
+}
+
+// More than 16 rows take several sweeps over w (the load-time timing sees that cost).
+torch::Tensor few_rows(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "few_rows: x [M, K] and w [N, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat && x.device().is_cpu() &&
+              w.device().is_cpu(), "few_rows: float32 tensors on CPU");
+  x = x.contiguous();
+  w = w.contiguous();
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  sweep(x, w.data_ptr<float>(), nullptr, y, w.size(0), 0);  // a float row is long enough: one block ahead
+  return y;
+}
+
+// w: [N, Kp] int8, Kp = K rounded up to 16 with zeros (pack_int8_rows in specdec/lean_llama.py); scale: [N].
+torch::Tensor few_rows_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 1 && scale.size(0) == w.size(0),
+              "few_rows_int8: x [M, K], w [N, Kp] and scale [N]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kChar &&
+              scale.scalar_type() == torch::kFloat && x.device().is_cpu() && w.device().is_cpu() &&
+              scale.device().is_cpu(), "few_rows_int8: float32 x, int8 w, float32 scale, on CPU");
+  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous(), "few_rows_int8: contiguous w and scale");
+  const int64_t K = x.size(1), Kp = w.size(1);
+  TORCH_CHECK(Kp % 16 == 0 && K <= Kp && Kp < K + 16, "few_rows_int8: w's rows must be x's width padded to 16, got ",
+              Kp, " for ", K);
+  x = K == Kp ? x.contiguous() : torch::constant_pad_nd(x, {0, Kp - K});
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  sweep(x, w.data_ptr<int8_t>(), scale.data_ptr<float>(), y, w.size(0), 4096);
   return y;
 }
