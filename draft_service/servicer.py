@@ -6,7 +6,7 @@ import torch
 
 from specdec.errors import invalid
 from specdec.model_server import ModelServer, SessionRpcs
-from specdec.sampling import Purpose, logits_to_probs, sample_dense, uniform
+from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, support, uniform
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 
@@ -34,16 +34,17 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
         resp = draft_pb2.ProposeTokensResponse()
         rows = []
         for i in range(k):
-            logits = core.forward(s, feed, 1)[0]  # [vocab]
+            logits = core.forward(s, feed, 1)  # [1, vocab]
             position = len(s.tokens)  # absolute position of the token drafted now
             if params.greedy:
-                x, qx = int(torch.argmax(logits)), 1.0
+                x, qx = argmax_rows(logits)[0], 1.0
             else:
-                probs = logits_to_probs(logits[None], params.temperature, params.top_k, params.top_p)[0]
-                x = sample_dense(probs, uniform(params.seed, position, Purpose.DRAFT))
+                probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)[0]
+                found = support(probs)
+                x = sample_sparse(*found, uniform(params.seed, position, Purpose.DRAFT))
                 qx = float(probs[x])
                 rows.append(probs)
-                resp.distributions.append(core.sparse(probs))
+                resp.distributions.append(core.sparse(found))
             resp.token_ids.append(x)
             resp.token_probs.append(qx)
             feed = [x]

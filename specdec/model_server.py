@@ -23,6 +23,7 @@ import logging
 import time
 
 import grpc
+import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -31,7 +32,7 @@ from specdec.config import ModelServerConfig
 from specdec.errors import ServiceError, invalid
 from specdec.kv_pool import Session, SessionPool
 from specdec.runner import make_runner, resolve_quantize
-from specdec.sampling import SamplingParams, to_sparse
+from specdec.sampling import SamplingParams
 from specdec.v1 import model_server_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -235,11 +236,12 @@ class ModelServer:
         self.metrics.forward_seconds.labels(_tokens_bucket(len(token_ids))).observe(time.perf_counter() - start)
         return logits
 
-    def sparse(self, probs: torch.Tensor) -> pb.SparseDistribution:
-        found = to_sparse(probs, self.cfg.max_sparse_support)
-        if found is None:
+    def sparse(self, found: tuple[np.ndarray, np.ndarray]) -> pb.SparseDistribution:
+        """A distribution's support (sampling.support) on the wire, or complete=False past max_sparse_support."""
+        ids, probs = found
+        if len(ids) > self.cfg.max_sparse_support:
             return pb.SparseDistribution(complete=False)
-        return pb.SparseDistribution(token_ids=found[0].tolist(), probs=found[1].tolist(), complete=True)
+        return pb.SparseDistribution(token_ids=ids.tolist(), probs=probs.tolist(), complete=True)
 
     # -- session RPCs, identical on both servers ---------------------------------
     def truncate(self, req: pb.TruncateRequest) -> pb.TruncateResponse:

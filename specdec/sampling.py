@@ -52,12 +52,37 @@ def uniform(seed: int, position: int, purpose: Purpose) -> float:
     return (h >> 11) * (1.0 / (1 << 53))
 
 
+def _cpu_kernels(t: torch.Tensor):
+    """specdec's CPU kernels for a float32 tensor on CPU (a server has built them with its model), else None."""
+    if t.device.type != "cpu" or t.dtype != torch.float32:
+        return None
+    from specdec.kernels import cpu_kernels
+
+    return cpu_kernels()
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Greedy's token for each row, the first index of ties. logits: [n, vocab]."""
+    kernels = _cpu_kernels(logits)
+    return (kernels.argmax_rows(logits) if kernels is not None else logits.argmax(dim=-1)).tolist()
+
+
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Temperature, then top-k, then top-p, then softmax. logits: [n, vocab] -> probs [n, vocab] float32.
 
     Top-k keeps every token tied with the k-th; top-p keeps the smallest set of
     most likely tokens whose mass reaches top_p. temperature must be > 0.
+    specdec's CPU kernel (``sampling_probs``) does it on CPU, in a few passes over
+    each row; elsewhere, and as its reference, ``logits_to_probs_torch``.
     """
+    kernels = _cpu_kernels(logits)
+    if kernels is not None:
+        return kernels.sampling_probs(logits, temperature, top_k, top_p)
+    return logits_to_probs_torch(logits, temperature, top_k, top_p)
+
+
+def logits_to_probs_torch(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """logits_to_probs in torch ops: any device and dtype."""
     x = logits.float() / temperature  # [n, vocab]
     vocab = x.shape[-1]
     if 0 < top_k < vocab:
@@ -109,9 +134,14 @@ def sample_sparse(token_ids: np.ndarray, probs: np.ndarray, u: float) -> int:
     return int(token_ids[idx])
 
 
+def support(probs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """A distribution's nonzero entries, ids ascending: (ids int64, probs float64). probs: [vocab] on CPU.
+    sample_sparse on them draws what sample_dense draws on the whole row, for the same u."""
+    ids = torch.nonzero(probs, as_tuple=True)[0]
+    return ids.numpy().astype(np.int64), probs[ids].numpy().astype(np.float64)
+
+
 def to_sparse(probs: torch.Tensor, max_support: int) -> tuple[np.ndarray, np.ndarray] | None:
     """The support of a distribution, ids ascending; None when larger than max_support. probs: [vocab]."""
-    ids = torch.nonzero(probs, as_tuple=True)[0]
-    if ids.numel() > max_support:
-        return None
-    return ids.numpy().astype(np.int64), probs[ids].numpy().astype(np.float64)
+    found = support(probs)
+    return None if len(found[0]) > max_support else found

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specdec.errors import invalid
 from specdec.model_server import ModelServer, SessionRpcs
-from specdec.sampling import Purpose, logits_to_probs, sample_dense, uniform
+from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, support, uniform
 from specdec.v1 import target_pb2, target_pb2_grpc
 
 
@@ -33,12 +33,13 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         resp = target_pb2.VerifyResponse(length=len(s.tokens))
         if params.greedy:
             s.probs = None
-            resp.argmax_token_ids.extend(logits.argmax(dim=-1).tolist())
+            resp.argmax_token_ids.extend(argmax_rows(logits))
             return resp
         probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # [K+1, vocab]
         s.probs, s.probs_start = probs, len(s.tokens) - len(drafts)
         resp.draft_token_probs.extend(probs[i, x].item() for i, x in enumerate(drafts))
-        resp.distributions.extend(core.sparse(row) for row in probs)
+        found = [support(row) for row in probs]
+        resp.distributions.extend(core.sparse(f) for f in found)
         if not resp.distributions[-1].complete:  # the orchestrator would have to fetch it for the bonus token
-            resp.bonus_token_id = sample_dense(probs[-1], uniform(params.seed, len(s.tokens), Purpose.RESAMPLE))
+            resp.bonus_token_id = sample_sparse(*found[-1], uniform(params.seed, len(s.tokens), Purpose.RESAMPLE))
         return resp

@@ -1,30 +1,80 @@
-"""Sampling transforms and keyed draws, shared by draft and target."""
+"""Sampling transforms and keyed draws, shared by draft and target. The transforms run in specdec's CPU kernel
+where it builds and in torch elsewhere; each property is checked on both, and the kernel against torch."""
 
 import numpy as np
+import pytest
 import torch
 
-from specdec.sampling import Purpose, logits_to_probs, sample_dense, sample_sparse, to_sparse, uniform
+from conftest import built_kernels
+from specdec.sampling import (Purpose, argmax_rows, logits_to_probs, logits_to_probs_torch, sample_dense, sample_sparse,
+                              support, to_sparse, uniform)
 
 
-def test_top_k_keeps_exactly_the_k_most_likely():
+@pytest.fixture(params=["torch", "kernel"])
+def to_probs(request):
+    """logits_to_probs as torch computes it, and as specdec's CPU kernel does (skipped where it cannot be built)."""
+    if request.param == "torch":
+        return logits_to_probs_torch
+    return built_kernels().sampling_probs
+
+
+def test_top_k_keeps_exactly_the_k_most_likely(to_probs):
     logits = torch.tensor([[1.0, 4.0, 3.0, 2.0, 0.0]])
-    probs = logits_to_probs(logits, 1.0, top_k=2)[0]
+    probs = to_probs(logits, 1.0, 2, 1.0)[0]
     assert torch.nonzero(probs).flatten().tolist() == [1, 2]
     assert torch.isclose(probs.sum(), torch.tensor(1.0))
+    tied = to_probs(torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]]), 1.0, 2, 1.0)[0]  # ties with the k-th stay
+    assert torch.nonzero(tied).flatten().tolist() == [1, 2, 4]
 
 
-def test_top_p_keeps_smallest_set_reaching_the_mass():
+def test_top_p_keeps_smallest_set_reaching_the_mass(to_probs):
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    out = logits_to_probs(probs.log(), 1.0, top_p=0.8)[0]
+    out = to_probs(probs.log(), 1.0, 0, 0.8)[0]
     assert torch.nonzero(out).flatten().tolist() == [0, 1]  # 0.5 + 0.3 reaches 0.8
-    out = logits_to_probs(probs.log(), 1.0, top_p=0.81)[0]
+    out = to_probs(probs.log(), 1.0, 0, 0.81)[0]
     assert torch.nonzero(out).flatten().tolist() == [0, 1, 2]
     assert torch.allclose(out[:3], torch.tensor([0.5, 0.3, 0.15]) / 0.95)
 
 
-def test_temperature_sharpens():
+def test_temperature_sharpens(to_probs):
     logits = torch.tensor([[1.0, 2.0]])
-    assert logits_to_probs(logits, 0.5)[0, 1] > logits_to_probs(logits, 1.0)[0, 1]
+    assert to_probs(logits, 0.5, 0, 1.0)[0, 1] > to_probs(logits, 1.0, 0, 1.0)[0, 1]
+
+
+def test_tokens_a_draft_does_not_score_get_exactly_zero(to_probs):
+    """A restricted-vocabulary draft's logits are -inf outside its kept tokens: q must be 0 there, not tiny."""
+    logits = torch.randn(2, 1000) * 30  # scores 100 or more below the best: e^-100 underflows
+    logits[:, 1::2] = float("-inf")
+    probs = to_probs(logits, 1.0, 0, 1.0)
+    assert (probs[:, 1::2] == 0).all() and torch.allclose(probs.sum(-1), torch.ones(2))
+
+
+def test_the_sampling_kernel_is_the_torch_transform():
+    kernels = built_kernels()
+    g = torch.Generator().manual_seed(0)
+    for vocab in (49152, 13146, 1000, 37):  # 13146, 37: a tail past the last 16
+        for scale in (0.1, 2.0, 8.0):  # flat to peaky rows
+            logits = torch.randn(3, vocab, generator=g) * scale
+            logits[0, ::3] = float("-inf")
+            for temperature, top_k, top_p in [(0.7, 0, 0.9), (1.0, 0, 1.0), (0.3, 0, 0.99), (1.5, 50, 0.9), (0.7, 5, 1.0),
+                                              (0.7, 100_000, 0.5)]:
+                fast = kernels.sampling_probs(logits, temperature, top_k, top_p)
+                slow = logits_to_probs_torch(logits, temperature, top_k, top_p)
+                assert torch.equal(fast > 0, slow > 0), (vocab, scale, temperature, top_k, top_p)
+                torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="temperature > 0"):
+        kernels.sampling_probs(logits, 0.0, 0, 1.0)
+
+
+def test_the_argmax_kernel_is_torch_argmax_with_the_first_of_ties():
+    kernels = built_kernels()
+    g = torch.Generator().manual_seed(0)
+    for vocab in (49152, 37, 1):
+        logits = torch.randn(5, vocab, generator=g)
+        assert kernels.argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
+    tied = torch.tensor([[0.0, 2.0, 1.0, 2.0], [5.0, 5.0, 5.0, 5.0]])
+    assert kernels.argmax_rows(tied).tolist() == tied.argmax(-1).tolist() == [1, 0]
+    assert argmax_rows(tied) == [1, 0]
 
 
 def test_uniform_is_a_pure_function_and_differs_by_position_and_purpose():
@@ -46,6 +96,11 @@ def test_dense_and_sparse_sampling_agree_and_skip_zero_probability():
     for u in np.linspace(0, 0.999999, 101):
         t = sample_dense(probs, float(u))
         assert t in (1, 3) and t == sample_sparse(ids, p, float(u))
+    g = torch.Generator().manual_seed(2)
+    for _ in range(20):  # the servers draw from the support: the same token as from the whole row
+        probs = logits_to_probs(torch.randn(1, 5000, generator=g) * 3, 0.8, top_p=0.95)[0]
+        for u in torch.rand(50, generator=g, dtype=torch.float64).tolist():
+            assert sample_sparse(*support(probs), u) == sample_dense(probs, u)
 
 
 def test_to_sparse_refuses_support_over_the_limit():
@@ -54,11 +109,11 @@ def test_to_sparse_refuses_support_over_the_limit():
     assert ids.tolist() == list(range(10))
 
 
-def test_nucleus_matches_a_full_sort_for_peaky_and_flat_rows():
+def test_nucleus_matches_a_full_sort_for_peaky_and_flat_rows(to_probs):
     g = torch.Generator().manual_seed(0)
     logits = torch.cat([torch.randn(3, 5000, generator=g) * 8, torch.randn(3, 5000, generator=g) * 0.1])  # peaky, flat
     for top_p in (0.5, 0.9, 0.99):
-        fast = logits_to_probs(logits, 0.7, top_p=top_p)
+        fast = to_probs(logits, 0.7, 0, top_p)
         x = logits / 0.7
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         sp = torch.softmax(sorted_x, dim=-1)
@@ -75,4 +130,5 @@ def test_target_drawn_bonus_equals_the_orchestrators_draw_from_the_dense_fetch()
     g = torch.Generator().manual_seed(1)
     for seed in range(300):
         probs = logits_to_probs(torch.randn(1, 3000, generator=g) * 2, 0.9)[0]  # [vocab], full support
-        assert sample_dense(probs, uniform(seed, 77, Purpose.RESAMPLE)) == rs.bonus(rs.Dist.from_dense(probs.numpy()), seed, 77)
+        u = uniform(seed, 77, Purpose.RESAMPLE)
+        assert sample_sparse(*support(probs), u) == rs.bonus(rs.Dist.from_dense(probs.numpy()), seed, 77)

@@ -4,11 +4,12 @@
 ignored and the kernel runs on one); its OpenMP calls bind to the runtime torch has loaded, so the
 process keeps one OpenMP team.
 
-``cpu_kernels()`` returns one module, built from every source here: ``few_rows``, the few-row product
-(``products.cpp``), and the work between the products (``layer.cpp``: ``rms_norm``, ``attend``,
-``silu_mul``). It returns None where the module cannot be built: no C++ compiler, no ninja, an
-unsupported platform. Callers fall back to torch's functions then. The build takes about 30 s once per
-machine, CPU and torch version; later loads take about a second.
+``cpu_kernels()`` returns one module, built from every source here: the few-row products
+(``products.cpp``: ``few_rows``, ``few_rows_int8``), the work between the products (``layer.cpp``:
+``rms_norm``, ``attend``, ``silu_mul``), and the work on the logits (``sampling.cpp``:
+``sampling_probs``, ``argmax_rows``). It returns None where the module cannot be built: no C++
+compiler, no ninja, an unsupported platform. Callers fall back to torch's functions then. The build
+takes about 45 s once per machine, CPU and torch version; later loads take about a second.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = ("module.cpp", "products.cpp", "layer.cpp")
+SOURCES = ("module.cpp", "products.cpp", "layer.cpp", "sampling.cpp")
 HEADERS = ("vec.h",)
 
 

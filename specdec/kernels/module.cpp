@@ -1,5 +1,6 @@
-// specdec's CPU kernels, one extension module: products.cpp (few-row products) and layer.cpp (the work
-// between them). Built on first use by specdec/kernels/__init__.py.
+// specdec's CPU kernels, one extension module: products.cpp (few-row products), layer.cpp (the work
+// between them) and sampling.cpp (argmax and sampling distributions of the logits). Built on first use
+// by specdec/kernels/__init__.py.
 #include <torch/extension.h>
 
 torch::Tensor few_rows(torch::Tensor x, torch::Tensor w);
@@ -8,6 +9,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor attend(torch::Tensor qkv, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                      int64_t start, int64_t h);
 torch::Tensor silu_mul(torch::Tensor gu);
+torch::Tensor sampling_probs(torch::Tensor logits, double temperature, int64_t top_k, double top_p);
+torch::Tensor argmax_rows(torch::Tensor logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_rows", &few_rows, "x @ w^T for a few rows of x (float32, CPU)");
@@ -15,4 +18,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMS norm of each row of x, times w");
   m.def("attend", &attend, "rotary embedding, KV-cache write and causal attention of a few new tokens");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of side-by-side gate and up projections");
+  m.def("sampling_probs", &sampling_probs, "temperature, top-k, top-p and softmax of each row of logits");
+  m.def("argmax_rows", &argmax_rows, "the index of each row's largest value, the first of ties");
 }

@@ -1,0 +1,140 @@
+// A server's per-pass work on its logits rows, in float32 on CPU: greedy's argmax, and sampling's
+// distribution (temperature, top-k, top-p, softmax) over the whole vocabulary.
+//
+// In eager PyTorch the distribution of one 49,152-token row took 0.37 ms (most of it top-k searches
+// for the nucleus) and an argmax 0.07 ms, several times that in the services where the row is cold: a
+// draft sampling K tokens pays it K times a round, a verify once per row. Here each is a few passes
+// over the row. Same transform as specdec.sampling.logits_to_probs_torch, the reference the tests
+// hold this to, summed in another order.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "vec.h"
+
+static const float kInf = std::numeric_limits<float>::infinity();
+
+// e^x of a shifted score x <= 0, and 0 where expf underflows to (nearly) nothing: below -87.3 expf gives
+// a denormal that no float sum notices, and a token that is not in a distribution must have exactly 0.
+static inline float exp_shifted(float x) { return x < -87.3f ? 0.0f : std::exp(x); }
+
+// One row: out = softmax of (logits / temperature) over the kept tokens, 0 elsewhere. Top-k keeps every
+// token tied with the k-th; top-p keeps a token while the mass of the tokens more likely than it is below
+// top_p (so the smallest set of most likely tokens whose mass reaches top_p).
+static void row_probs(const float* logits, float* out, int64_t V, float temperature, int64_t top_k, float top_p,
+                      std::vector<float>& scratch, std::vector<std::pair<float, int64_t>>& found) {
+  const int64_t V16 = V - V % 16;
+  vec mv = vec{} - kInf;
+  for (int64_t i = 0; i < V16; i += 16) {
+    const vec x = load(logits + i) / temperature;
+    store(out + i, x);
+    mv = x > mv ? x : mv;
+  }
+  float mx = lane_max(mv);
+  for (int64_t i = V16; i < V; i++) {
+    out[i] = logits[i] / temperature;
+    mx = std::max(mx, out[i]);
+  }
+  float floor = -kInf;  // scores below it are dropped; -inf scores always are
+  if (top_k > 0 && top_k < V) {
+    scratch.assign(out, out + V);
+    std::nth_element(scratch.begin(), scratch.begin() + (top_k - 1), scratch.end(), std::greater<float>());
+    floor = scratch[top_k - 1];
+  }
+  // e = exp(x - max) where kept, else 0; the row's maximum has e = 1
+  vec sv{};
+  const vec fv = vec{} + floor, ninf = vec{} - kInf, under = vec{} - 87.3f, zero{};
+  for (int64_t i = 0; i < V16; i += 16) {
+    const vec x = load(out + i), d = x - mx;
+    const vec e = (x >= fv) & (x > ninf) & (d >= under) ? exp_nonpositive(d) : zero;
+    store(out + i, e);
+    sv += e;
+  }
+  float sum = lane_sum(sv);
+  for (int64_t i = V16; i < V; i++) {
+    const float x = out[i];
+    out[i] = x >= floor && x > -kInf ? exp_shifted(x - mx) : 0.0f;
+    sum += out[i];
+  }
+  if (top_p < 1.0f) {
+    // The nucleus is a prefix of the row sorted by probability. Gather the tokens above a threshold; once
+    // their mass reaches top_p the prefix lies among them (every token left out is less likely than every
+    // one gathered), so only they are sorted. Most rows need one gathering of a few dozen tokens.
+    const double target = (double)top_p * sum;  // in units of e; sums of many tokens in double
+    for (float t = 1.0f / 1024;; t /= 64) {
+      if (t < 1e-30f) t = 0.0f;
+      found.clear();
+      double mass = 0.0;
+      for (int64_t i = 0; i < V; i++)
+        if (out[i] > 0.0f && out[i] >= t) {
+          found.emplace_back(out[i], i);
+          mass += out[i];
+        }
+      if (mass >= target || t == 0.0f) break;
+    }
+    std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+    std::fill(out, out + V, 0.0f);
+    double before = 0.0;
+    for (const auto& [e, i] : found) {
+      if (before >= target) break;
+      out[i] = e;
+      before += e;
+    }
+    sum = (float)before;
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < V16; i += 16) store(out + i, load(out + i) * inv);
+  for (int64_t i = V16; i < V; i++) out[i] *= inv;
+}
+
+// logits [n, V] -> probs [n, V]; temperature > 0, top_k 0 (off) or more, top_p in (0, 1].
+torch::Tensor sampling_probs(torch::Tensor logits, double temperature, int64_t top_k, double top_p) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.device().is_cpu(),
+              "sampling_probs: logits must be a float32 [n, vocab] tensor on CPU");
+  TORCH_CHECK(temperature > 0 && top_k >= 0 && top_p > 0 && top_p <= 1,
+              "sampling_probs: temperature > 0, top_k >= 0 and top_p in (0, 1]");
+  logits = logits.contiguous();
+  const int64_t n = logits.size(0), V = logits.size(1);
+  auto probs = torch::empty_like(logits);
+  const float* lp = logits.data_ptr<float>();
+  float* pp = probs.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    std::vector<std::pair<float, int64_t>> found;
+    for (int64_t r = begin; r < end; r++)
+      row_probs(lp + r * V, pp + r * V, V, (float)temperature, top_k, (float)top_p, scratch, found);
+  });
+  return probs;
+}
+
+// The index of each row's largest value, the first where several tie (as torch.argmax): [n, V] -> [n] int64.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.device().is_cpu() &&
+              logits.size(1) > 0, "argmax_rows: logits must be a float32 [n, vocab] tensor on CPU");
+  logits = logits.contiguous();
+  const int64_t n = logits.size(0), V = logits.size(1), V16 = V - V % 16;
+  auto out = torch::empty({n}, logits.options().dtype(torch::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; r++) {
+    const float* x = logits.data_ptr<float>() + r * V;
+    vec mv = vec{} - kInf;
+    for (int64_t i = 0; i < V16; i += 16) {
+      const vec v = load(x + i);
+      mv = v > mv ? v : mv;
+    }
+    float mx = V16 ? lane_max(mv) : -kInf;
+    for (int64_t i = V16; i < V; i++) mx = std::max(mx, x[i]);
+    int64_t at = 0;
+    while (at < V && !(x[at] == mx)) at++;
+    op[r] = at < V ? at : 0;  // a row of NaNs: 0
+  }
+  return out;
+}
