@@ -27,6 +27,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from specdec.kernels import kernels_for
+
 log = logging.getLogger(__name__)
 
 # A pass of at most this many rows is a step or a verify (K + 1 tokens plus the few the session has not seen);
@@ -311,38 +313,29 @@ class LeanLlamaRunner:
         """Every product on int8 weights, one scale per output row. With specdec's kernels: steps and verifies
         in few_rows_int8, longer passes in F.linear on a float copy made per pass; x stays float32 in both, so
         a row's result depends on that row alone. Without them, fbgemm's int8 GEMM at every width."""
-        from specdec.kernels import cpu_kernels
-
-        if (kernels := cpu_kernels()) is not None:
-            pack, few_rows = quantize_rows, lambda x, rows: kernels.few_rows_int8(x, *rows)
+        if (kernels := kernels_for(self.lm_head)) is not None:
+            pack, few_rows, long = quantize_rows, lambda x, rows: kernels.few_rows_int8(x, *rows), dequantized_linear
             self.int8_products = "specdec's kernel"
         else:
-            pack, few_rows = pack_int8, int8_linear
+            pack, few_rows, long = pack_int8, int8_linear, int8_linear
             self.int8_products = "fbgemm"
         self.layers = [(ln1, pack(wqkv), pack(wo), ln2, pack(wgu), pack(wd)) for ln1, wqkv, wo, ln2, wgu, wd in self.layers]
         self.lm_head = pack(self.lm_head)
-        self.products = {"int8": (few_rows, self.layers, self.lm_head)}
+        self.products = {"int8": (few_rows, self.layers, self.lm_head), "int8-long": (long, self.layers, self.lm_head)}
         self.plan = ("int8",) * (SMALL_PASS_ROWS + 1)
-        self.long_pass = "int8"
-        if kernels is not None:
-            self.products["int8-long"] = (dequantized_linear, self.layers, self.lm_head)
-            self.long_pass = "int8-long"
+        self.long_pass = "int8-long"
         log.info("lean runner: products on int8 weights (one scale per output row) in %s", self.int8_products)
 
     def _add_forms(self, matmul: str) -> None:
         """Products beside linear and weights-first: fewrow, specdec's kernel, on CPU float32 where it builds
         (it reads the plain weights); oneDNN's packed form when asked for, or under auto where the kernel is
         missing and a second copy of the weights is a small share of the free memory."""
-        cpu_fp32 = cpu_float32(self.lm_head)
-        if matmul in ("auto", "fewrow") and cpu_fp32:
-            from specdec.kernels import cpu_kernels
-
-            if (kernels := cpu_kernels()) is not None:
-                self.products["fewrow"] = (kernels.few_rows, self.layers, self.lm_head)
-            elif matmul == "fewrow":
-                raise ValueError("matmul fewrow needs specdec's CPU kernel, which could not be built here "
-                                 "(see the log); use auto, linear or onednn")
-        if matmul == "onednn" or (matmul == "auto" and cpu_fp32 and torch.backends.mkldnn.is_available()
+        if matmul in ("auto", "fewrow") and (kernels := kernels_for(self.lm_head)) is not None:
+            self.products["fewrow"] = (kernels.few_rows, self.layers, self.lm_head)
+        elif matmul == "fewrow":  # CPU float32 weights were checked: the kernel did not build
+            raise ValueError("matmul fewrow needs specdec's CPU kernel, which could not be built here "
+                             "(see the log); use auto, linear or onednn")
+        if matmul == "onednn" or (matmul == "auto" and cpu_float32(self.lm_head) and torch.backends.mkldnn.is_available()
                                   and "fewrow" not in self.products and self._second_copy_fits()):
             self.products["onednn"] = (onednn_linear, [(ln1, pack_onednn(wqkv), pack_onednn(wo), ln2, pack_onednn(wgu),
                                                         pack_onednn(wd)) for ln1, wqkv, wo, ln2, wgu, wd in self.layers],
@@ -372,12 +365,7 @@ class LeanLlamaRunner:
     def _layer_ops(self):
         """specdec's CPU kernels for the work between the products (float32 on CPU, where they build),
         else the same functions in torch."""
-        if cpu_float32(self.embed):
-            from specdec.kernels import cpu_kernels
-
-            if (kernels := cpu_kernels()) is not None:
-                return kernels
-        return TorchLayerOps
+        return kernels_for(self.embed) or TorchLayerOps
 
     def _second_copy_fits(self) -> bool:
         size = sum(w.numel() * w.element_size() for w in _matrices(self.layers, self.lm_head))

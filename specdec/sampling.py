@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec.kernels import kernels_for
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -52,18 +54,9 @@ def uniform(seed: int, position: int, purpose: Purpose) -> float:
     return (h >> 11) * (1.0 / (1 << 53))
 
 
-def _cpu_kernels(t: torch.Tensor):
-    """specdec's CPU kernels for a float32 tensor on CPU (a server has built them with its model), else None."""
-    if t.device.type != "cpu" or t.dtype != torch.float32:
-        return None
-    from specdec.kernels import cpu_kernels
-
-    return cpu_kernels()
-
-
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """Greedy's token for each row, the first index of ties. logits: [n, vocab]."""
-    kernels = _cpu_kernels(logits)
+    kernels = kernels_for(logits)
     return (kernels.argmax_rows(logits) if kernels is not None else logits.argmax(dim=-1)).tolist()
 
 
@@ -75,7 +68,7 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
     specdec's CPU kernel (``sampling_probs``) does it on CPU, in a few passes over
     each row; elsewhere, and as its reference, ``logits_to_probs_torch``.
     """
-    kernels = _cpu_kernels(logits)
+    kernels = kernels_for(logits)
     if kernels is not None:
         return kernels.sampling_probs(logits, temperature, top_k, top_p)
     return logits_to_probs_torch(logits, temperature, top_k, top_p)
@@ -139,9 +132,3 @@ def support(probs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     sample_sparse on them draws what sample_dense draws on the whole row, for the same u."""
     ids = torch.nonzero(probs, as_tuple=True)[0]
     return ids.numpy().astype(np.int64), probs[ids].numpy().astype(np.float64)
-
-
-def to_sparse(probs: torch.Tensor, max_support: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """The support of a distribution, ids ascending; None when larger than max_support. probs: [vocab]."""
-    found = support(probs)
-    return None if len(found[0]) > max_support else found

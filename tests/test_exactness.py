@@ -6,6 +6,8 @@ import pytest
 import torch
 from conftest import can_run, make_stack, stop_stack
 
+from bench.run import forwards
+from specdec.kernels import cpu_kernels
 from specdec.lean_llama import FORMS
 
 PROMPTS = [  # each at least 64 tokens after the chat template; answers run past 64 tokens
@@ -64,10 +66,7 @@ def test_greedy_output_equals_target_alone_with_every_product_form(event_loop_th
                        draft_cfg={"matmul": matmul, "quantize": "none"}, target_cfg={"matmul": matmul})
     try:
         assert set(stack.target.runner.plan[1:]) == {matmul} and set(stack.draft.runner.plan[1:]) == {matmul}
-        from bench.run import forwards  # what the benchmark's report says ran: each server's ModelInfo.forward
-
-        from specdec.kernels import cpu_kernels
-
+        # what the benchmark's report says ran: each server's ModelInfo.forward
         layer = " with specdec's CPU layer kernels" if cpu_kernels() is not None else ""
         said = f"lean forward{layer}; products: 1-32 rows: {matmul}, longer passes: linear"
         assert forwards(stack.draft_address, stack.target_address) == {"draft": said, "target": said}

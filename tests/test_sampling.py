@@ -7,7 +7,7 @@ import torch
 
 from conftest import built_kernels
 from specdec.sampling import (Purpose, argmax_rows, logits_to_probs, logits_to_probs_torch, sample_dense, sample_sparse,
-                              support, to_sparse, uniform)
+                              support, uniform)
 
 
 @pytest.fixture(params=["torch", "kernel"])
@@ -92,7 +92,7 @@ def test_uniform_is_uniform():
 
 def test_dense_and_sparse_sampling_agree_and_skip_zero_probability():
     probs = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0])
-    ids, p = to_sparse(probs, 10)
+    ids, p = support(probs)
     for u in np.linspace(0, 0.999999, 101):
         t = sample_dense(probs, float(u))
         assert t in (1, 3) and t == sample_sparse(ids, p, float(u))
@@ -103,10 +103,17 @@ def test_dense_and_sparse_sampling_agree_and_skip_zero_probability():
             assert sample_sparse(*support(probs), u) == sample_dense(probs, u)
 
 
-def test_to_sparse_refuses_support_over_the_limit():
-    assert to_sparse(torch.full((10,), 0.1), 9) is None
-    ids, _ = to_sparse(torch.full((10,), 0.1), 10)
-    assert ids.tolist() == list(range(10))
+def test_a_support_over_the_limit_stays_off_the_wire():
+    """A server sends a distribution in sparse form only up to --max-sparse-support tokens (ModelServer.sparse)."""
+    from types import SimpleNamespace
+
+    from specdec.model_server import ModelServer
+
+    server = SimpleNamespace(cfg=SimpleNamespace(max_sparse_support=9))
+    assert not ModelServer.sparse(server, support(torch.full((10,), 0.1))).complete
+    server.cfg.max_sparse_support = 10
+    sent = ModelServer.sparse(server, support(torch.full((10,), 0.1)))
+    assert sent.complete and list(sent.token_ids) == list(range(10))
 
 
 def test_nucleus_matches_a_full_sort_for_peaky_and_flat_rows(to_probs):

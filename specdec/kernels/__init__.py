@@ -7,7 +7,7 @@ process keeps one OpenMP team.
 ``cpu_kernels()`` returns one module, built from every source here: the few-row products
 (``products.cpp``: ``few_rows``, ``few_rows_int8``), the work between the products (``layer.cpp``:
 ``rms_norm``, ``attend``, ``silu_mul``), and the work on the logits (``sampling.cpp``:
-``sampling_probs``, ``argmax_rows``). It returns None where the module cannot be built: no C++
+``sampling_probs``, ``argmax_rows``); ``kernels_for(t)`` returns it for a tensor it can take. It returns None where the module cannot be built: no C++
 compiler, no ninja, an unsupported platform. Callers fall back to torch's functions then. The build
 takes about 45 s once per machine, CPU and torch version; later loads take about a second.
 """
@@ -67,3 +67,10 @@ def cpu_kernels():
                     type(e).__name__, last_line)
         return None
 
+
+def kernels_for(t):
+    """cpu_kernels() for a float32 tensor on CPU, the only kind they take; None for any other tensor, or where
+    they cannot be built."""
+    import torch
+
+    return cpu_kernels() if t.device.type == "cpu" and t.dtype == torch.float32 else None
