@@ -37,8 +37,10 @@ class ModelServerConfig:
                                                           "auto (the fastest on this CPU for each row count, timed "
                                                           "at load), linear (x @ W^T), weights-first (W @ x^T), "
                                                           "onednn (oneDNN's packed fp32 GEMM; a second copy of the "
-                                                          "weights) or fewrow (specdec's kernel, compiled on first "
-                                                          "use)"})
+                                                          "weights), fewrow (specdec's kernel, compiled on first "
+                                                          "use) or gguf (the same kernel on the blocks of the GGUF "
+                                                          "file an embedded model comes from: the same products "
+                                                          "from a fifth of the bytes)"})
     quantize: str = field(default="auto", metadata={"help": "lean runner's weights on CPU: int8 (per-row scales) or "
                                                             "none; auto = int8 for a draft on CPU in float32, none "
                                                             "otherwise (a draft's numbers change q, not the output)"})
@@ -62,8 +64,8 @@ class ModelServerConfig:
             raise ConfigError(f"role must be draft or target, not {self.role!r}")
         if self.runner not in ("hf", "lean", "auto"):
             raise ConfigError(f"--runner must be hf, lean or auto, not {self.runner!r}")
-        if self.matmul not in ("auto", "linear", "weights-first", "onednn", "fewrow"):
-            raise ConfigError(f"--matmul must be auto, linear, weights-first, onednn or fewrow, not {self.matmul!r}")
+        if self.matmul not in ("auto", "linear", "weights-first", "onednn", "fewrow", "gguf"):
+            raise ConfigError(f"--matmul must be auto, linear, weights-first, onednn, fewrow or gguf, not {self.matmul!r}")
         if self.quantize not in ("auto", "none", "int8"):
             raise ConfigError(f"--quantize must be auto, none or int8, not {self.quantize!r}")
         if self.quantize == "int8" and (not self.device.startswith("cpu") or self.dtype != "float32"):

@@ -27,6 +27,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from specdec import gguf_blocks
 from specdec.kernels import kernels_for
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 # which MKL runs well at many rows (batch-128 generation: 190 tokens/s with it, 130 with the weights-first form;
 # a 256-row pass over the target's matrices: 262 ms with it, 320 with oneDNN's packed form).
 SMALL_PASS_ROWS = 32
-FORMS = ("linear", "weights-first", "onednn", "fewrow")
+FORMS = ("linear", "weights-first", "onednn", "fewrow", "gguf")
 MATMUL_FORMS = ("auto", *FORMS)
 TIMED_ROWS = (1, 2, 3, 4, 6, 9, 16, SMALL_PASS_ROWS)  # row counts `auto` times; the ones between take the next up
 QUANTIZE = ("none", "int8")
@@ -239,7 +240,9 @@ class LeanCache:
 class LeanLlamaRunner:
     """Same interface as CausalLMRunner: new_cache, crop, forward."""
 
-    def __init__(self, model, vocab_size: int, max_len: int, matmul: str = "auto", quantize: str = "none"):
+    def __init__(self, model, vocab_size: int, max_len: int, matmul: str = "auto", quantize: str = "none",
+                 gguf: str | None = None):
+        """gguf: the GGUF file the model was loaded from, if any: its blocks give the gguf product form."""
         cfg = model.config
         if getattr(cfg, "model_type", "") != "llama":
             raise ValueError(f"the lean runner handles Llama models, not {cfg.model_type!r}")
@@ -280,7 +283,7 @@ class LeanLlamaRunner:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
         if quantize == "int8" and (self.device.type != "cpu" or self.dtype != torch.float32):
             raise ValueError(f"int8 products run on CPU from float32 weights, not {self.device.type} {self.dtype}")
-        if matmul in ("onednn", "fewrow") and not cpu_float32(self.lm_head):
+        if matmul in ("onednn", "fewrow", "gguf") and not cpu_float32(self.lm_head):
             raise ValueError(f"matmul {matmul} runs on CPU on float32 weights, not {self.device.type} {self.dtype}")
         if matmul == "onednn" and not torch.backends.mkldnn.is_available():
             raise ValueError("matmul onednn needs a torch built with oneDNN (mkldnn); use auto, linear or fewrow")
@@ -294,7 +297,8 @@ class LeanLlamaRunner:
         self.long_pass = "linear"
         self.products = {"linear": (F.linear, self.layers, self.lm_head),
                          "weights-first": (weights_first, self.layers, self.lm_head)}
-        self._add_forms(matmul)
+        self.gguf_blocks = None  # what the gguf form reads, once it is set up
+        self._add_forms(matmul, gguf)
         if matmul != "auto":
             self.plan = ("linear",) + (matmul,) * SMALL_PASS_ROWS
         elif self.device.type != "cpu":
@@ -326,20 +330,44 @@ class LeanLlamaRunner:
         self.long_pass = "int8-long"
         log.info("lean runner: products on int8 weights (one scale per output row) in %s", self.int8_products)
 
-    def _add_forms(self, matmul: str) -> None:
+    def _add_forms(self, matmul: str, gguf: str | None) -> None:
         """Products beside linear and weights-first: fewrow, specdec's kernel, on CPU float32 where it builds
-        (it reads the plain weights); oneDNN's packed form when asked for, or under auto where the kernel is
-        missing and a second copy of the weights is a small share of the free memory."""
-        if matmul in ("auto", "fewrow") and (kernels := kernels_for(self.lm_head)) is not None:
-            self.products["fewrow"] = (kernels.few_rows, self.layers, self.lm_head)
-        elif matmul == "fewrow":  # CPU float32 weights were checked: the kernel did not build
-            raise ValueError("matmul fewrow needs specdec's CPU kernel, which could not be built here "
+        (it reads the plain weights); gguf, the same kernel on the blocks of the GGUF file the model came from
+        (bit for bit fewrow's products, from a fifth of the bytes); oneDNN's packed form when asked for, or
+        under auto where the kernel is missing and a second copy of the weights is a small share of the free
+        memory."""
+        kernels = kernels_for(self.lm_head) if matmul in ("auto", "fewrow", "gguf") else None
+        if kernels is None and matmul in ("fewrow", "gguf"):  # CPU float32 weights were checked: no build
+            raise ValueError(f"matmul {matmul} needs specdec's CPU kernel, which could not be built here "
                              "(see the log); use auto, linear or onednn")
+        if kernels is not None and matmul != "gguf":
+            self.products["fewrow"] = (kernels.few_rows, self.layers, self.lm_head)
+        if kernels is not None and matmul in ("auto", "gguf"):
+            self._add_gguf(kernels, gguf, required=matmul == "gguf")
         if matmul == "onednn" or (matmul == "auto" and cpu_float32(self.lm_head) and torch.backends.mkldnn.is_available()
                                   and "fewrow" not in self.products and self._second_copy_fits()):
             self.products["onednn"] = (onednn_linear, [(ln1, pack_onednn(wqkv), pack_onednn(wo), ln2, pack_onednn(wgu),
                                                         pack_onednn(wd)) for ln1, wqkv, wo, ln2, wgu, wd in self.layers],
                                        pack_onednn(self.lm_head))
+
+    def _add_gguf(self, kernels, gguf: str | None, required: bool) -> None:
+        try:
+            if gguf is None:
+                raise gguf_blocks.BlocksUnavailable("the model was not loaded from a GGUF file")
+            if self.kept is not None:
+                raise gguf_blocks.BlocksUnavailable("the model scores a restricted vocabulary")
+            t = time.perf_counter()
+            blocks, head = gguf_blocks.read_llama_blocks(gguf, self.layers, self.lm_head, self.n_heads, self.n_kv)
+        except gguf_blocks.BlocksUnavailable as e:
+            if required:
+                raise ValueError(f"matmul gguf: {e}") from None
+            log.info("lean runner: no gguf product form (%s)", e)
+            return
+        self.gguf_blocks = gguf_blocks.describe(blocks, head)
+        layers = [(ln1, *b[:2], ln2, *b[2:]) for (ln1, _, _, ln2, _, _), b in zip(self.layers, blocks)]
+        self.products["gguf"] = (lambda x, w: kernels.few_rows_gguf(x, *w), layers, head)
+        log.info("lean runner: the gguf form reads %s (read and checked in %.1f s)", self.gguf_blocks,
+                 time.perf_counter() - t)
 
     def _scratch_pass(self, context: int = 64):
         """run_pass(form, n) for time_passes: a pass of n rows, every product in `form`, on a scratch session
@@ -380,7 +408,8 @@ class LeanLlamaRunner:
         layer = "" if self.layer_ops is TorchLayerOps else " with specdec's CPU layer kernels"
         if self.quantize == "int8":
             return f"lean forward{layer}; products on int8 weights in {self.int8_products}"
-        return f"lean forward{layer}; products: {describe_plan(self.plan)}, longer passes: {self.long_pass}"
+        blocks = f" (gguf: the file's {self.gguf_blocks})" if "gguf" in self.plan else ""
+        return f"lean forward{layer}; products: {describe_plan(self.plan)}{blocks}, longer passes: {self.long_pass}"
 
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device)

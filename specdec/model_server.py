@@ -74,7 +74,8 @@ class ModelServer:
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         quantize = resolve_quantize(cfg.quantize, cfg.role, model)
-        self.runner = make_runner(model, self.vocab_size, self.max_model_len, cfg.runner, cfg.matmul, quantize)
+        self.runner = make_runner(model, self.vocab_size, self.max_model_len, cfg.runner, cfg.matmul, quantize,
+                                  models.gguf_file(cfg.model))
         self.pool = SessionPool(self.runner.new_cache, self.runner.crop, max_sessions=cfg.max_sessions,
                                 max_tokens=cfg.max_tokens, max_model_len=self.max_model_len,
                                 idle_ttl_s=cfg.idle_ttl_s)

@@ -75,6 +75,14 @@ def resolve(spec: str) -> str:
     return str(out)
 
 
+def gguf_file(spec: str) -> str | None:
+    """The GGUF file an embedded model is converted from (its blocks serve the gguf product form), else None."""
+    name = spec[len(EMBEDDED_PREFIX):] if spec.startswith(EMBEDDED_PREFIX) else None
+    if name not in EMBEDDED:
+        return None
+    return os.path.join(*_gguf_location(name))
+
+
 def _gguf_location(name: str) -> tuple[str, str]:
     package, filename = EMBEDDED[name]
     found = importlib.util.find_spec(package)  # locate without importing: its imports need unrelated packages

@@ -53,14 +53,15 @@ def output_token_ids(model) -> torch.Tensor | None:
 
 
 def make_runner(model, vocab_size: int, max_len: int, kind: str = "auto", matmul: str = "auto",
-                quantize: str = "none"):
+                quantize: str = "none", gguf: str | None = None):
     """kind: hf (the stock transformers forward), lean (Llama only), auto (lean for Llama, else hf).
     matmul: the lean runner's product form for steps and verify passes; quantize: none, or int8 products
-    on CPU (see specdec.lean_llama). The stock forward has neither."""
+    on CPU; gguf: the GGUF file the model was loaded from, whose blocks the gguf form reads (see
+    specdec.lean_llama). The stock forward has none of them."""
     if kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama"):
         from specdec.lean_llama import LeanLlamaRunner
 
-        return LeanLlamaRunner(model, vocab_size, max_len, matmul, quantize)
+        return LeanLlamaRunner(model, vocab_size, max_len, matmul, quantize, gguf)
     if quantize != "none":
         raise ValueError(f"quantize={quantize!r} needs the lean runner (a Llama model)")
     return CausalLMRunner(model, vocab_size)

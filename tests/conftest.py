@@ -42,6 +42,49 @@ def tiny_draft(tokenizer):
 
 
 @pytest.fixture(scope="session")
+def tiny_gguf(tiny_draft, tmp_path_factory):
+    """(model, path): a copy of tiny_draft whose weights are exactly those of a GGUF file written beside it,
+    its layers in Q4_1 and its (tied) embedding in Q8_0, the rows of Q and K in llama.cpp's order."""
+    return write_gguf(copy.deepcopy(tiny_draft), tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def write_gguf(model, path, formats=("Q4_1", "Q8_0")):
+    """Quantize model's matrices into a GGUF file at path (layers in formats[0], the embedding in formats[1])
+    and set the model's weights to the values the file's blocks hold; returns (model, str(path))."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    from specdec.gguf_blocks import qk_row_order
+
+    cfg, writer = model.config, GGUFWriter(str(path), "llama")
+
+    def store(name, param, kind, heads=None):
+        w = param.detach().numpy().astype(np.float32)
+        order = qk_row_order(w.shape[0], heads) if heads else np.arange(w.shape[0])
+        file_rows = np.empty_like(w)
+        file_rows[order] = w  # loaded row i is file row order[i]
+        raw = quantize(file_rows, GGMLQuantizationType[kind])
+        writer.add_tensor(name, raw, raw_dtype=GGMLQuantizationType[kind])
+        param.copy_(torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind])[order]))
+
+    with torch.no_grad():
+        store("token_embd.weight", model.model.embed_tokens.weight, formats[1])
+        for i, layer in enumerate(model.model.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            store(f"blk.{i}.attn_q.weight", a.q_proj.weight, formats[0], cfg.num_attention_heads)
+            store(f"blk.{i}.attn_k.weight", a.k_proj.weight, formats[0], cfg.num_key_value_heads)
+            for name, param in (("attn_v", a.v_proj), ("attn_output", a.o_proj), ("ffn_gate", mlp.gate_proj),
+                                ("ffn_up", mlp.up_proj), ("ffn_down", mlp.down_proj)):
+                store(f"blk.{i}.{name}.weight", param.weight, formats[0])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model, str(path)
+
+
+@pytest.fixture(scope="session")
 def partial_draft(target_model):
     """The target cut to its first 24 of 30 layers: it agrees with the target about a third of the time."""
     d = copy.deepcopy(target_model)
@@ -86,8 +129,8 @@ def built_kernels():
 
 
 def can_run(matmul: str) -> None:
-    """Skip a test of --matmul fewrow where specdec's CPU kernels cannot be built."""
-    if matmul == "fewrow":
+    """Skip a test of --matmul fewrow or gguf where specdec's CPU kernels cannot be built."""
+    if matmul in ("fewrow", "gguf"):
         built_kernels()
 
 
@@ -143,7 +186,7 @@ def make_stack(lt: _Loop, tokenizer, draft_model, target_model, *, draft_service
     async def start():
         dcfg = ModelServerConfig(role="draft", model="test-draft", port=0, metrics_port=0,
                                  **{"threads": 1, **(draft_cfg or {})})  # as deployed: one CPU thread
-        tcfg = ModelServerConfig(role="target", model="test-target", port=0, metrics_port=0, **(target_cfg or {}))
+        tcfg = ModelServerConfig(role="target", port=0, metrics_port=0, **{"model": "test-target", **(target_cfg or {})})
         draft = ModelServer(dcfg, draft_model, tokenizer)
         target = ModelServer(tcfg, target_model, tokenizer)
         d_servicer = (draft_servicer or DraftServicer)(draft)

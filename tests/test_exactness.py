@@ -8,6 +8,7 @@ from conftest import can_run, make_stack, stop_stack
 
 from bench.run import forwards
 from specdec.kernels import cpu_kernels
+from specdec import models
 from specdec.lean_llama import FORMS
 
 PROMPTS = [  # each at least 64 tokens after the chat template; answers run past 64 tokens
@@ -60,16 +61,21 @@ def test_greedy_output_equals_target_alone(partial_stack, reference, k):
 @pytest.mark.parametrize("matmul", FORMS)
 def test_greedy_output_equals_target_alone_with_every_product_form(event_loop_thread, tokenizer, partial_draft,
                                                                      target_model, reference, matmul):
-    """The servers' --matmul auto picks a form per row count on a given CPU; each must keep the target's output."""
+    """The servers' --matmul auto picks a form per row count on a given CPU; each must keep the target's output.
+    gguf reads the blocks of the file the embedded target comes from; the draft, cut from it, has none."""
     can_run(matmul)
+    draft_form = "fewrow" if matmul == "gguf" else matmul
     stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model,
-                       draft_cfg={"matmul": matmul, "quantize": "none"}, target_cfg={"matmul": matmul})
+                       draft_cfg={"matmul": draft_form, "quantize": "none"},
+                       target_cfg={"matmul": matmul, "model": models.DEFAULT_TARGET})
     try:
-        assert set(stack.target.runner.plan[1:]) == {matmul} and set(stack.draft.runner.plan[1:]) == {matmul}
+        assert set(stack.target.runner.plan[1:]) == {matmul} and set(stack.draft.runner.plan[1:]) == {draft_form}
         # what the benchmark's report says ran: each server's ModelInfo.forward
         layer = " with specdec's CPU layer kernels" if cpu_kernels() is not None else ""
-        said = f"lean forward{layer}; products: 1-32 rows: {matmul}, longer passes: linear"
-        assert forwards(stack.draft_address, stack.target_address) == {"draft": said, "target": said}
+        said = lambda form, blocks="": f"lean forward{layer}; products: 1-32 rows: {form}{blocks}, longer passes: linear"
+        blocks = " (gguf: the file's Q4_1 layers, Q8_0 head, 96 MB)" if matmul == "gguf" else ""
+        assert forwards(stack.draft_address, stack.target_address) == {"draft": said(draft_form),
+                                                                       "target": said(matmul, blocks)}
         for text, expected in zip(PROMPTS, reference):
             ids, _, _ = stack.generate(messages=[("user", text)], max_tokens=MAX_TOKENS, temperature=0.0,
                                        num_speculative_tokens=4)

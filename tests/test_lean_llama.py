@@ -10,6 +10,7 @@ import specdec.lean_llama as lean_llama
 from conftest import built_kernels, can_run
 from specdec.lean_llama import (FORMS, SMALL_PASS_ROWS, LeanLlamaRunner, TorchLayerOps, dequantized_linear, describe_plan,
                                 onednn_linear, pack_onednn, plan_products, quantize_rows, time_passes, weights_first)
+from specdec import models
 from specdec.runner import CausalLMRunner, make_runner, resolve_quantize
 
 
@@ -23,13 +24,14 @@ def steps(runner, chunks, crop_at=None):
 
 
 @pytest.mark.parametrize("matmul", FORMS)
-def test_lean_forward_matches_stock_forward(tiny_draft, tokenizer, matmul):
+def test_lean_forward_matches_stock_forward(tiny_draft, tiny_gguf, tokenizer, matmul):
     can_run(matmul)
+    model, gguf = tiny_gguf if matmul == "gguf" else (tiny_draft, None)
     ids = list(range(100, 400))  # 300 tokens: grows the cache past its first 256
     # a prefill, a step, a verify-sized pass, a long pass (over SMALL_PASS_ROWS), a pass after rollback
     chunks = [ids[:200], ids[200:201], ids[201:206], ids[206:300], ids[150:153]]
-    stock = CausalLMRunner(tiny_draft, len(tokenizer))
-    lean = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=1024, matmul=matmul)
+    stock = CausalLMRunner(model, len(tokenizer))
+    lean = LeanLlamaRunner(model, len(tokenizer), max_len=1024, matmul=matmul, gguf=gguf)
     for a, b in zip(steps(stock, chunks, crop_at=(4, 150)), steps(lean, chunks, crop_at=(4, 150))):
         assert a.shape == b.shape
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
@@ -50,7 +52,8 @@ def test_lean_forward_matches_on_the_embedded_target(target_model, tokenizer, ma
     can_run(matmul)
     ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]
     stock = CausalLMRunner(target_model, len(tokenizer))
-    lean = LeanLlamaRunner(target_model, len(tokenizer), max_len=512, matmul=matmul)
+    lean = LeanLlamaRunner(target_model, len(tokenizer), max_len=512, matmul=matmul,
+                           gguf=models.gguf_file(models.DEFAULT_TARGET))
     chunks = [ids[:-6], ids[-6:-5], ids[-5:]]
     for a, b in zip(steps(stock, chunks), steps(lean, chunks)):
         torch.testing.assert_close(b, a, atol=2e-3, rtol=1e-3)

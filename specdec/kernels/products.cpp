@@ -17,6 +17,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
+#include <string>
+#include <type_traits>
 #include <immintrin.h>
 
 #include "vec.h"
@@ -82,9 +85,9 @@ static void rows(const float* x, const W* w, const float* scale, float* y, int64
 }
 
 // Up to 16 rows of x at a time, each sweep over w split over torch's threads by output rows.
-template <typename W>
-static void sweep(const torch::Tensor& x, const W* wp, const float* scale, torch::Tensor& y, int64_t N,
-                  int64_t ahead_bytes) {
+// rows_of(std::integral_constant<int, M>, x, y, begin, end) computes output rows begin..end-1 of M rows of x.
+template <typename RowsOf>
+static void sweep(const torch::Tensor& x, torch::Tensor& y, int64_t N, RowsOf rows_of) {
   const int64_t M = x.size(0), K = x.size(1);
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t rows_now = std::min<int64_t>(16, M - m0);
@@ -93,7 +96,7 @@ static void sweep(const torch::Tensor& x, const W* wp, const float* scale, torch
     float* yp = part.data_ptr<float>();
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
       switch (rows_now) {
-#define ROWS(m) case m: rows<m>(xp, wp, scale, yp, K, N, begin, end, ahead_bytes); break;
+#define ROWS(m) case m: rows_of(std::integral_constant<int, m>{}, xp, yp, begin, end); break;
         ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
         ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15) ROWS(16)
 #undef ROWS
@@ -111,7 +114,11 @@ torch::Tensor few_rows(torch::Tensor x, torch::Tensor w) {
   x = x.contiguous();
   w = w.contiguous();
   auto y = torch::empty({x.size(0), w.size(0)}, x.options());
-  sweep(x, w.data_ptr<float>(), nullptr, y, w.size(0), 0);  // a float row is long enough: one block ahead
+  const float* wp = w.data_ptr<float>();
+  const int64_t K = x.size(1), N = w.size(0);
+  sweep(x, y, N, [&](auto m, const float* xp, float* yp, int64_t begin, int64_t end) {
+    rows<decltype(m)::value>(xp, wp, nullptr, yp, K, N, begin, end, 0);  // a float row is long enough: one block ahead
+  });
   return y;
 }
 
@@ -128,6 +135,125 @@ torch::Tensor few_rows_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scal
               Kp, " for ", K);
   x = K == Kp ? x.contiguous() : torch::constant_pad_nd(x, {0, Kp - K});
   auto y = torch::empty({x.size(0), w.size(0)}, x.options());
-  sweep(x, w.data_ptr<int8_t>(), scale.data_ptr<float>(), y, w.size(0), 4096);
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const int64_t N = w.size(0);
+  sweep(x, y, N, [&](auto m, const float* xp, float* yp, int64_t begin, int64_t end) {
+    rows<decltype(m)::value>(xp, wp, sp, yp, Kp, N, begin, end, 4096);
+  });
+  return y;
+}
+
+// GGUF's block formats, read as the file stores them: a row of K weights is K / 32 blocks. Each block is
+// widened to 32 floats in registers, exactly the values gguf's dequantization gives (d * q is exact in
+// float32, so d * q + m rounds once either way), and summed in the order few_rows sums the float32 matrix:
+// the same products, bit for bit, from a fifth of the bytes (Q4_1) or a quarter (Q8_0).
+static inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  const int exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  const float f = exp == 0 ? std::ldexp((float)mant, -24)
+                : exp == 31 ? (mant ? NAN : INFINITY)
+                : std::ldexp((float)(mant | 0x400), exp - 25);
+  return h & 0x8000 ? -f : f;
+#endif
+}
+
+// 16 bytes -> 16 floats, unsigned when U, else signed.
+template <bool U>
+static inline vec widen16(__m128i b) {
+  vec v;
+#ifdef __AVX512F__
+  const __m512 f = _mm512_cvtepi32_ps(U ? _mm512_cvtepu8_epi32(b) : _mm512_cvtepi8_epi32(b));
+  __builtin_memcpy(&v, &f, sizeof v);
+#elif defined(__AVX2__)
+  const __m128i b1 = _mm_srli_si128(b, 8);
+  const __m256 lo = _mm256_cvtepi32_ps(U ? _mm256_cvtepu8_epi32(b) : _mm256_cvtepi8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(U ? _mm256_cvtepu8_epi32(b1) : _mm256_cvtepi8_epi32(b1));
+  __builtin_memcpy(&v, &lo, sizeof lo);
+  __builtin_memcpy((char*)&v + sizeof lo, &hi, sizeof hi);
+#else
+  uint8_t q[16];
+  _mm_storeu_si128((__m128i*)q, b);
+  for (int i = 0; i < 16; i++) v[i] = U ? (float)q[i] : (float)(int8_t)q[i];
+#endif
+  return v;
+}
+
+// Q4_1: fp16 d, fp16 m, 16 bytes: weight j in the low nibble of byte j, weight j + 16 in its high nibble.
+struct Q4_1 {
+  static constexpr int64_t kBytes = 20;
+  static inline void load(const uint8_t* p, vec& lo, vec& hi) {
+    const float d = half_to_float(p), m = half_to_float(p + 2);
+    const __m128i q = _mm_loadu_si128((const __m128i*)(p + 4)), nibble = _mm_set1_epi8(0x0f);
+    lo = widen16<true>(_mm_and_si128(q, nibble)) * d + m;
+    hi = widen16<true>(_mm_and_si128(_mm_srli_epi16(q, 4), nibble)) * d + m;
+  }
+};
+
+// Q8_0: fp16 d, 32 int8 weights.
+struct Q8_0 {
+  static constexpr int64_t kBytes = 34;
+  static inline void load(const uint8_t* p, vec& lo, vec& hi) {
+    const float d = half_to_float(p);
+    lo = widen16<false>(_mm_loadu_si128((const __m128i*)(p + 2))) * d;
+    hi = widen16<false>(_mm_loadu_si128((const __m128i*)(p + 18))) * d;
+  }
+};
+
+// Output rows n..n+R-1 of M rows of x; rows are K / 32 blocks of F::kBytes; the next R rows are prefetched.
+template <int M, int R, typename F>
+static inline void block_gguf(const float* __restrict x, const uint8_t* __restrict w, float* __restrict y,
+                              int64_t K, int64_t N, int64_t n, int64_t end) {
+  const int64_t row_bytes = K / 32 * F::kBytes;
+  vec acc[R][M];
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < M; m++) acc[r][m] = vec{};
+  for (int64_t b = 0; b < K / 32; b++) {
+    vec lo[R], hi[R];
+    for (int r = 0; r < R; r++) F::load(w + (n + r) * row_bytes + b * F::kBytes, lo[r], hi[r]);
+    if ((b * F::kBytes) % 64 < F::kBytes)  // once per cache line
+      for (int r = 0; r < R; r++)
+        if (n + R + r < end) __builtin_prefetch(w + (n + R + r) * row_bytes + b * F::kBytes + 64, 0, 3);
+    for (int m = 0; m < M; m++) {
+      const vec x0 = load(x + m * K + b * 32), x1 = load(x + m * K + b * 32 + 16);
+      for (int r = 0; r < R; r++) acc[r][m] += x0 * lo[r];
+      for (int r = 0; r < R; r++) acc[r][m] += x1 * hi[r];
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < M; m++) y[m * N + n + r] = lane_sum(acc[r][m]);
+}
+
+template <int M, typename F>
+static void rows_gguf(const float* x, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
+  constexpr int fit = (kRegisters - 2) / (M + 2);  // R * M accumulators, 2 R weight vectors, two of x
+  constexpr int R = fit < 1 ? 1 : fit > 4 ? 4 : fit;
+  int64_t n = begin;
+  for (; n + R <= end; n += R) block_gguf<M, R, F>(x, w, y, K, N, n, end);
+  for (; n < end; n++) block_gguf<M, 1, F>(x, w, y, K, N, n, end);
+}
+
+// w: [N, K / 32 * bytes] uint8, the rows of a GGUF tensor of type format ("Q4_1" or "Q8_0").
+torch::Tensor few_rows_gguf(torch::Tensor x, torch::Tensor w, const std::string& format) {
+  TORCH_CHECK(format == "Q4_1" || format == "Q8_0", "few_rows_gguf: format Q4_1 or Q8_0, not ", format);
+  const int64_t bytes = format == "Q4_1" ? Q4_1::kBytes : Q8_0::kBytes;
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kByte &&
+              x.device().is_cpu() && w.device().is_cpu() && w.is_contiguous(),
+              "few_rows_gguf: float32 x [M, K] and contiguous uint8 w [N, K / 32 * block bytes], on CPU");
+  const int64_t K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 32 == 0 && w.size(1) == K / 32 * bytes, "few_rows_gguf: ", format, " rows of ", w.size(1),
+              " bytes do not hold x's width ", K, " (", bytes, " bytes a block of 32)");
+  x = x.contiguous();
+  auto y = torch::empty({x.size(0), N}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  sweep(x, y, N, [&](auto m, const float* xp, float* yp, int64_t begin, int64_t end) {
+    constexpr int M = decltype(m)::value;
+    if (bytes == Q4_1::kBytes) rows_gguf<M, Q4_1>(xp, wp, yp, K, N, begin, end);
+    else rows_gguf<M, Q8_0>(xp, wp, yp, K, N, begin, end);
+  });
   return y;
 }

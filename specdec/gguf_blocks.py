@@ -1,0 +1,107 @@
+"""A GGUF Llama's product weights as the file stores them, for specdec's ``few_rows_gguf``.
+
+A model loaded from GGUF is dequantized to float32 at load (the embedded SmolLM2-135M-Instruct: Q4_1
+layers and a Q8_0 embedding, 98 MB in the file, 538 MB of float32 matrices). A step or a verify pass
+reads every matrix once, so its cost is those bytes; read in the file's own blocks they are a fifth.
+``few_rows_gguf`` widens each block in registers to exactly the float32 values the dequantization
+gave and sums them in few_rows' order, so its products equal few_rows' on the float32 weights bit for
+bit: a product form, not a quantization.
+
+``read_llama_blocks`` returns the blocks fused as the lean runner fuses its weights (QKV, gate/up), or
+the reason it cannot. It checks that the blocks reproduce the loaded weights exactly, row by sampled
+row: the loader permutes the rows of Q and K (transformers undoes llama.cpp's rotary layout), and a
+file that does not match the weights it is paired with must not be used.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("Q4_1", "Q8_0")  # the block types few_rows_gguf reads
+CHECKED_ROWS = 8  # rows of each matrix dequantized at load and compared with the loaded weights
+
+
+class BlocksUnavailable(ValueError):
+    """The file's blocks cannot stand in for the loaded weights; the message says why."""
+
+
+def qk_row_order(rows: int, n_heads: int) -> np.ndarray:
+    """The file row each loaded row of Q (n_heads heads) or K (n_kv heads) comes from: transformers'
+    GGUF loader regroups each head's rows from llama.cpp's interleaved rotary halves."""
+    dim = rows // n_heads // 2
+    return np.arange(rows).reshape(n_heads, dim, 2).swapaxes(2, 1).reshape(rows)
+
+
+def _tensor(tensors: dict, name: str) -> tuple[np.ndarray, str]:
+    if name not in tensors:
+        raise BlocksUnavailable(f"the file has no tensor {name}")
+    t = tensors[name]
+    kind = t.tensor_type.name
+    if kind not in FORMATS:
+        raise BlocksUnavailable(f"{name} is {kind}; the kernel reads {', '.join(FORMATS)}")
+    return np.asarray(t.data), kind
+
+
+def _fuse(parts: list[tuple[np.ndarray, str]], name: str) -> tuple[torch.Tensor, str]:
+    kinds = {kind for _, kind in parts}
+    if len(kinds) != 1:
+        raise BlocksUnavailable(f"{name}'s parts are stored as {', '.join(sorted(kinds))}; one format is needed to fuse them")
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([rows for rows, _ in parts]))), kinds.pop()
+
+
+def _check(blocks: tuple[torch.Tensor, str], weight: torch.Tensor, name: str) -> None:
+    """Dequantize CHECKED_ROWS rows spread over the matrix; they must equal the loaded weight's, bit for bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw, kind = blocks
+    if raw.shape[0] != weight.shape[0]:
+        raise BlocksUnavailable(f"{name}: the file has {raw.shape[0]} rows, the model {weight.shape[0]}")
+    rows = np.unique(np.linspace(0, raw.shape[0] - 1, CHECKED_ROWS).astype(int))
+    values = dequantize(raw[rows].numpy(), GGMLQuantizationType[kind])
+    if values.shape != (len(rows), weight.shape[1]) or not np.array_equal(values, weight[rows].numpy()):
+        raise BlocksUnavailable(f"{name}: the file's blocks do not reproduce the loaded weights")
+
+
+def read_llama_blocks(path: str, layers: list, head: torch.Tensor, n_heads: int, n_kv: int):
+    """([(qkv, o, gate_up, down) per layer], head) as (uint8 rows, format) pairs, from the GGUF file at
+    path; layers: the lean runner's (ln1, wqkv, wo, ln2, wgu, wd) float32 weights, head: its output matrix.
+    Raises BlocksUnavailable."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # not a GGUF file, or a version this gguf cannot read
+        raise BlocksUnavailable(f"cannot read {path}: {e}") from None
+    tensors = {t.name: t for t in reader.tensors}
+    out = []
+    for i, (_, wqkv, wo, _, wgu, wd) in enumerate(layers):
+        p = f"blk.{i}."
+        q, k, v = (_tensor(tensors, p + f"attn_{x}.weight") for x in "qkv")
+        q = (q[0][qk_row_order(q[0].shape[0], n_heads)], q[1])
+        k = (k[0][qk_row_order(k[0].shape[0], n_kv)], k[1])
+        fused = (_fuse([q, k, v], p + "attn_qkv"), _fuse([_tensor(tensors, p + "attn_output.weight")], p + "attn_output"),
+                 _fuse([_tensor(tensors, p + f"ffn_{x}.weight") for x in ("gate", "up")], p + "ffn_gate_up"),
+                 _fuse([_tensor(tensors, p + "ffn_down.weight")], p + "ffn_down"))
+        for blocks, weight, name in zip(fused, (wqkv, wo, wgu, wd), ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")):
+            _check(blocks, weight, p + name)
+        out.append(fused)
+    name = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied embeddings: no output
+    head_blocks = _fuse([_tensor(tensors, name)], name)
+    if head_blocks[0].shape[0] < head.shape[0]:
+        raise BlocksUnavailable(f"{name} has {head_blocks[0].shape[0]} rows, the model scores {head.shape[0]}")
+    head_blocks = (head_blocks[0][: head.shape[0]].contiguous(), head_blocks[1])
+    _check(head_blocks, head, name)
+    return out, head_blocks
+
+
+def describe(layers, head) -> str:
+    """"Q4_1 layers, Q8_0 head, 96 MB"."""
+    kinds = sorted({kind for layer in layers for _, kind in layer})
+    size = sum(raw.numel() for layer in layers for raw, _ in layer) + head[0].numel()
+    return f"{'/'.join(kinds)} layers, {head[1]} head, {size / 1e6:.0f} MB"

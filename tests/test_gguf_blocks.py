@@ -1,0 +1,99 @@
+"""The gguf product form reads a GGUF file's own Q4_1 and Q8_0 blocks and gives exactly the products
+of the float32 weights they dequantize to: bit for bit few_rows' result, so greedy output cannot move.
+A file that does not hold the loaded weights is refused, never used."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from conftest import built_kernels, write_gguf
+from specdec import gguf_blocks, models
+from specdec.lean_llama import LeanLlamaRunner
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n, k, m", [(1, 32, 1), (7, 32, 3), (50, 576, 4), (33, 1536, 9), (64, 96, 16), (13, 64, 20)])
+def test_the_gguf_kernel_is_few_rows_on_the_dequantized_weights_bit_for_bit(fmt, n, k, m):
+    kernels = built_kernels()
+    rng = np.random.default_rng(n * k + m)
+    raw = quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[fmt])
+    weights = torch.from_numpy(dequantize(raw, GGMLQuantizationType[fmt]))
+    x = torch.randn(m, k)
+    out = kernels.few_rows_gguf(x, torch.from_numpy(raw), fmt)
+    assert torch.equal(out, kernels.few_rows(x, weights))
+    torch.testing.assert_close(out, x @ weights.T, atol=1e-4, rtol=1e-4)
+
+
+def test_the_gguf_kernel_refuses_blocks_that_do_not_fit_x():
+    kernels = built_kernels()
+    raw = torch.from_numpy(quantize(np.ones((4, 64), np.float32), GGMLQuantizationType.Q4_1))
+    with pytest.raises(RuntimeError, match="do not hold"):
+        kernels.few_rows_gguf(torch.ones(1, 96), raw, "Q4_1")
+    with pytest.raises(RuntimeError, match="do not hold"):
+        kernels.few_rows_gguf(torch.ones(1, 64), raw, "Q8_0")  # 40 bytes a row is not 2 Q8_0 blocks
+    with pytest.raises(RuntimeError, match="format"):
+        kernels.few_rows_gguf(torch.ones(1, 64), raw, "Q4_0")
+
+
+def test_the_gguf_form_gives_the_fewrow_logits_bit_for_bit(tiny_gguf, tokenizer):
+    built_kernels()
+    model, path = tiny_gguf
+    runners = [LeanLlamaRunner(model, len(tokenizer), 512, matmul=form, gguf=path) for form in ("fewrow", "gguf")]
+    assert runners[1].gguf_blocks.startswith("Q4_1 layers, Q8_0 head")
+    ids = list(range(300, 340))
+    outs = []
+    for runner in runners:
+        cache = runner.new_cache()
+        runner.forward(cache, ids[:20], 1)  # a prefill: F.linear in both
+        outs.append([runner.forward(cache, ids[a:b], b - a) for a, b in ((20, 21), (21, 25), (25, 34))])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_a_file_that_does_not_hold_the_loaded_weights_is_refused(tiny_draft, tiny_gguf, tokenizer):
+    built_kernels()
+    _, path = tiny_gguf  # the blocks of other weights: tiny_draft before rounding to them
+    with pytest.raises(ValueError, match="do not reproduce the loaded weights"):
+        LeanLlamaRunner(tiny_draft, len(tokenizer), 512, matmul="gguf", gguf=path)
+    runner = LeanLlamaRunner(tiny_draft, len(tokenizer), 512, matmul="auto", gguf=path)
+    assert "gguf" not in runner.products and runner.gguf_blocks is None  # auto goes on without the form
+
+
+def test_block_types_the_kernel_does_not_read_are_refused(tiny_draft, tokenizer, tmp_path):
+    built_kernels()
+    model, path = write_gguf(copy.deepcopy(tiny_draft), tmp_path / "q5.gguf", formats=("Q5_0", "Q8_0"))
+    with pytest.raises(ValueError, match="is Q5_0"):
+        LeanLlamaRunner(model, len(tokenizer), 512, matmul="gguf", gguf=path)
+
+
+def test_the_gguf_form_needs_a_gguf_file(tiny_draft, tokenizer):
+    built_kernels()
+    with pytest.raises(ValueError, match="not loaded from a GGUF file"):
+        LeanLlamaRunner(tiny_draft, len(tokenizer), 512, matmul="gguf")
+
+
+def test_every_block_of_the_embedded_target_reproduces_its_weights(target_model, tokenizer):
+    path = models.gguf_file(models.DEFAULT_TARGET)
+    runner = LeanLlamaRunner(target_model, len(tokenizer), 64, matmul="linear")
+    layers, head = gguf_blocks.read_llama_blocks(path, runner.layers, runner.lm_head, runner.n_heads, runner.n_kv)
+    assert gguf_blocks.describe(layers, head) == "Q4_1 layers, Q8_0 head, 96 MB"
+    for fused, weights in zip(layers, runner.layers):
+        for (raw, fmt), w in zip(fused, (weights[1], weights[2], weights[4], weights[5])):
+            assert np.array_equal(dequantize(raw.numpy(), GGMLQuantizationType[fmt]), w.numpy())
+    assert np.array_equal(dequantize(head[0].numpy(), GGMLQuantizationType[head[1]]), runner.lm_head.numpy())
+
+
+def test_auto_times_the_gguf_form_for_the_embedded_target(target_model, tokenizer):
+    built_kernels()
+    runner = LeanLlamaRunner(target_model, len(tokenizer), 64, gguf=models.gguf_file(models.DEFAULT_TARGET))
+    assert {"linear", "fewrow", "gguf"} <= set(runner.matmul_timings_ms)
+
+
+def test_only_embedded_gguf_models_name_their_file(tmp_path):
+    assert models.gguf_file(models.DEFAULT_TARGET).endswith(".gguf")
+    assert models.gguf_file("embedded:smollm2-135m-draft") is None
+    assert models.gguf_file(str(tmp_path)) is None
