@@ -3,7 +3,8 @@
 A model loaded from GGUF is dequantized to float32 at load (the embedded SmolLM2-135M-Instruct: Q4_1
 layers and a Q8_0 embedding, 98 MB in the file, 538 MB of float32 matrices). A step or a verify pass
 reads every matrix once, so its cost is those bytes; read in the file's own blocks they are a fifth.
-``few_rows_gguf`` widens each block in registers to exactly the float32 values the dequantization
+``few_rows_gguf`` reads them with their fp16 scales widened to float32 and kept apart (111 MB), widens
+each block in registers to exactly the float32 values the dequantization
 gave and sums them in few_rows' order, so its products equal few_rows' on the float32 weights bit for
 bit: a product form, not a quantization.
 
@@ -22,7 +23,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("Q4_1", "Q8_0")  # the block types few_rows_gguf reads
+# the block types few_rows_gguf reads: bytes a block of 32, then where its scales and weights lie in them
+FORMATS = {"Q4_1": dict(size=20, scales=(0, 4), weights=(4, 20)), "Q8_0": dict(size=34, scales=(0, 2), weights=(2, 34))}
 CHECKED_ROWS = 8  # rows of each matrix dequantized at load and compared with the loaded weights
 
 
@@ -47,14 +49,24 @@ def _tensor(tensors: dict, name: str) -> tuple[np.ndarray, str]:
     return np.asarray(t.data), kind
 
 
+def split_blocks(raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """[N, K / 32 * size] blocks as stored -> (q [N, K / 32 * weight bytes] uint8, scales [N, K / 32 * scales]
+    float32, fmt): the arguments of few_rows_gguf after x. fp16 to float32 is exact."""
+    f = FORMATS[fmt]
+    blocks = raw.reshape(raw.shape[0], -1, f["size"])
+    scales = np.ascontiguousarray(blocks[:, :, slice(*f["scales"])]).view(np.float16).astype(np.float32)
+    q = np.ascontiguousarray(blocks[:, :, slice(*f["weights"])])
+    return torch.from_numpy(q.reshape(raw.shape[0], -1)), torch.from_numpy(scales.reshape(raw.shape[0], -1)), fmt
+
+
 def _fuse(parts: list[tuple[np.ndarray, str]], name: str) -> tuple[torch.Tensor, str]:
     kinds = {kind for _, kind in parts}
     if len(kinds) != 1:
         raise BlocksUnavailable(f"{name}'s parts are stored as {', '.join(sorted(kinds))}; one format is needed to fuse them")
-    return torch.from_numpy(np.ascontiguousarray(np.concatenate([rows for rows, _ in parts]))), kinds.pop()
+    return np.concatenate([rows for rows, _ in parts]), kinds.pop()
 
 
-def _check(blocks: tuple[torch.Tensor, str], weight: torch.Tensor, name: str) -> None:
+def _check(blocks: tuple[np.ndarray, str], weight: torch.Tensor, name: str) -> None:
     """Dequantize CHECKED_ROWS rows spread over the matrix; they must equal the loaded weight's, bit for bit."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -63,15 +75,15 @@ def _check(blocks: tuple[torch.Tensor, str], weight: torch.Tensor, name: str) ->
     if raw.shape[0] != weight.shape[0]:
         raise BlocksUnavailable(f"{name}: the file has {raw.shape[0]} rows, the model {weight.shape[0]}")
     rows = np.unique(np.linspace(0, raw.shape[0] - 1, CHECKED_ROWS).astype(int))
-    values = dequantize(raw[rows].numpy(), GGMLQuantizationType[kind])
+    values = dequantize(raw[rows], GGMLQuantizationType[kind])
     if values.shape != (len(rows), weight.shape[1]) or not np.array_equal(values, weight[rows].numpy()):
         raise BlocksUnavailable(f"{name}: the file's blocks do not reproduce the loaded weights")
 
 
 def read_llama_blocks(path: str, layers: list, head: torch.Tensor, n_heads: int, n_kv: int):
-    """([(qkv, o, gate_up, down) per layer], head) as (uint8 rows, format) pairs, from the GGUF file at
-    path; layers: the lean runner's (ln1, wqkv, wo, ln2, wgu, wd) float32 weights, head: its output matrix.
-    Raises BlocksUnavailable."""
+    """([(qkv, o, gate_up, down) per layer], head), each matrix as split_blocks gives it, from the GGUF file
+    at path; layers: the lean runner's (ln1, wqkv, wo, ln2, wgu, wd) float32 weights, head: its output
+    matrix. Raises BlocksUnavailable."""
     from gguf import GGUFReader
 
     try:
@@ -90,18 +102,18 @@ def read_llama_blocks(path: str, layers: list, head: torch.Tensor, n_heads: int,
                  _fuse([_tensor(tensors, p + "ffn_down.weight")], p + "ffn_down"))
         for blocks, weight, name in zip(fused, (wqkv, wo, wgu, wd), ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")):
             _check(blocks, weight, p + name)
-        out.append(fused)
+        out.append(tuple(split_blocks(*blocks) for blocks in fused))
     name = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied embeddings: no output
     head_blocks = _fuse([_tensor(tensors, name)], name)
     if head_blocks[0].shape[0] < head.shape[0]:
         raise BlocksUnavailable(f"{name} has {head_blocks[0].shape[0]} rows, the model scores {head.shape[0]}")
-    head_blocks = (head_blocks[0][: head.shape[0]].contiguous(), head_blocks[1])
+    head_blocks = (head_blocks[0][: head.shape[0]], head_blocks[1])
     _check(head_blocks, head, name)
-    return out, head_blocks
+    return out, split_blocks(*head_blocks)
 
 
 def describe(layers, head) -> str:
-    """"Q4_1 layers, Q8_0 head, 96 MB"."""
-    kinds = sorted({kind for layer in layers for _, kind in layer})
-    size = sum(raw.numel() for layer in layers for raw, _ in layer) + head[0].numel()
-    return f"{'/'.join(kinds)} layers, {head[1]} head, {size / 1e6:.0f} MB"
+    """"Q4_1 layers, Q8_0 head, 111 MB": the formats, and the bytes a pass reads."""
+    kinds = sorted({kind for layer in layers for *_, kind in layer})
+    size = sum(q.numel() + 4 * s.numel() for layer in layers for q, s, _ in layer) + head[0].numel() + 4 * head[1].numel()
+    return f"{'/'.join(kinds)} layers, {head[2]} head, {size / 1e6:.0f} MB"

@@ -73,7 +73,7 @@ def test_greedy_output_equals_target_alone_with_every_product_form(event_loop_th
         # what the benchmark's report says ran: each server's ModelInfo.forward
         layer = " with specdec's CPU layer kernels" if cpu_kernels() is not None else ""
         said = lambda form, blocks="": f"lean forward{layer}; products: 1-32 rows: {form}{blocks}, longer passes: linear"
-        blocks = " (gguf: the file's Q4_1 layers, Q8_0 head, 96 MB)" if matmul == "gguf" else ""
+        blocks = " (gguf: the file's Q4_1 layers, Q8_0 head, 111 MB)" if matmul == "gguf" else ""
         assert forwards(stack.draft_address, stack.target_address) == {"draft": said(draft_form),
                                                                        "target": said(matmul, blocks)}
         for text, expected in zip(PROMPTS, reference):

@@ -23,20 +23,20 @@ def test_the_gguf_kernel_is_few_rows_on_the_dequantized_weights_bit_for_bit(fmt,
     raw = quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[fmt])
     weights = torch.from_numpy(dequantize(raw, GGMLQuantizationType[fmt]))
     x = torch.randn(m, k)
-    out = kernels.few_rows_gguf(x, torch.from_numpy(raw), fmt)
+    out = kernels.few_rows_gguf(x, *gguf_blocks.split_blocks(raw, fmt))
     assert torch.equal(out, kernels.few_rows(x, weights))
     torch.testing.assert_close(out, x @ weights.T, atol=1e-4, rtol=1e-4)
 
 
 def test_the_gguf_kernel_refuses_blocks_that_do_not_fit_x():
     kernels = built_kernels()
-    raw = torch.from_numpy(quantize(np.ones((4, 64), np.float32), GGMLQuantizationType.Q4_1))
+    q, scales, _ = gguf_blocks.split_blocks(quantize(np.ones((4, 64), np.float32), GGMLQuantizationType.Q4_1), "Q4_1")
     with pytest.raises(RuntimeError, match="do not hold"):
-        kernels.few_rows_gguf(torch.ones(1, 96), raw, "Q4_1")
+        kernels.few_rows_gguf(torch.ones(1, 96), q, scales, "Q4_1")
     with pytest.raises(RuntimeError, match="do not hold"):
-        kernels.few_rows_gguf(torch.ones(1, 64), raw, "Q8_0")  # 40 bytes a row is not 2 Q8_0 blocks
+        kernels.few_rows_gguf(torch.ones(1, 64), q, scales, "Q8_0")  # 32 bytes a row are one Q8_0 block, not two
     with pytest.raises(RuntimeError, match="format"):
-        kernels.few_rows_gguf(torch.ones(1, 64), raw, "Q4_0")
+        kernels.few_rows_gguf(torch.ones(1, 64), q, scales, "Q4_0")
 
 
 def test_the_gguf_form_gives_the_fewrow_logits_bit_for_bit(tiny_gguf, tokenizer):
@@ -80,20 +80,17 @@ def test_every_block_of_the_embedded_target_reproduces_its_weights(target_model,
     path = models.gguf_file(models.DEFAULT_TARGET)
     runner = LeanLlamaRunner(target_model, len(tokenizer), 64, matmul="linear")
     layers, head = gguf_blocks.read_llama_blocks(path, runner.layers, runner.lm_head, runner.n_heads, runner.n_kv)
-    assert gguf_blocks.describe(layers, head) == "Q4_1 layers, Q8_0 head, 96 MB"
+    assert gguf_blocks.describe(layers, head) == "Q4_1 layers, Q8_0 head, 111 MB"
     for fused, weights in zip(layers, runner.layers):
-        for (raw, fmt), w in zip(fused, (weights[1], weights[2], weights[4], weights[5])):
-            assert np.array_equal(dequantize(raw.numpy(), GGMLQuantizationType[fmt]), w.numpy())
-    assert np.array_equal(dequantize(head[0].numpy(), GGMLQuantizationType[head[1]]), runner.lm_head.numpy())
+        for split, w in zip(fused, (weights[1], weights[2], weights[4], weights[5])):
+            assert np.array_equal(dequantized(*split), w.numpy())
+    assert np.array_equal(dequantized(*head), runner.lm_head.numpy())
 
 
-def test_auto_times_the_gguf_form_for_the_embedded_target(target_model, tokenizer):
-    built_kernels()
-    runner = LeanLlamaRunner(target_model, len(tokenizer), 64, gguf=models.gguf_file(models.DEFAULT_TARGET))
-    assert {"linear", "fewrow", "gguf"} <= set(runner.matmul_timings_ms)
-
-
-def test_only_embedded_gguf_models_name_their_file(tmp_path):
-    assert models.gguf_file(models.DEFAULT_TARGET).endswith(".gguf")
-    assert models.gguf_file("embedded:smollm2-135m-draft") is None
-    assert models.gguf_file(str(tmp_path)) is None
+def dequantized(q, scales, fmt) -> np.ndarray:
+    """split_blocks undone into GGUF's own blocks, then gguf's dequantization: the float32 weights they hold."""
+    n = q.shape[0]
+    start, end = gguf_blocks.FORMATS[fmt]["scales"]
+    halves = scales.numpy().astype(np.float16).view(np.uint8).reshape(n, -1, end - start)  # exact: they were fp16
+    raw = np.concatenate([halves, q.numpy().reshape(n, halves.shape[1], -1)], axis=-1).reshape(n, -1)
+    return dequantize(raw, GGMLQuantizationType[fmt])

@@ -5,7 +5,7 @@
 
 torch::Tensor few_rows(torch::Tensor x, torch::Tensor w);
 torch::Tensor few_rows_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
-torch::Tensor few_rows_gguf(torch::Tensor x, torch::Tensor w, const std::string& format);
+torch::Tensor few_rows_gguf(torch::Tensor x, torch::Tensor q, torch::Tensor scales, const std::string& format);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor attend(torch::Tensor qkv, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                      int64_t start, int64_t h);
@@ -16,7 +16,7 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_rows", &few_rows, "x @ w^T for a few rows of x (float32, CPU)");
   m.def("few_rows_int8", &few_rows_int8, "x @ (w * scale)^T for a few rows of x, w int8 with a scale per row");
-  m.def("few_rows_gguf", &few_rows_gguf, "x @ w^T for a few rows of x, w a GGUF tensor's Q4_1 or Q8_0 blocks");
+  m.def("few_rows_gguf", &few_rows_gguf, "x @ w^T for a few rows of x, w a GGUF tensor's Q4_1 or Q8_0 blocks (split_blocks)");
   m.def("rms_norm", &rms_norm, "RMS norm of each row of x, times w");
   m.def("attend", &attend, "rotary embedding, KV-cache write and causal attention of a few new tokens");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of side-by-side gate and up projections");

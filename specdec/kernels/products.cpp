@@ -144,24 +144,11 @@ torch::Tensor few_rows_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scal
   return y;
 }
 
-// GGUF's block formats, read as the file stores them: a row of K weights is K / 32 blocks. Each block is
-// widened to 32 floats in registers, exactly the values gguf's dequantization gives (d * q is exact in
-// float32, so d * q + m rounds once either way), and summed in the order few_rows sums the float32 matrix:
-// the same products, bit for bit, from a fifth of the bytes (Q4_1) or a quarter (Q8_0).
-static inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  __builtin_memcpy(&h, p, 2);
-#ifdef __F16C__
-  return _cvtsh_ss(h);
-#else
-  const int exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-  const float f = exp == 0 ? std::ldexp((float)mant, -24)
-                : exp == 31 ? (mant ? NAN : INFINITY)
-                : std::ldexp((float)(mant | 0x400), exp - 25);
-  return h & 0x8000 ? -f : f;
-#endif
-}
-
+// GGUF's block formats: a row of K weights is K / 32 blocks. Each block is widened to 32 floats in registers,
+// exactly the values gguf's dequantization gives (d * q is exact in float32, so d * q + m rounds once either
+// way), and summed in the order few_rows sums the float32 matrix: the same products, bit for bit, from a
+// fifth of the bytes (Q4_1) or a quarter (Q8_0). The scales are kept apart as float32 (a fp16 conversion and
+// two broadcasts per block and row cost 25% of a Q4_1 sweep on the Xeon).
 // 16 bytes -> 16 floats, unsigned when U, else signed.
 template <bool U>
 static inline vec widen16(__m128i b) {
@@ -183,41 +170,42 @@ static inline vec widen16(__m128i b) {
   return v;
 }
 
-// Q4_1: fp16 d, fp16 m, 16 bytes: weight j in the low nibble of byte j, weight j + 16 in its high nibble.
+// Q4_1: per block, 16 bytes (weight j in the low nibble of byte j, weight j + 16 in its high nibble) and
+// two scales, d and m: w = d q + m.
 struct Q4_1 {
-  static constexpr int64_t kBytes = 20;
-  static inline void load(const uint8_t* p, vec& lo, vec& hi) {
-    const float d = half_to_float(p), m = half_to_float(p + 2);
-    const __m128i q = _mm_loadu_si128((const __m128i*)(p + 4)), nibble = _mm_set1_epi8(0x0f);
-    lo = widen16<true>(_mm_and_si128(q, nibble)) * d + m;
-    hi = widen16<true>(_mm_and_si128(_mm_srli_epi16(q, 4), nibble)) * d + m;
+  static constexpr int64_t kBytes = 16, kScales = 2;
+  static inline void load(const uint8_t* q, const float* s, vec& lo, vec& hi) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)q), nibble = _mm_set1_epi8(0x0f);
+    lo = widen16<true>(_mm_and_si128(b, nibble)) * s[0] + s[1];
+    hi = widen16<true>(_mm_and_si128(_mm_srli_epi16(b, 4), nibble)) * s[0] + s[1];
   }
 };
 
-// Q8_0: fp16 d, 32 int8 weights.
+// Q8_0: per block, 32 int8 weights and one scale d: w = d q.
 struct Q8_0 {
-  static constexpr int64_t kBytes = 34;
-  static inline void load(const uint8_t* p, vec& lo, vec& hi) {
-    const float d = half_to_float(p);
-    lo = widen16<false>(_mm_loadu_si128((const __m128i*)(p + 2))) * d;
-    hi = widen16<false>(_mm_loadu_si128((const __m128i*)(p + 18))) * d;
+  static constexpr int64_t kBytes = 32, kScales = 1;
+  static inline void load(const uint8_t* q, const float* s, vec& lo, vec& hi) {
+    lo = widen16<false>(_mm_loadu_si128((const __m128i*)q)) * s[0];
+    hi = widen16<false>(_mm_loadu_si128((const __m128i*)(q + 16))) * s[0];
   }
 };
 
-// Output rows n..n+R-1 of M rows of x; rows are K / 32 blocks of F::kBytes; the next R rows are prefetched.
+// Output rows n..n+R-1 of M rows of x; a row is K / 32 blocks of F::kBytes in q and F::kScales floats in s;
+// the next R rows of q are prefetched.
 template <int M, int R, typename F>
-static inline void block_gguf(const float* __restrict x, const uint8_t* __restrict w, float* __restrict y,
-                              int64_t K, int64_t N, int64_t n, int64_t end) {
-  const int64_t row_bytes = K / 32 * F::kBytes;
+static inline void block_gguf(const float* __restrict x, const uint8_t* __restrict q, const float* __restrict s,
+                              float* __restrict y, int64_t K, int64_t N, int64_t n, int64_t end) {
+  const int64_t blocks = K / 32, row_bytes = blocks * F::kBytes;
   vec acc[R][M];
   for (int r = 0; r < R; r++)
     for (int m = 0; m < M; m++) acc[r][m] = vec{};
-  for (int64_t b = 0; b < K / 32; b++) {
+  for (int64_t b = 0; b < blocks; b++) {
     vec lo[R], hi[R];
-    for (int r = 0; r < R; r++) F::load(w + (n + r) * row_bytes + b * F::kBytes, lo[r], hi[r]);
+    for (int r = 0; r < R; r++)
+      F::load(q + (n + r) * row_bytes + b * F::kBytes, s + ((n + r) * blocks + b) * F::kScales, lo[r], hi[r]);
     if ((b * F::kBytes) % 64 < F::kBytes)  // once per cache line
       for (int r = 0; r < R; r++)
-        if (n + R + r < end) __builtin_prefetch(w + (n + R + r) * row_bytes + b * F::kBytes + 64, 0, 3);
+        if (n + R + r < end) __builtin_prefetch(q + (n + R + r) * row_bytes + b * F::kBytes + 64, 0, 3);
     for (int m = 0; m < M; m++) {
       const vec x0 = load(x + m * K + b * 32), x1 = load(x + m * K + b * 32 + 16);
       for (int r = 0; r < R; r++) acc[r][m] += x0 * lo[r];
@@ -229,31 +217,37 @@ static inline void block_gguf(const float* __restrict x, const uint8_t* __restri
 }
 
 template <int M, typename F>
-static void rows_gguf(const float* x, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
+static void rows_gguf(const float* x, const uint8_t* q, const float* s, float* y, int64_t K, int64_t N,
+                      int64_t begin, int64_t end) {
   constexpr int fit = (kRegisters - 2) / (M + 2);  // R * M accumulators, 2 R weight vectors, two of x
   constexpr int R = fit < 1 ? 1 : fit > 4 ? 4 : fit;
   int64_t n = begin;
-  for (; n + R <= end; n += R) block_gguf<M, R, F>(x, w, y, K, N, n, end);
-  for (; n < end; n++) block_gguf<M, 1, F>(x, w, y, K, N, n, end);
+  for (; n + R <= end; n += R) block_gguf<M, R, F>(x, q, s, y, K, N, n, end);
+  for (; n < end; n++) block_gguf<M, 1, F>(x, q, s, y, K, N, n, end);
 }
 
-// w: [N, K / 32 * bytes] uint8, the rows of a GGUF tensor of type format ("Q4_1" or "Q8_0").
-torch::Tensor few_rows_gguf(torch::Tensor x, torch::Tensor w, const std::string& format) {
+// A GGUF tensor's blocks split in two (specdec/gguf_blocks.py): q [N, K / 32 * bytes] uint8, the quantized
+// weights, and scales [N, K / 32 * scales] float32, the blocks' fp16 scales widened (exactly) to float32.
+torch::Tensor few_rows_gguf(torch::Tensor x, torch::Tensor q, torch::Tensor scales, const std::string& format) {
   TORCH_CHECK(format == "Q4_1" || format == "Q8_0", "few_rows_gguf: format Q4_1 or Q8_0, not ", format);
-  const int64_t bytes = format == "Q4_1" ? Q4_1::kBytes : Q8_0::kBytes;
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kByte &&
-              x.device().is_cpu() && w.device().is_cpu() && w.is_contiguous(),
-              "few_rows_gguf: float32 x [M, K] and contiguous uint8 w [N, K / 32 * block bytes], on CPU");
-  const int64_t K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % 32 == 0 && w.size(1) == K / 32 * bytes, "few_rows_gguf: ", format, " rows of ", w.size(1),
-              " bytes do not hold x's width ", K, " (", bytes, " bytes a block of 32)");
+  const bool q4 = format == "Q4_1";
+  const int64_t bytes = q4 ? Q4_1::kBytes : Q8_0::kBytes, per_block = q4 ? Q4_1::kScales : Q8_0::kScales;
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scales.dim() == 2 && x.scalar_type() == torch::kFloat &&
+              q.scalar_type() == torch::kByte && scales.scalar_type() == torch::kFloat && x.device().is_cpu() &&
+              q.device().is_cpu() && scales.device().is_cpu() && q.is_contiguous() && scales.is_contiguous(),
+              "few_rows_gguf: float32 x [M, K], contiguous uint8 q and float32 scales, on CPU");
+  const int64_t K = x.size(1), N = q.size(0);
+  TORCH_CHECK(K % 32 == 0 && q.size(1) == K / 32 * bytes && scales.size(0) == N &&
+              scales.size(1) == K / 32 * per_block, "few_rows_gguf: ", format, " blocks of ", q.size(1), " bytes and ",
+              scales.size(1), " scales a row do not hold x's width ", K);
   x = x.contiguous();
   auto y = torch::empty({x.size(0), N}, x.options());
-  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
   sweep(x, y, N, [&](auto m, const float* xp, float* yp, int64_t begin, int64_t end) {
     constexpr int M = decltype(m)::value;
-    if (bytes == Q4_1::kBytes) rows_gguf<M, Q4_1>(xp, wp, yp, K, N, begin, end);
-    else rows_gguf<M, Q8_0>(xp, wp, yp, K, N, begin, end);
+    if (q4) rows_gguf<M, Q4_1>(xp, qp, sp, yp, K, N, begin, end);
+    else rows_gguf<M, Q8_0>(xp, qp, sp, yp, K, N, begin, end);
   });
   return y;
 }
