@@ -31,7 +31,7 @@ def test_bad_orchestrator_settings_are_refused(argv, match):
 
 
 def test_unknown_product_form_is_refused_at_start_up():
-    with pytest.raises(ConfigError, match="--matmul must be auto, linear, weights-first, onednn or fewrow"):
+    with pytest.raises(ConfigError, match="--matmul must be auto, linear, weights-first, onednn, fewrow or gguf"):
         parse(ModelServerConfig, ["--matmul", "fast"], role="target")
 
 
