@@ -13,6 +13,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from specdec.lean_llama import MATMUL_FORMS, QUANTIZE
 from specdec.models import DEFAULT_TARGET, DTYPES
 
 # The embedded default draft: distilled from the embedded target by training/distill.py, shipped in models/.
@@ -64,10 +65,10 @@ class ModelServerConfig:
             raise ConfigError(f"role must be draft or target, not {self.role!r}")
         if self.runner not in ("hf", "lean", "auto"):
             raise ConfigError(f"--runner must be hf, lean or auto, not {self.runner!r}")
-        if self.matmul not in ("auto", "linear", "weights-first", "onednn", "fewrow", "gguf"):
-            raise ConfigError(f"--matmul must be auto, linear, weights-first, onednn, fewrow or gguf, not {self.matmul!r}")
-        if self.quantize not in ("auto", "none", "int8"):
-            raise ConfigError(f"--quantize must be auto, none or int8, not {self.quantize!r}")
+        if self.matmul not in MATMUL_FORMS:
+            raise ConfigError(f"--matmul must be {_one_of(MATMUL_FORMS)}, not {self.matmul!r}")
+        if self.quantize not in ("auto", *QUANTIZE):
+            raise ConfigError(f"--quantize must be {_one_of(('auto', *QUANTIZE))}, not {self.quantize!r}")
         if self.quantize == "int8" and (not self.device.startswith("cpu") or self.dtype != "float32"):
             raise ConfigError(f"--quantize int8 runs on CPU from float32 weights, not {self.device} {self.dtype}")
         if self.dtype not in DTYPES:
@@ -119,6 +120,11 @@ class OrchestratorConfig:
             raise ConfigError("need --max-tokens >= 1, --temperature >= 0, --top-p in (0, 1], --top-k >= 0")
         if self.rpc_timeout_s <= 0 or self.max_request_bytes < 1024:
             raise ConfigError("--rpc-timeout-s must be > 0 and --max-request-bytes at least 1024")
+
+
+def _one_of(values) -> str:
+    """("a", "b", "c") -> "a, b or c"."""
+    return f"{', '.join(values[:-1])} or {values[-1]}"
 
 
 def _ports(*ports: int) -> None:

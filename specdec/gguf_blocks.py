@@ -16,12 +16,8 @@ file that does not match the weights it is paired with must not be used.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
-
-log = logging.getLogger(__name__)
 
 # the block types few_rows_gguf reads: bytes a block of 32, then where its scales and weights lie in them
 FORMATS = {"Q4_1": dict(size=20, scales=(0, 4), weights=(4, 20)), "Q8_0": dict(size=34, scales=(0, 2), weights=(2, 34))}

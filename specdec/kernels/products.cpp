@@ -17,7 +17,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <string>
 #include <type_traits>
 #include <immintrin.h>
@@ -26,23 +25,30 @@
 
 static inline vec load_weights(const float* p) { return load(p); }
 
-// 16 int8 weights widened to float: two instructions. GCC's __builtin_convertvector from 16 int8 lanes
-// compiles to 16 scalar conversions, 8x slower, so this one is written in intrinsics.
-static inline vec load_weights(const int8_t* p) {
+// 16 bytes -> 16 floats, unsigned when U, else signed: two instructions on AVX-512. GCC's
+// __builtin_convertvector from 16 int8 lanes compiles to 16 scalar conversions, 8x slower, so this is written
+// in intrinsics.
+template <bool U>
+static inline vec widen16(__m128i b) {
   vec v;
 #ifdef __AVX512F__
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  const __m512 f = _mm512_cvtepi32_ps(U ? _mm512_cvtepu8_epi32(b) : _mm512_cvtepi8_epi32(b));
   __builtin_memcpy(&v, &f, sizeof v);
 #elif defined(__AVX2__)
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+  const __m128i b1 = _mm_srli_si128(b, 8);
+  const __m256 lo = _mm256_cvtepi32_ps(U ? _mm256_cvtepu8_epi32(b) : _mm256_cvtepi8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(U ? _mm256_cvtepu8_epi32(b1) : _mm256_cvtepi8_epi32(b1));
   __builtin_memcpy(&v, &lo, sizeof lo);
   __builtin_memcpy((char*)&v + sizeof lo, &hi, sizeof hi);
 #else
-  for (int i = 0; i < 16; i++) v[i] = p[i];
+  uint8_t q[16];
+  _mm_storeu_si128((__m128i*)q, b);
+  for (int i = 0; i < 16; i++) v[i] = U ? (float)q[i] : (float)(int8_t)q[i];
 #endif
   return v;
 }
+
+static inline vec load_weights(const int8_t* p) { return widen16<false>(_mm_loadu_si128((const __m128i*)p)); }
 
 // Output rows n..n+R-1. w rows are K apart (an int8 row is padded to a multiple of 16, and so is x);
 // rows `ahead` further on are prefetched, one cache line per line read; scale: one per row, or null.
@@ -149,26 +155,6 @@ torch::Tensor few_rows_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scal
 // way), and summed in the order few_rows sums the float32 matrix: the same products, bit for bit, from a
 // fifth of the bytes (Q4_1) or a quarter (Q8_0). The scales are kept apart as float32 (a fp16 conversion and
 // two broadcasts per block and row cost 25% of a Q4_1 sweep on the Xeon).
-// 16 bytes -> 16 floats, unsigned when U, else signed.
-template <bool U>
-static inline vec widen16(__m128i b) {
-  vec v;
-#ifdef __AVX512F__
-  const __m512 f = _mm512_cvtepi32_ps(U ? _mm512_cvtepu8_epi32(b) : _mm512_cvtepi8_epi32(b));
-  __builtin_memcpy(&v, &f, sizeof v);
-#elif defined(__AVX2__)
-  const __m128i b1 = _mm_srli_si128(b, 8);
-  const __m256 lo = _mm256_cvtepi32_ps(U ? _mm256_cvtepu8_epi32(b) : _mm256_cvtepi8_epi32(b));
-  const __m256 hi = _mm256_cvtepi32_ps(U ? _mm256_cvtepu8_epi32(b1) : _mm256_cvtepi8_epi32(b1));
-  __builtin_memcpy(&v, &lo, sizeof lo);
-  __builtin_memcpy((char*)&v + sizeof lo, &hi, sizeof hi);
-#else
-  uint8_t q[16];
-  _mm_storeu_si128((__m128i*)q, b);
-  for (int i = 0; i < 16; i++) v[i] = U ? (float)q[i] : (float)(int8_t)q[i];
-#endif
-  return v;
-}
 
 // Q4_1: per block, 16 bytes (weight j in the low nibble of byte j, weight j + 16 in its high nibble) and
 // two scales, d and m: w = d q + m.
