@@ -20,6 +20,10 @@ def markdown(report: dict) -> str:
              f"Draft `{report['draft_model']}`, target `{report['target_model']}`; {report['prompts']} prompts x "
              f"{report['reps']} repetition(s), {report['max_tokens']} tokens each; batch 1, three services on loopback. "
              "Speedup = tokens/s over the same prompt's K = 0 runs (target alone, same path), median [p25, p75]."]
+    if report.get("draft_confidence_threshold"):
+        lines.append(f"Draft confidence threshold {report['draft_confidence_threshold']:g}: K is the most a round "
+                     "drafts, and a round stops early once the draft's confidence falls below it; the bound and the "
+                     "efficiency assume K drafts every round, so they do not apply.")
     if report.get("forward"):
         lines.append(f"Forward passes, as each server chose at start-up: draft `{report['forward']['draft']}`, "
                      f"target `{report['forward']['target']}`.")

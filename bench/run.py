@@ -105,9 +105,10 @@ def forwards(draft_address: str, target_address: str) -> dict:
     return out
 
 
-def generate(stub, prompt: str, k: int, temperature: float, top_p: float, seed: int, max_tokens: int) -> dict:
+def generate(stub, prompt: str, k: int, temperature: float, top_p: float, seed: int, max_tokens: int,
+             draft_confidence: float = 0.0) -> dict:
     req = pb.GenerateRequest(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             num_speculative_tokens=k)
+                             num_speculative_tokens=k, draft_confidence_threshold=draft_confidence)
     req.messages.add(role="user", content=prompt)
     t = time.perf_counter()
     stats = None
@@ -147,7 +148,7 @@ def run_services(args, prompts, ks, progress) -> dict:
                     for k in [0, *order, 0]:
                         before = scrape(metrics_url)
                         r = generate(stub, p["prompt"], k, temperature, top_p, seed=1000 * rep + i,
-                                     max_tokens=args.max_tokens)
+                                     max_tokens=args.max_tokens, draft_confidence=args.draft_confidence)
                         d = delta(before, scrape(metrics_url))
                         for key, v in d.items():
                             metric[k][key] = metric[k].get(key, 0.0) + v
@@ -247,7 +248,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per generation (default 40)")
     ap.add_argument("--ks", default=None, help="comma-separated K values (default 1..8)")
     ap.add_argument("--no-peer", action="store_true", help="skip the transformers assisted-generation peer")
+    ap.add_argument("--draft-confidence", type=float, default=0.0,
+                    help="draft_confidence_threshold of every request: rounds stop drafting early below it (default 0: always K)")
     args = ap.parse_args(argv)
+    if not 0 <= args.draft_confidence < 1:
+        ap.error(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
     # The full run's size keeps it within 45 minutes on the 2-core VM at its slowest seen speed (about
     # 16 tokens/s through the services): 42 prompts (6 per family) x 2 temperatures x 10 runs x 40 tokens.
     args.prompts = args.prompts or (6 if args.quick else 42)
@@ -264,7 +269,8 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     with tqdm(total=total, unit="gen", desc="specdec bench") as progress:
         report = {"machine": machine(), "draft_model": args.draft_model, "target_model": args.target_model,
-                  "prompts": len(prompts), "reps": args.reps, "max_tokens": args.max_tokens, "ks": ks}
+                  "prompts": len(prompts), "reps": args.reps, "max_tokens": args.max_tokens, "ks": ks,
+                  "draft_confidence_threshold": args.draft_confidence}
         report["services"], report["forward"] = run_services(args, prompts, ks, progress)
         if not args.no_peer:
             report["transformers_assisted"] = run_peer(args, peer_prompts, progress)

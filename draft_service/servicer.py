@@ -1,4 +1,10 @@
-"""ProposeTokens: append the unseen tokens, then draft K tokens autoregressively."""
+"""ProposeTokens: append the unseen tokens, then draft up to K tokens autoregressively.
+
+A round may stop short of K (``min_confidence``): once the draft's own estimate that the target accepts
+every token so far, the product of its probabilities of them, falls below the threshold, a further token
+would cost a draft step and a verify row for a small chance of being kept. The length depends only on the
+draft's outputs, never on the target's, so the ratio test stays exact.
+"""
 
 from __future__ import annotations
 
@@ -27,17 +33,26 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
         if not 1 <= k <= core.cfg.max_draft_tokens:
             raise invalid(f"num_tokens must be within [1, {core.cfg.max_draft_tokens}], got {k}")
         params = core.sampling(req.sampling)
+        if not 0 <= req.min_confidence < 1:
+            raise invalid(f"min_confidence must be in [0, 1), got {req.min_confidence}")
         feed = core.check_tokens(req.cursor.tokens)
         if not feed:
             raise invalid("tokens is empty: send at least the last token of the sequence")
         s = core.open(req.cursor, len(feed) + k - 1)
         resp = draft_pb2.ProposeTokensResponse()
         rows = []
+        confidence = 1.0  # the draft's estimate that the target accepts every token so far
         for i in range(k):
+            if i:
+                if confidence < req.min_confidence:
+                    break
+                feed = [resp.token_ids[-1]]
             logits = core.forward(s, feed, 1)  # [1, vocab]
             position = len(s.tokens)  # absolute position of the token drafted now
             if params.greedy:
                 x, qx = argmax_rows(logits)[0], 1.0
+                if req.min_confidence:
+                    confidence *= top_probability(logits[0])
             else:
                 probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)[0]
                 found = support(probs)
@@ -45,10 +60,15 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
                 qx = float(probs[x])
                 rows.append(probs)
                 resp.distributions.append(core.sparse(found))
+                confidence *= qx
             resp.token_ids.append(x)
             resp.token_probs.append(qx)
-            feed = [x]
         s.probs = torch.stack(rows) if rows else None
-        s.probs_start = len(s.tokens) - (k - 1)
+        s.probs_start = len(s.tokens) - (len(resp.token_ids) - 1)
         resp.length = len(s.tokens)
         return resp
+
+
+def top_probability(logits: torch.Tensor) -> float:
+    """The largest probability of softmax(logits), at temperature 1. logits: [vocab]."""
+    return float(torch.exp(logits.max() - torch.logsumexp(logits, dim=0)))

@@ -38,6 +38,7 @@ class GenerationSpec:
     sampling: SamplingParams
     k: int
     stops: list[str] = field(default_factory=list)
+    min_confidence: float = 0.0  # the draft stops a round early below it (ProposeTokensRequest.min_confidence)
 
 
 @dataclass
@@ -111,7 +112,8 @@ class Generation:
         for attempt in range(2):
             keep = min(common_prefix(self.draft_mirror, self.history), len(self.history) - 1)
             req = draft_pb2.ProposeTokensRequest(
-                cursor=self._cursor(self.draft_mirror, keep), num_tokens=k, sampling=self._params)
+                cursor=self._cursor(self.draft_mirror, keep), num_tokens=k, sampling=self._params,
+                min_confidence=self.spec.min_confidence)
             t = time.perf_counter()
             try:
                 resp = await self.proposals.call(req, wait_s=0.0)
@@ -129,7 +131,7 @@ class Generation:
                     return None
                 raise _upstream("draft", e) from None
             self._trace(trace, req, resp, time.perf_counter() - t, "draft_s")
-            self.draft_mirror = self.history + list(resp.token_ids[: k - 1])
+            self.draft_mirror = self.history + list(resp.token_ids[:-1])  # the last drafted token is not fed
             return resp
         raise ServiceError(grpc.StatusCode.INTERNAL, "draft session lost twice in one round")
 

@@ -44,6 +44,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         top_p = req.top_p if req.HasField("top_p") else cfg.top_p
         top_k = req.top_k if req.HasField("top_k") else cfg.top_k
         k = req.num_speculative_tokens if req.HasField("num_speculative_tokens") else cfg.num_speculative_tokens
+        confidence = (req.draft_confidence_threshold if req.HasField("draft_confidence_threshold")
+                      else cfg.draft_confidence_threshold)
         if not (math.isfinite(temperature) and temperature >= 0):
             raise invalid(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
         if not (math.isfinite(top_p) and 0 < top_p <= 1):
@@ -52,6 +54,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise invalid(f"top_k must be >= 0 (0 disables it), got {top_k}")
         if not 0 <= k <= cfg.max_speculative_tokens:
             raise invalid(f"num_speculative_tokens must be within [0, {cfg.max_speculative_tokens}], got {k}")
+        if not 0 <= confidence < 1:
+            raise invalid(f"draft_confidence_threshold must be in [0, 1), got {confidence}")
         if req.HasField("max_tokens") and req.max_tokens < 1:
             raise invalid("max_tokens must be at least 1")
         if len(req.stop) > cfg.max_stop_strings or any(not s for s in req.stop):
@@ -75,7 +79,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                    f"prompt ({len(ids)} tokens) leaves no room in the context length {self.max_model_len}")
             max_tokens = min(cfg.max_tokens, room)
         seed = req.seed if req.HasField("seed") else secrets.randbits(63)
-        return GenerationSpec(ids, max_tokens, SamplingParams(temperature, top_p, top_k, seed), k, list(req.stop))
+        return GenerationSpec(ids, max_tokens, SamplingParams(temperature, top_p, top_k, seed), k, list(req.stop),
+                              confidence)
 
     def _tokenize(self, req: gen_pb.GenerateRequest) -> list[int]:
         if req.prompt:

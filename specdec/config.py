@@ -99,6 +99,9 @@ class OrchestratorConfig:
     # verify pass costs about one step, and 3 for its CPU profile.
     num_speculative_tokens: int = field(default=3, metadata={"help": "default K per request"})
     max_speculative_tokens: int = field(default=8, metadata={"help": "largest K a request may ask"})
+    draft_confidence_threshold: float = field(default=0.0, metadata={
+        "help": "default per request: a round drafts fewer than K tokens once the draft's confidence that all "
+                "of them are accepted falls below this (0 = always K)"})
     max_tokens: int = field(default=256, metadata={"help": "default max_tokens per request"})
     temperature: float = field(default=0.7, metadata={"help": "default temperature (0 = greedy)"})
     top_p: float = field(default=0.9, metadata={"help": "default top_p"})
@@ -116,6 +119,8 @@ class OrchestratorConfig:
         _ports(self.port, self.metrics_port)
         if not 0 <= self.num_speculative_tokens <= self.max_speculative_tokens:
             raise ConfigError("--num-speculative-tokens must be within [0, --max-speculative-tokens]")
+        if not 0 <= self.draft_confidence_threshold < 1:
+            raise ConfigError("--draft-confidence-threshold must be in [0, 1)")
         if self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError("need --max-tokens >= 1, --temperature >= 0, --top-p in (0, 1], --top-k >= 0")
         if self.rpc_timeout_s <= 0 or self.max_request_bytes < 1024:

@@ -46,16 +46,19 @@ def test_prompts_are_long_enough(tokenizer):
     assert all(len(chat_ids(tokenizer, p)) >= 64 for p in PROMPTS)
 
 
-@pytest.mark.parametrize("k", [4, 0])
-def test_greedy_output_equals_target_alone(partial_stack, reference, k):
+@pytest.mark.parametrize("k,threshold", [(4, 0.0), (0, 0.0), (6, 0.3)])
+def test_greedy_output_equals_target_alone(partial_stack, reference, k, threshold):
+    """threshold: the draft stops a round early on low confidence, so rounds propose different numbers of tokens."""
     assert partial_stack.draft.runner.quantize == "int8"  # as deployed on CPU: the draft's products in int8
     for text, expected in zip(PROMPTS, reference):
         ids, _, stats = partial_stack.generate(messages=[("user", text)], max_tokens=MAX_TOKENS, temperature=0.0,
-                                               num_speculative_tokens=k)
+                                               num_speculative_tokens=k, draft_confidence_threshold=threshold)
         assert ids == expected, f"diverged at token {next(i for i, (a, b) in enumerate(zip(ids + [-1], expected + [-2])) if a != b)}"
         assert len(ids) == MAX_TOKENS
         if k:
             assert 0 < stats.accepted_tokens < stats.draft_tokens  # both accept and reject paths ran
+        if threshold:
+            assert stats.draft_tokens < k * stats.rounds - 1  # some rounds stopped short (the last may be cut by length)
 
 
 @pytest.mark.parametrize("matmul", FORMS)

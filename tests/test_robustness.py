@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import grpc
@@ -33,6 +34,9 @@ def code_of(stack, **fields):
     (dict(prompt="hi", top_k=-1), grpc.StatusCode.INVALID_ARGUMENT),
     (dict(prompt="hi", num_speculative_tokens=9), grpc.StatusCode.INVALID_ARGUMENT),
     (dict(prompt="hi", num_speculative_tokens=-1), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt="hi", draft_confidence_threshold=1.0), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt="hi", draft_confidence_threshold=-0.1), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt="hi", draft_confidence_threshold=float("nan")), grpc.StatusCode.INVALID_ARGUMENT),
     (dict(prompt="hi", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT),
     (dict(prompt="hi", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT),
     (dict(messages=[("", "no role")]), grpc.StatusCode.INVALID_ARGUMENT),
@@ -63,10 +67,10 @@ def test_model_server_session_errors(small_server):
     target = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(small_server.target_address))
     greedy = ms.SamplingParams(temperature=0.0, top_p=1.0)
 
-    def propose(sid, expected, keep, tokens, k=2):
+    def propose(sid, expected, keep, tokens, k=2, min_confidence=0.0):
         return draft.ProposeTokens(draft_pb2.ProposeTokensRequest(
             cursor=ms.SessionCursor(session_id=sid, expected_length=expected, keep_length=keep, tokens=tokens),
-            num_tokens=k, sampling=greedy))
+            num_tokens=k, sampling=greedy, min_confidence=min_confidence))
 
     def status(fn):
         with pytest.raises(grpc.RpcError) as err:
@@ -80,6 +84,7 @@ def test_model_server_session_errors(small_server):
     assert status(lambda: propose("a", 4, 4, [4], k=9)) == grpc.StatusCode.INVALID_ARGUMENT
     assert status(lambda: propose("a", 4, 5, [4])) == grpc.StatusCode.INVALID_ARGUMENT  # keep > expected
     assert status(lambda: propose("a", 4, 4, [10 ** 6])) == grpc.StatusCode.INVALID_ARGUMENT  # not a token id
+    assert status(lambda: propose("a", 4, 4, [4], min_confidence=1.0)) == grpc.StatusCode.INVALID_ARGUMENT
     assert status(lambda: propose("a", 4, 4, list(range(60)))) == grpc.StatusCode.OUT_OF_RANGE  # past max_model_len
     assert propose("a", 4, 3, [7]).length == 3 + 1 + 1  # rolled back to 3, then appended
     propose("b", 0, 0, [1])
@@ -97,6 +102,33 @@ def test_model_server_session_errors(small_server):
     for sid in ("a", "c"):
         draft.ReleaseSession(ms.ReleaseSessionRequest(session_id=sid))
     assert small_server.pool_sizes() == (0, 0)
+
+
+def test_draft_stops_at_the_first_token_below_its_confidence_threshold(small_server):
+    """min_confidence ends a proposal after the token whose running product of q(x) crosses it; the tokens
+    drafted are those a full proposal starts with, and the session holds all but the last, as always."""
+    draft = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(small_server.draft_address))
+    sampled = ms.SamplingParams(temperature=1.0, top_p=1.0, seed=7)
+
+    def propose(sid, min_confidence):
+        return draft.ProposeTokens(draft_pb2.ProposeTokensRequest(
+            cursor=ms.SessionCursor(session_id=sid, expected_length=0, keep_length=0, tokens=[1, 2, 3]),
+            num_tokens=6, sampling=sampled, min_confidence=min_confidence))
+
+    full = propose("full", 0.0)
+    assert len(full.token_ids) == 6
+    running = [math.prod(full.token_probs[: i + 1]) for i in range(6)]
+    for n in (1, 3, 5):
+        threshold = math.sqrt(running[n - 1] * running[n - 2]) if n > 1 else 1 - 1e-6  # between the products
+        short = propose(f"short{n}", threshold)
+        assert list(short.token_ids) == list(full.token_ids[:n])
+        assert short.length == 3 + n - 1
+        again = draft.ProposeTokens(draft_pb2.ProposeTokensRequest(  # the cursor the orchestrator keeps is right
+            cursor=ms.SessionCursor(session_id=f"short{n}", expected_length=short.length, keep_length=short.length,
+                                    tokens=[short.token_ids[-1]]), num_tokens=1, sampling=sampled))
+        assert again.length == short.length + 1
+        draft.ReleaseSession(ms.ReleaseSessionRequest(session_id=f"short{n}"))  # the pool holds two sessions
+    draft.ReleaseSession(ms.ReleaseSessionRequest(session_id="full"))
 
 
 def test_finished_and_cancelled_requests_free_both_pools(tiny_stack):

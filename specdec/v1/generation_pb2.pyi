@@ -29,7 +29,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens")
+    __slots__ = ("prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "draft_confidence_threshold")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CONFIDENCE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     max_tokens: int
@@ -48,7 +49,8 @@ class GenerateRequest(_message.Message):
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     num_speculative_tokens: int
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    draft_confidence_threshold: float
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., draft_confidence_threshold: _Optional[float] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_tokens_per_round", "rejected_rounds", "time_to_first_token_seconds", "total_seconds", "seed")
