@@ -12,7 +12,8 @@ import torch
 
 from specdec.errors import invalid
 from specdec.model_server import ModelServer, SessionRpcs
-from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, support, uniform
+from specdec.sampling import (Purpose, argmax_rows, logits_to_probs, sample_sparse, support, top_probability,
+                              uniform)
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 
@@ -42,11 +43,7 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
         resp = draft_pb2.ProposeTokensResponse()
         rows = []
         confidence = 1.0  # the draft's estimate that the target accepts every token so far
-        for i in range(k):
-            if i:
-                if confidence < req.min_confidence:
-                    break
-                feed = [resp.token_ids[-1]]
+        for _ in range(k):
             logits = core.forward(s, feed, 1)  # [1, vocab]
             position = len(s.tokens)  # absolute position of the token drafted now
             if params.greedy:
@@ -63,12 +60,10 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
                 confidence *= qx
             resp.token_ids.append(x)
             resp.token_probs.append(qx)
+            if confidence < req.min_confidence:
+                break
+            feed = [x]
         s.probs = torch.stack(rows) if rows else None
         s.probs_start = len(s.tokens) - (len(resp.token_ids) - 1)
         resp.length = len(s.tokens)
         return resp
-
-
-def top_probability(logits: torch.Tensor) -> float:
-    """The largest probability of softmax(logits), at temperature 1. logits: [vocab]."""
-    return float(torch.exp(logits.max() - torch.logsumexp(logits, dim=0)))

@@ -80,7 +80,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_tokens = min(cfg.max_tokens, room)
         seed = req.seed if req.HasField("seed") else secrets.randbits(63)
         return GenerationSpec(ids, max_tokens, SamplingParams(temperature, top_p, top_k, seed), k, list(req.stop),
-                              confidence)
+                              min_confidence=confidence)
 
     def _tokenize(self, req: gen_pb.GenerateRequest) -> list[int]:
         if req.prompt:

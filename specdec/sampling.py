@@ -60,6 +60,11 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return (kernels.argmax_rows(logits) if kernels is not None else logits.argmax(dim=-1)).tolist()
 
 
+def top_probability(logits: torch.Tensor) -> float:
+    """The largest probability of softmax(logits), at temperature 1. logits: [vocab]."""
+    return float(torch.exp(logits.max() - torch.logsumexp(logits, dim=0)))
+
+
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Temperature, then top-k, then top-p, then softmax. logits: [n, vocab] -> probs [n, vocab] float32.
 

@@ -7,8 +7,8 @@ import torch
 from conftest import can_run, make_stack, stop_stack
 
 from bench.run import forwards
-from specdec.kernels import cpu_kernels
 from specdec import models
+from specdec.kernels import cpu_kernels
 from specdec.lean_llama import FORMS
 
 PROMPTS = [  # each at least 64 tokens after the chat template; answers run past 64 tokens
