@@ -16,6 +16,9 @@ file that does not match the weights it is paired with must not be used.
 
 from __future__ import annotations
 
+import mmap
+import struct
+
 import numpy as np
 import torch
 
@@ -35,14 +38,95 @@ def qk_row_order(rows: int, n_heads: int) -> np.ndarray:
     return np.arange(rows).reshape(n_heads, dim, 2).swapaxes(2, 1).reshape(rows)
 
 
+# GGUF metadata value types: struct formats of the scalars; 8 is a string, 9 an array
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Header:
+    """A little-endian reader over the file's mapped bytes."""
+
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def take(self, fmt: str):
+        value, = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.take("Q")
+        self.pos += n
+        return bytes(self.buf[self.pos - n:self.pos]).decode("utf-8", "replace")
+
+    def skip(self, vtype: int) -> None:
+        if vtype in _SCALARS:
+            self.pos += struct.calcsize(_SCALARS[vtype])
+        elif vtype == _STRING:
+            n = self.take("Q")  # not `self.pos += self.take(...)`: that adds to pos as it was before the read
+            self.pos += n
+        elif vtype == _ARRAY:
+            etype, count = self.take("I"), self.take("Q")
+            if etype in _SCALARS:
+                self.pos += count * struct.calcsize(_SCALARS[etype])
+            else:
+                for _ in range(count):
+                    self.skip(etype)
+        else:
+            raise ValueError(f"unknown metadata value type {vtype}")
+
+
+def read_tensors(path: str) -> dict[str, tuple[np.ndarray | None, str]]:
+    """name -> (raw [rows, row bytes] uint8 mapped from the file, or None for a type gguf does not size; type
+    name) for every tensor of the GGUF file at path. Reads the header and tensor index only: gguf's
+    GGUFReader also parses every metadata value in Python (the vocabulary's 49,152 tokens), 2 s at start-up.
+    Raises BlocksUnavailable for a file it cannot read."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        with open(path, "rb") as f:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        h = _Header(buf)
+        if bytes(buf[:4]) != b"GGUF":
+            raise ValueError("not a GGUF file")
+        h.pos = 4
+        if (version := h.take("I")) not in (2, 3):
+            raise ValueError(f"GGUF version {version} (this reader takes little-endian versions 2 and 3)")
+        n_tensors, n_kv = h.take("Q"), h.take("Q")
+        alignment = 32
+        for _ in range(n_kv):
+            key, vtype = h.string(), h.take("I")
+            if key == "general.alignment" and vtype == 4:
+                alignment = h.take("I")
+            else:
+                h.skip(vtype)
+        index = []
+        for _ in range(n_tensors):
+            name, n_dims = h.string(), h.take("I")
+            dims = [h.take("Q") for _ in range(n_dims)]
+            index.append((name, dims, h.take("I"), h.take("Q")))
+        start = -(-h.pos // alignment) * alignment
+        tensors = {}
+        for name, dims, type_id, offset in index:
+            kind = GGMLQuantizationType(type_id)
+            raw = None
+            if kind in GGML_QUANT_SIZES:
+                block, size = GGML_QUANT_SIZES[kind]
+                row_bytes, rows = dims[0] // block * size, int(np.prod(dims[1:], dtype=np.int64))
+                raw = np.frombuffer(buf, np.uint8, rows * row_bytes, start + offset).reshape(rows, row_bytes)
+            tensors[name] = (raw, kind.name)
+        return tensors
+    except (OSError, ValueError, struct.error) as e:  # not a GGUF file, truncated, a version or type unknown here
+        raise BlocksUnavailable(f"cannot read {path}: {e}") from None
+
+
 def _tensor(tensors: dict, name: str) -> tuple[np.ndarray, str]:
     if name not in tensors:
         raise BlocksUnavailable(f"the file has no tensor {name}")
-    t = tensors[name]
-    kind = t.tensor_type.name
+    raw, kind = tensors[name]
     if kind not in FORMATS:
         raise BlocksUnavailable(f"{name} is {kind}; the kernel reads {', '.join(FORMATS)}")
-    return np.asarray(t.data), kind
+    return raw, kind
 
 
 def split_blocks(raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -80,13 +164,7 @@ def read_llama_blocks(path: str, layers: list, head: torch.Tensor, n_heads: int,
     """([(qkv, o, gate_up, down) per layer], head), each matrix as split_blocks gives it, from the GGUF file
     at path; layers: the lean runner's (ln1, wqkv, wo, ln2, wgu, wd) float32 weights, head: its output
     matrix. Raises BlocksUnavailable."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:  # not a GGUF file, or a version this gguf cannot read
-        raise BlocksUnavailable(f"cannot read {path}: {e}") from None
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = read_tensors(path)
     out = []
     for i, (_, wqkv, wo, _, wgu, wd) in enumerate(layers):
         p = f"blk.{i}."

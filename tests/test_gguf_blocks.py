@@ -70,6 +70,49 @@ def test_block_types_the_kernel_does_not_read_are_refused(tiny_draft, tokenizer,
         LeanLlamaRunner(model, len(tokenizer), 512, matmul="gguf", gguf=path)
 
 
+def test_the_tensor_index_reads_what_ggufs_own_reader_reads(tmp_path):
+    """read_tensors parses only the header and the tensor index; every tensor, its type and its bytes must be
+    the ones gguf's GGUFReader finds, past string arrays, nested arrays and a custom alignment."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    path = tmp_path / "index.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(64)
+    writer.add_array("tokenizer.ggml.tokens", ["<s>", "héllo", "", "x" * 300])
+    writer.add_array("tokenizer.ggml.scores", [0.5, -1.0, 2.0])
+    writer.add_key_value("test.nested", [[1, 2], [3]], GGUFValueType.ARRAY, sub_type=GGUFValueType.ARRAY)
+    writer.add_uint64("test.big", 1 << 40)
+    rng = np.random.default_rng(0)
+    for name, shape, kind in (("a", (3, 64), "Q4_1"), ("b", (5, 96), "Q8_0"), ("c", (7,), "F32"), ("d", (2, 32), "F16")):
+        values = rng.standard_normal(shape).astype(np.float32)
+        if kind in ("Q4_1", "Q8_0"):
+            writer.add_tensor(name, quantize(values, GGMLQuantizationType[kind]), raw_dtype=GGMLQuantizationType[kind])
+        else:
+            writer.add_tensor(name, values.astype(np.float16 if kind == "F16" else np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    index = gguf_blocks.read_tensors(str(path))
+    theirs = {t.name: t for t in GGUFReader(str(path)).tensors}
+    assert set(index) == set(theirs) == {"a", "b", "c", "d"}
+    for name, t in theirs.items():
+        raw, kind = index[name]
+        assert kind == t.tensor_type.name
+        assert raw.tobytes() == np.asarray(t.data).tobytes()
+    assert index["a"][0].shape == (3, 2 * 20) and index["b"][0].shape == (5, 3 * 34)
+
+
+def test_a_file_that_is_not_gguf_is_refused_with_its_reason(tmp_path):
+    for body, reason in ((b"PK\x03\x04 not gguf", "not a GGUF file"), (b"GGUF\x03\x00\x00\x00\x05", "unpack"),
+                         (b"GGUF\x01\x00\x00\x00" + bytes(16), "version 1")):
+        (path := tmp_path / "bad.gguf").write_bytes(body)
+        with pytest.raises(gguf_blocks.BlocksUnavailable, match=reason):
+            gguf_blocks.read_tensors(str(path))
+    with pytest.raises(gguf_blocks.BlocksUnavailable, match="cannot read"):
+        gguf_blocks.read_tensors(str(tmp_path / "missing.gguf"))
+
+
 def test_the_gguf_form_needs_a_gguf_file(tiny_draft, tokenizer):
     built_kernels()
     with pytest.raises(ValueError, match="not loaded from a GGUF file"):
