@@ -94,14 +94,38 @@ def test_onednn_is_the_same_product_as_linear():
     torch.testing.assert_close(y, F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
+class PassClock:
+    """A clock that a fake pass moves by its form's cost at its row count, in ms."""
+
+    def __init__(self, costs):
+        self.costs, self.now, self.ran = costs, 0.0, []
+
+    def __call__(self) -> float:
+        return self.now / 1e3
+
+    def run_pass(self, form, n):
+        self.ran.append((form, n))
+        self.now += self.costs[form][n]
+
+
 def test_timing_covers_every_form_and_row_count_alternating_forms():
-    ran = []
-    timings = time_passes(["linear", "fewrow"], run_pass=lambda form, n: ran.append((form, n)), rows=(1, 4), reps=2)
-    assert set(timings) == {"linear", "fewrow"}
-    assert all(set(by_rows) == {1, 4} and all(0 < t < float("inf") for t in by_rows.values())
-               for by_rows in timings.values())
-    timed = ran[2:]  # after one warm-up pass per form
+    clock = PassClock({"linear": {1: 10.0, 4: 12.0}, "fewrow": {1: 9.0, 4: 13.0}})
+    timings = time_passes(["linear", "fewrow"], run_pass=clock.run_pass, rows=(1, 4), reps=2, clock=clock)
+    assert all(timings[form] == pytest.approx(clock.costs[form]) for form in clock.costs)
+    timed = clock.ran[2:]  # after one warm-up pass per form
     assert timed == [("linear", 1), ("fewrow", 1), ("linear", 4), ("fewrow", 4)] * 2
+
+
+def test_a_form_twice_as_slow_after_one_sweep_is_not_timed_again_at_that_row_count():
+    costs = {"linear": {1: 20.0, 4: 22.0}, "weights-first": {1: 41.0, 4: 23.0}, "gguf": {1: 7.0, 4: 12.0}}
+    clock = PassClock(costs)
+    timings = time_passes(list(costs), run_pass=clock.run_pass, rows=(1, 4), reps=3, clock=clock)
+    assert all(timings[form] == pytest.approx(costs[form]) for form in costs)  # each keeps its timing: the plan sees all
+    timed = clock.ran[3:]
+    assert timed.count(("gguf", 1)) == 3 and timed.count(("gguf", 4)) == 3
+    assert timed.count(("linear", 1)) == 1 and timed.count(("weights-first", 1)) == 1  # 20 and 41 ms > 2 x 7
+    assert timed.count(("linear", 4)) == 3 and timed.count(("weights-first", 4)) == 3  # 22 and 23 ms <= 2 x 12
+    assert plan_products(timings, max_rows=4)[1:] == ("gguf",) * 4
 
 
 def test_auto_times_whole_passes_in_each_form_and_leaves_the_session_state_alone(tiny_draft, tokenizer):
