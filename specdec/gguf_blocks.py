@@ -76,9 +76,9 @@ class _Header:
             raise ValueError(f"unknown metadata value type {vtype}")
 
 
-def read_tensors(path: str) -> dict[str, tuple[np.ndarray | None, str]]:
-    """name -> (raw [rows, row bytes] uint8 mapped from the file, or None for a type gguf does not size; type
-    name) for every tensor of the GGUF file at path. Reads the header and tensor index only: gguf's
+def read_tensors(path: str) -> dict[str, tuple[np.ndarray, str]]:
+    """name -> (raw [rows, row bytes] uint8 mapped from the file, type name) for every tensor of the GGUF file
+    at path. Reads the header and tensor index only: gguf's
     GGUFReader also parses every metadata value in Python (the vocabulary's 49,152 tokens), 2 s at start-up.
     Raises BlocksUnavailable for a file it cannot read."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -87,9 +87,8 @@ def read_tensors(path: str) -> dict[str, tuple[np.ndarray | None, str]]:
         with open(path, "rb") as f:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         h = _Header(buf)
-        if bytes(buf[:4]) != b"GGUF":
+        if h.take("4s") != b"GGUF":
             raise ValueError("not a GGUF file")
-        h.pos = 4
         if (version := h.take("I")) not in (2, 3):
             raise ValueError(f"GGUF version {version} (this reader takes little-endian versions 2 and 3)")
         n_tensors, n_kv = h.take("Q"), h.take("Q")
@@ -108,13 +107,11 @@ def read_tensors(path: str) -> dict[str, tuple[np.ndarray | None, str]]:
         start = -(-h.pos // alignment) * alignment
         tensors = {}
         for name, dims, type_id, offset in index:
-            kind = GGMLQuantizationType(type_id)
-            raw = None
-            if kind in GGML_QUANT_SIZES:
-                block, size = GGML_QUANT_SIZES[kind]
-                row_bytes, rows = dims[0] // block * size, int(np.prod(dims[1:], dtype=np.int64))
-                raw = np.frombuffer(buf, np.uint8, rows * row_bytes, start + offset).reshape(rows, row_bytes)
-            tensors[name] = (raw, kind.name)
+            kind = GGMLQuantizationType(type_id)  # every type gguf knows has its block size in GGML_QUANT_SIZES
+            block, size = GGML_QUANT_SIZES[kind]
+            row_bytes, rows = dims[0] // block * size, int(np.prod(dims[1:], dtype=np.int64))
+            tensors[name] = (np.frombuffer(buf, np.uint8, rows * row_bytes, start + offset).reshape(rows, row_bytes),
+                             kind.name)
         return tensors
     except (OSError, ValueError, struct.error) as e:  # not a GGUF file, truncated, a version or type unknown here
         raise BlocksUnavailable(f"cannot read {path}: {e}") from None
