@@ -12,6 +12,11 @@ def _fmt(q: dict, digits: int = 2) -> str:
     return f"{q['median']:.{digits}f} [{q['p25']:.{digits}f}, {q['p75']:.{digits}f}]"
 
 
+def _best_lookup(res: dict) -> str:
+    name = res.get("best_lookup")
+    return f"{_fmt(res['per_k'][name]['speedup'])} (K = {name.split('+')[0]})" if name else "-"
+
+
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [f"# specdec bench ({m['date']})", "",
@@ -24,6 +29,11 @@ def markdown(report: dict) -> str:
         lines.append(f"Draft confidence threshold {report['draft_confidence_threshold']:g}: K is the most a round "
                      "drafts, and a round stops early once the draft's confidence falls below it; the bound and the "
                      "efficiency assume K drafts every round, so they do not apply.")
+    if report.get("lookup_ks"):
+        lines.append(f"Arms K+lookup run K with prompt lookup (prompt_lookup_min {report['prompt_lookup_min']}): a round "
+                     "whose last tokens occurred earlier in the prompt or answer proposes the tokens that followed "
+                     "them instead of calling the draft. Their proposals come from two sources, so no bound is given; "
+                     "c is the draft's cost per token it drafted.")
     if report.get("forward"):
         lines.append(f"Forward passes, as each server chose at start-up: draft `{report['forward']['draft']}`, "
                      f"target `{report['forward']['target']}`.")
@@ -36,25 +46,32 @@ def markdown(report: dict) -> str:
         for k, row in res["per_k"].items():
             ms = row["round_ms"]
             eff = "-" if row.get("efficiency") is None else f"{row['efficiency']:.2f}"
+            bound = "-" if k != "0" and row.get("bound") is None else f"{row.get('bound', 1.0):.2f}"
             lines.append(
                 f"| {k} | {_fmt(row['speedup']) if 'speedup' in row else '1 (baseline)'} | {_fmt(row['tokens_per_s'], 1)} | "
                 f"{row['alpha']:.3f} | {row['accepted_over_drafted']:.3f} | {row['tokens_per_round']:.2f} | {row['c']:.3f} | "
-                f"{row.get('bound', 1.0):.2f} | {eff} | "
+                f"{bound} | {eff} | "
                 f"{ms['draft']:.1f} / {ms['verify']:.1f} / {ms['accept']:.2f} / {ms['rpc']:.2f} | "
                 f"{row['wire_bytes_per_round_mean']:.0f} | {row['rpcs_per_round_mean']:.2f} |")
-        lines += ["", f"Best K: {res['best_k']}; target step at K = 0: {res['target_step_ms']:.1f} ms.", ""]
+        lines += ["", f"Best K: {res['best_k']}; target step at K = 0: {res['target_step_ms']:.1f} ms."]
+        for k, row in res["per_k"].items():
+            if "lookup_share" in row:
+                lines.append(f"K = {k}: prompt lookup proposed {100 * row['lookup_share']:.0f}% of the tokens, "
+                             f"{100 * row['lookup_accepted_over_proposed']:.0f}% of them accepted.")
+        lines.append("")
     if "transformers_assisted" in report:
         peer = report["transformers_assisted"]
         lines += ["## In-process peer: transformers assisted generation", "",
                   f"`generate(assistant_model=draft)` against plain `generate()`, same models, {peer['prompts']} prompts, alternated.", "",
-                  "| | speedup | plain tokens/s | assisted tokens/s | specdec speedup at its best K |", "|---|---|---|---|---|"]
+                  "| | speedup | plain tokens/s | assisted tokens/s | specdec speedup at its best K | with prompt lookup |",
+                  "|---|---|---|---|---|---|"]
         for name, res in peer.items():
             if name == "prompts":
                 continue
             ours = report["services"][name]
             lines.append(f"| {name} | {_fmt(res['speedup'])} | {_fmt(res['plain_tokens_per_s'], 1)} | "
                          f"{_fmt(res['assisted_tokens_per_s'], 1)} | {_fmt(ours['per_k'][str(ours['best_k'])]['speedup'])} "
-                         f"(K = {ours['best_k']}) |")
+                         f"(K = {ours['best_k']}) | {_best_lookup(ours)} |")
         lines.append("")
     lines.append(f"Wall time: {report['wall_seconds'] / 60:.1f} min.")
     return "\n".join(lines) + "\n"
@@ -68,11 +85,16 @@ def plot(report: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, res in report["services"].items():
-        ks = [int(k) for k in res["per_k"] if k != "0"]
+        ks = [int(k) for k in res["per_k"] if k != "0" and "+" not in k]
         rows = [res["per_k"][str(k)] for k in ks]
+        looked = [k for k in res["per_k"] if "+" in k]
         med = [r["speedup"]["median"] for r in rows]
         err = [[m - r["speedup"]["p25"] for m, r in zip(med, rows)], [r["speedup"]["p75"] - m for m, r in zip(med, rows)]]
         line = axes[0].errorbar(ks, med, yerr=err, marker="o", capsize=3, label=f"measured, {name}")
+        if looked:
+            axes[0].plot([int(k.split("+")[0]) for k in looked], [res["per_k"][k]["speedup"]["median"] for k in looked],
+                         marker="*", markersize=10, linestyle="none", color=line[0].get_color(),
+                         label=f"with prompt lookup, {name}")
         axes[0].plot(ks, [r["bound"] for r in rows], linestyle="--", color=line[0].get_color(), label=f"Leviathan bound, {name}")
         axes[1].plot(ks, [r["alpha"] for r in rows], marker="o", label=f"alpha, {name}")
         axes[1].plot(ks, [r["accepted_over_drafted"] for r in rows], marker="x", linestyle=":", label=f"accepted/drafted, {name}")

@@ -6,7 +6,9 @@
 Starts the three services on free loopback ports. For each temperature (0, and
 0.7 with top_p 0.9), each repetition and each prompt of bench/prompts.json, it
 runs K = 0 (the target alone, same path), every K in a shuffled order, then
-K = 0 again. Each K's speedup is its tokens/s over the mean of that prompt's two
+K = 0 again. Arms named "K+lookup" run K with prompt lookup, whose rounds propose
+tokens copied from the sequence itself when its last tokens repeat, and ask the
+draft only otherwise (the proposals' source is mixed, so no bound applies to them). Each K's speedup is its tokens/s over the mean of that prompt's two
 K = 0 runs, so machine drift cancels; the report gives the median and quartiles.
 The orchestrator's metrics, scraped around every run, give per K: the round split
 into draft, verify, accept and RPC time, bytes and RPCs per round, and
@@ -106,9 +108,10 @@ def forwards(draft_address: str, target_address: str) -> dict:
 
 
 def generate(stub, prompt: str, k: int, temperature: float, top_p: float, seed: int, max_tokens: int,
-             draft_confidence: float = 0.0) -> dict:
+             draft_confidence: float = 0.0, lookup_min: int = 0) -> dict:
     req = pb.GenerateRequest(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             num_speculative_tokens=k, draft_confidence_threshold=draft_confidence)
+                             num_speculative_tokens=k, draft_confidence_threshold=draft_confidence,
+                             prompt_lookup_min=lookup_min)
     req.messages.add(role="user", content=prompt)
     t = time.perf_counter()
     stats = None
@@ -118,7 +121,16 @@ def generate(stub, prompt: str, k: int, temperature: float, top_p: float, seed: 
     seconds = time.perf_counter() - t
     return {"tokens": stats.completion_tokens, "seconds": seconds, "accepted": stats.accepted_tokens,
             "drafted": stats.draft_tokens, "rejected_rounds": stats.rejected_rounds, "rounds": stats.rounds,
-            "emitted": stats.mean_tokens_per_round * stats.rounds, "ttft": stats.time_to_first_token_seconds}
+            "emitted": stats.mean_tokens_per_round * stats.rounds, "ttft": stats.time_to_first_token_seconds,
+            "lookup_tokens": stats.lookup_tokens, "lookup_accepted": stats.lookup_accepted_tokens}
+
+
+def arm_name(k: int, lookup_min: int) -> str:
+    return f"{k}+lookup" if lookup_min else str(k)
+
+
+def arm_k(name: str) -> int:
+    return int(name.split("+")[0])
 
 
 def quartiles(xs: list[float]) -> dict:
@@ -128,7 +140,8 @@ def quartiles(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "p25": q[0], "p75": q[2]}
 
 
-def run_services(args, prompts, ks, progress) -> dict:
+def run_services(args, prompts, arms, progress) -> dict:
+    """arms: (K, prompt_lookup_min) pairs besides K = 0."""
     out_dir = Path(args.out)
     proc, address, metrics_url, forward = start_services(args.draft_model, args.target_model,
                                                          out_dir / "services.log")
@@ -138,28 +151,31 @@ def run_services(args, prompts, ks, progress) -> dict:
         generate(stub, "Hello!", 4, 0.0, 1.0, 0, 8)  # warm-up
         rng = random.Random(0)
         for temperature, top_p in TEMPERATURES:
-            runs = {k: [] for k in [0, *ks]}
-            metric = {k: {} for k in [0, *ks]}
-            speedups = {k: [] for k in ks}
+            names = [arm_name(*arm) for arm in arms]
+            runs = {name: [] for name in ["0", *names]}
+            metric = {name: {} for name in ["0", *names]}
+            speedups = {name: [] for name in names}
             for rep in range(args.reps):
                 for i, p in enumerate(prompts):
-                    order = rng.sample(ks, len(ks))
+                    order = rng.sample(arms, len(arms))
                     base, rate = [], {}
-                    for k in [0, *order, 0]:
+                    for k, lookup_min in [(0, 0), *order, (0, 0)]:
+                        name = arm_name(k, lookup_min)
                         before = scrape(metrics_url)
                         r = generate(stub, p["prompt"], k, temperature, top_p, seed=1000 * rep + i,
-                                     max_tokens=args.max_tokens, draft_confidence=args.draft_confidence)
+                                     max_tokens=args.max_tokens, draft_confidence=args.draft_confidence,
+                                     lookup_min=lookup_min)
                         d = delta(before, scrape(metrics_url))
                         for key, v in d.items():
-                            metric[k][key] = metric[k].get(key, 0.0) + v
-                        runs[k].append(r)
+                            metric[name][key] = metric[name].get(key, 0.0) + v
+                        runs[name].append(r)
                         if k == 0:
                             base.append(r["tokens"] / r["seconds"])
                         else:
-                            rate[k] = r["tokens"] / r["seconds"]
+                            rate[name] = r["tokens"] / r["seconds"]
                         progress.update(1)
-                    for k, v in rate.items():
-                        speedups[k].append(v / statistics.mean(base))
+                    for name, v in rate.items():
+                        speedups[name].append(v / statistics.mean(base))
             results[f"T={temperature}"] = summarize(runs, metric, speedups, temperature, top_p)
     finally:
         proc.terminate()
@@ -168,17 +184,20 @@ def run_services(args, prompts, ks, progress) -> dict:
 
 
 def summarize(runs, metric, speedups, temperature, top_p) -> dict:
-    base_rounds = value(metric[0], "specdec_rounds_total") or 1.0
-    target_round_s = value(metric[0], "specdec_round_phase_seconds_sum", phase="verify") / base_rounds
+    """Per arm (K, or K+lookup): rates, acceptance, c, the round's split and, for the draft alone, the bound."""
+    base_rounds = value(metric["0"], "specdec_rounds_total") or 1.0
+    target_round_s = value(metric["0"], "specdec_round_phase_seconds_sum", phase="verify") / base_rounds
     per_k = {}
-    for k, rs in runs.items():
-        m = metric[k]
+    for name, rs in runs.items():
+        m, k = metric[name], arm_k(name)
         rounds = value(m, "specdec_rounds_total") or 1.0
         acc, drafted = sum(r["accepted"] for r in rs), sum(r["drafted"] for r in rs)
         rej = sum(r["rejected_rounds"] for r in rs)
+        looked, looked_acc = sum(r["lookup_tokens"] for r in rs), sum(r["lookup_accepted"] for r in rs)
         alpha = leviathan_alpha(acc, rej)
         draft_s = value(m, "specdec_round_phase_seconds_sum", phase="draft")
-        c = (draft_s / drafted) / target_round_s if drafted and target_round_s else 0.0
+        by_draft = drafted - looked  # c is the draft's cost per token it drafted
+        c = (draft_s / by_draft) / target_round_s if by_draft and target_round_s else 0.0
         row = {
             "tokens_per_s": quartiles([r["tokens"] / r["seconds"] for r in rs]),
             "latency_s": quartiles([r["seconds"] for r in rs]),
@@ -193,13 +212,19 @@ def summarize(runs, metric, speedups, temperature, top_p) -> dict:
             "rpcs_per_round_mean": value(m, "specdec_rpcs_per_round_sum") / rounds,
         }
         if k:
-            row["speedup"] = quartiles(speedups[k])
+            row["speedup"] = quartiles(speedups[name])
+        if k and looked:
+            row["lookup_share"] = looked / drafted
+            row["lookup_accepted_over_proposed"] = looked_acc / looked
+        elif k and name == str(k):
             row["bound"] = leviathan_bound(alpha, k, c)
             row["efficiency"] = row["speedup"]["median"] / row["bound"] if row["bound"] else None
-        per_k[str(k)] = row
-    best = max((k for k in per_k if k != "0"), key=lambda k: per_k[k]["speedup"]["median"])
-    return {"temperature": temperature, "top_p": top_p, "per_k": per_k, "best_k": int(best),
-            "target_step_ms": 1000 * target_round_s}
+        per_k[name] = row
+    speed = lambda name: per_k[name]["speedup"]["median"]
+    best = max((n for n in per_k if n != "0" and "+" not in n), key=speed, default=None)
+    best_lookup = max((n for n in per_k if "+" in n), key=speed, default=None)
+    return {"temperature": temperature, "top_p": top_p, "per_k": per_k,
+            "best_k": int(best) if best else None, "best_lookup": best_lookup, "target_step_ms": 1000 * target_round_s}
 
 
 def run_peer(args, prompts, progress) -> dict:
@@ -247,6 +272,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per generation (default 40)")
     ap.add_argument("--ks", default=None, help="comma-separated K values (default 1..8)")
+    ap.add_argument("--lookup-ks", default=None,
+                    help="comma-separated K values also run with prompt lookup, as arms K+lookup (default 2,3,4; "
+                         "--quick 3; '' for none)")
+    ap.add_argument("--prompt-lookup-min", type=int, default=2,
+                    help="prompt_lookup_min of the K+lookup arms: the shortest repeat they copy from (default 2)")
     ap.add_argument("--no-peer", action="store_true", help="skip the transformers assisted-generation peer")
     ap.add_argument("--draft-confidence", type=float, default=0.0,
                     help="draft_confidence_threshold of every request: rounds stop drafting early below it (default 0: always K)")
@@ -259,19 +289,27 @@ def main(argv=None) -> int:
     args.reps = args.reps or 1
     args.max_tokens = args.max_tokens or 40
     ks = [int(k) for k in args.ks.split(",")] if args.ks else ([2, 4] if args.quick else list(range(1, 9)))
+    lookup_ks = args.lookup_ks if args.lookup_ks is not None else ("3" if args.quick else "2,3,4")
+    lookup_ks = [int(k) for k in lookup_ks.split(",") if k.strip()]
+    if not 1 <= args.prompt_lookup_min <= 4:
+        ap.error(f"--prompt-lookup-min must be within [1, 4] (the orchestrator's --prompt-lookup-max), got {args.prompt_lookup_min}")
+    if min(ks + lookup_ks) < 1:
+        ap.error("every K of --ks and --lookup-ks must be at least 1 (K = 0 always runs)")
+    arms = [(k, 0) for k in ks] + [(k, args.prompt_lookup_min) for k in lookup_ks]
     args.out = args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}{'-quick' if args.quick else ''}"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(args.prompts)
     peer_prompts = prompts[: 3 if args.quick else 14]
     from tqdm import tqdm
 
-    total = len(TEMPERATURES) * args.reps * len(prompts) * (len(ks) + 2) + (0 if args.no_peer else 2 * 2 * len(peer_prompts))
+    total = len(TEMPERATURES) * args.reps * len(prompts) * (len(arms) + 2) + (0 if args.no_peer else 2 * 2 * len(peer_prompts))
     t0 = time.monotonic()
     with tqdm(total=total, unit="gen", desc="specdec bench") as progress:
         report = {"machine": machine(), "draft_model": args.draft_model, "target_model": args.target_model,
                   "prompts": len(prompts), "reps": args.reps, "max_tokens": args.max_tokens, "ks": ks,
+                  "lookup_ks": lookup_ks, "prompt_lookup_min": args.prompt_lookup_min,
                   "draft_confidence_threshold": args.draft_confidence}
-        report["services"], report["forward"] = run_services(args, prompts, ks, progress)
+        report["services"], report["forward"] = run_services(args, prompts, arms, progress)
         if not args.no_peer:
             report["transformers_assisted"] = run_peer(args, peer_prompts, progress)
             report["transformers_assisted"]["prompts"] = len(peer_prompts)

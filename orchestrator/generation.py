@@ -21,6 +21,7 @@ from orchestrator import rejection_sampler as rs
 from orchestrator.clients import Duplex, ModelClient, Unary
 from orchestrator.detokenizer import TextStream
 from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.prompt_lookup import PromptLookup
 from specdec.errors import ServiceError
 from specdec.sampling import SamplingParams
 from specdec.v1 import draft_pb2, generation_pb2 as gen_pb, model_server_pb2 as ms_pb, target_pb2
@@ -39,6 +40,7 @@ class GenerationSpec:
     k: int
     stops: list[str] = field(default_factory=list)
     min_confidence: float = 0.0  # the draft stops a round early below it (ProposeTokensRequest.min_confidence)
+    lookup: tuple[int, int] = (0, 0)  # prompt lookup's (n_min, n_max); n_min 0 turns it off
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Generation:
         self.metrics = metrics
         self.draft_health = draft_health  # shared across requests: {"retry_at": monotonic time}
         self.text = TextStream(tokenizer, spec.stops)
+        self.lookup = PromptLookup(*spec.lookup) if spec.lookup[0] and spec.k else None
         self.history = list(spec.prompt_ids)
         self.draft_mirror: list[int] = []  # tokens the draft session holds
         self.target_mirror: list[int] = []
@@ -93,8 +96,9 @@ class Generation:
             k = max(0, min(self.spec.k, remaining - 1, self.max_model_len - n_hist - 1))
             t0 = time.perf_counter()
             trace = RoundTrace()
-            proposal = await self._propose(k, trace) if k else None
-            drafts = list(proposal.token_ids) if proposal else []
+            looked = self.lookup.propose(self.history, k) if self.lookup else []
+            proposal = await self._propose(k, trace) if k and not looked else None
+            drafts = looked or (list(proposal.token_ids) if proposal else [])
             verdict = await self._verify(drafts, trace)
             t_accept = time.perf_counter()
             n, token = await self._accept(drafts, proposal, verdict, n_hist, trace)
@@ -102,7 +106,7 @@ class Generation:
             self.history.extend(kept)
             if finish is None and len(self.history) >= self.max_model_len:
                 finish = gen_pb.FINISH_REASON_CONTEXT_LENGTH
-            self._record_round(len(drafts), n, kept, trace, t0, t_accept)
+            self._record_round(len(drafts), n, kept, trace, t0, t_accept, looked=bool(looked))
             yield self._message(kept, finish)
 
     async def _propose(self, k: int, trace: RoundTrace):
@@ -155,17 +159,22 @@ class Generation:
         raise ServiceError(grpc.StatusCode.INTERNAL, "target session lost twice in one round")
 
     async def _accept(self, drafts, proposal, verdict, start: int, trace: RoundTrace) -> tuple[int, int]:
-        """Accepted count and the next token (recovered or bonus)."""
+        """Accepted count and the next token (recovered or bonus).
+
+        proposal is the draft's answer, or None when the drafts came from prompt lookup (or there are none):
+        then each draft token was proposed with certainty, q = a point mass on it.
+        """
         if self.spec.sampling.greedy:
             return rs.greedy_accept(drafts, list(verdict.argmax_token_ids))
         seed = self.spec.sampling.seed
-        n = rs.count_accepted(list(proposal.token_probs) if proposal else [],
+        n = rs.count_accepted(list(proposal.token_probs) if proposal else [1.0] * len(drafts),
                               list(verdict.draft_token_probs), seed, start)
         if n == len(drafts) and verdict.HasField("bonus_token_id"):  # drawn by the target with the same keyed draw
             return n, verdict.bonus_token_id
         p = await self._dist(self.target, verdict.distributions[n], start + n, trace)
         if n < len(drafts):
-            q = await self._dist(self.draft, proposal.distributions[n], start + n, trace)
+            q = (await self._dist(self.draft, proposal.distributions[n], start + n, trace) if proposal
+                 else rs.point_mass(drafts[n]))
             return n, rs.recover(p, q, seed, start + n)
         return n, rs.bonus(p, seed, start + n)
 
@@ -215,12 +224,20 @@ class Generation:
                 kept, finish = kept[:n], gen_pb.FINISH_REASON_STOP_SEQUENCE
         return kept, finish
 
-    def _record_round(self, k: int, n: int, kept: list[int], trace: RoundTrace, t0: float, t_accept: float) -> None:
+    def _record_round(self, k: int, n: int, kept: list[int], trace: RoundTrace, t0: float, t_accept: float,
+                      looked: bool) -> None:
         m, s = self.metrics, self.stats
         now = time.perf_counter()
         s.rounds += 1
         s.draft_tokens += k
         s.accepted_tokens += n
+        if looked:
+            s.lookup_rounds += 1
+            s.lookup_tokens += k
+            s.lookup_accepted_tokens += n
+            m.lookup_rounds.inc()
+            m.lookup_tokens.inc(k)
+            m.lookup_accepted_tokens.inc(n)
         self._emitted += n + 1
         s.completion_tokens += len(kept)
         m.rounds.inc()

@@ -8,6 +8,9 @@ Rates are derived in PromQL from counters, never kept as gauges:
       / (rate(specdec_accepted_tokens_total[5m]) + rate(specdec_rejected_rounds_total[5m]))
 - mean tokens per round:
     rate(specdec_tokens_per_round_sum[5m]) / rate(specdec_tokens_per_round_count[5m])
+- the share of proposed tokens that came from prompt lookup, and their acceptance rate:
+    rate(specdec_lookup_tokens_total[5m]) / rate(specdec_draft_tokens_total[5m])
+    rate(specdec_lookup_accepted_tokens_total[5m]) / rate(specdec_lookup_tokens_total[5m])
 - acceptance at draft position i (1-based):
     rate(specdec_accepted_tokens_per_position_total{position="i"}[5m])
       / rate(specdec_draft_tokens_per_position_total{position="i"}[5m])
@@ -32,6 +35,13 @@ class OrchestratorMetrics:
                                           "Draft tokens proposed at each draft position", ["position"], registry=r)
         self.accepted_per_position = Counter("specdec_accepted_tokens_per_position_total",
                                              "Draft tokens accepted at each draft position", ["position"], registry=r)
+        self.lookup_rounds = Counter("specdec_lookup_rounds_total",
+                                     "Rounds whose proposal came from prompt lookup instead of the draft", registry=r)
+        self.lookup_tokens = Counter("specdec_lookup_tokens_total",
+                                     "Tokens proposed by prompt lookup (also in specdec_draft_tokens_total)", registry=r)
+        self.lookup_accepted_tokens = Counter("specdec_lookup_accepted_tokens_total",
+                                              "Prompt-lookup tokens accepted (also in specdec_accepted_tokens_total)",
+                                              registry=r)
         self.tokens_per_round = Histogram("specdec_tokens_per_round", "Tokens emitted per round",
                                           buckets=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17], registry=r)
         self.request_acceptance = Histogram("specdec_request_acceptance_rate",

@@ -40,6 +40,11 @@ class Dist:
         return float(self.probs[i]) if i < len(self.token_ids) and self.token_ids[i] == token_id else 0.0
 
 
+def point_mass(token_id: int) -> Dist:
+    """The q of a token proposed with certainty (prompt lookup): residual(p, q) is then p without it."""
+    return Dist(np.array([token_id], dtype=np.int64), np.array([1.0]))
+
+
 def greedy_accept(draft_tokens: list[int], target_argmax: list[int]) -> tuple[int, int]:
     """Accepted count and the next token: the target's at the first mismatch, else the bonus.
 

@@ -46,6 +46,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         k = req.num_speculative_tokens if req.HasField("num_speculative_tokens") else cfg.num_speculative_tokens
         confidence = (req.draft_confidence_threshold if req.HasField("draft_confidence_threshold")
                       else cfg.draft_confidence_threshold)
+        lookup_min = req.prompt_lookup_min if req.HasField("prompt_lookup_min") else cfg.prompt_lookup_min
         if not (math.isfinite(temperature) and temperature >= 0):
             raise invalid(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
         if not (math.isfinite(top_p) and 0 < top_p <= 1):
@@ -56,6 +57,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise invalid(f"num_speculative_tokens must be within [0, {cfg.max_speculative_tokens}], got {k}")
         if not 0 <= confidence < 1:
             raise invalid(f"draft_confidence_threshold must be in [0, 1), got {confidence}")
+        if lookup_min > cfg.prompt_lookup_max:
+            raise invalid(f"prompt_lookup_min must be within [0, {cfg.prompt_lookup_max}] (0 turns it off), "
+                          f"got {lookup_min}")
         if req.HasField("max_tokens") and req.max_tokens < 1:
             raise invalid("max_tokens must be at least 1")
         if len(req.stop) > cfg.max_stop_strings or any(not s for s in req.stop):
@@ -80,7 +84,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_tokens = min(cfg.max_tokens, room)
         seed = req.seed if req.HasField("seed") else secrets.randbits(63)
         return GenerationSpec(ids, max_tokens, SamplingParams(temperature, top_p, top_k, seed), k, list(req.stop),
-                              min_confidence=confidence)
+                              min_confidence=confidence, lookup=(lookup_min, cfg.prompt_lookup_max))
 
     def _tokenize(self, req: gen_pb.GenerateRequest) -> list[int]:
         if req.prompt:

@@ -155,6 +155,8 @@ def _generate(args) -> int:
             setattr(req, name, getattr(args, name))
     if args.k is not None:
         req.num_speculative_tokens = args.k
+    if args.prompt_lookup_min is not None:
+        req.prompt_lookup_min = args.prompt_lookup_min
     with grpc.insecure_channel(args.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
@@ -168,7 +170,9 @@ def _generate(args) -> int:
                           f"{s.total_seconds:.2f} s ({s.completion_tokens / max(s.total_seconds, 1e-9):.1f} tokens/s), "
                           f"first token {1000 * s.time_to_first_token_seconds:.0f} ms | {s.rounds} rounds, "
                           f"{s.mean_tokens_per_round:.2f} tokens/round, acceptance {s.accepted_tokens}/{s.draft_tokens} "
-                          f"= {s.acceptance_rate:.2f}, alpha {alpha:.2f} | seed {s.seed}", file=sys.stderr)
+                          f"= {s.acceptance_rate:.2f}, alpha {alpha:.2f}"
+                          + (f", prompt lookup {s.lookup_accepted_tokens}/{s.lookup_tokens} in {s.lookup_rounds} rounds"
+                             if s.lookup_rounds else "") + f" | seed {s.seed}", file=sys.stderr)
         except grpc.RpcError as e:
             print(f"\nspecdec generate: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
@@ -222,6 +226,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("-k", "--num-speculative-tokens", dest="k", type=int)
+    g.add_argument("--prompt-lookup-min", type=int,
+                   help="propose tokens copied from earlier in the sequence when its last n >= this tokens repeat (0: off)")
     g.add_argument("--timeout", type=float, default=600.0)
     sub.add_parser("bench", help="measure the speedup side by side (specdec bench --help)", add_help=False)
     h = sub.add_parser("health", help="check a server's gRPC health service")

@@ -102,6 +102,10 @@ class OrchestratorConfig:
     draft_confidence_threshold: float = field(default=0.0, metadata={
         "help": "default per request: a round drafts fewer than K tokens once the draft's confidence that all "
                 "of them are accepted falls below this (0 = always K)"})
+    prompt_lookup_min: int = field(default=0, metadata={
+        "help": "default per request: a round proposes the tokens that followed the sequence's last n tokens "
+                "earlier in it, for n from --prompt-lookup-max down to this, before asking the draft (0 = off)"})
+    prompt_lookup_max: int = field(default=4, metadata={"help": "longest n-gram prompt lookup matches"})
     max_tokens: int = field(default=256, metadata={"help": "default max_tokens per request"})
     temperature: float = field(default=0.7, metadata={"help": "default temperature (0 = greedy)"})
     top_p: float = field(default=0.9, metadata={"help": "default top_p"})
@@ -121,6 +125,8 @@ class OrchestratorConfig:
             raise ConfigError("--num-speculative-tokens must be within [0, --max-speculative-tokens]")
         if not 0 <= self.draft_confidence_threshold < 1:
             raise ConfigError("--draft-confidence-threshold must be in [0, 1)")
+        if not (self.prompt_lookup_max >= 1 and 0 <= self.prompt_lookup_min <= self.prompt_lookup_max):
+            raise ConfigError("need --prompt-lookup-max >= 1 and --prompt-lookup-min within [0, --prompt-lookup-max]")
         if self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError("need --max-tokens >= 1, --temperature >= 0, --top-p in (0, 1], --top-k >= 0")
         if self.rpc_timeout_s <= 0 or self.max_request_bytes < 1024:

@@ -24,6 +24,8 @@ def test_flag_beats_environment_beats_default(monkeypatch):
     (["--port", "70000"], "outside"),
     (["--num-speculative-tokens", "9"], "num-speculative-tokens"),
     (["--top-p", "0"], "top-p"),
+    (["--prompt-lookup-min", "5"], "prompt-lookup-min"),
+    (["--prompt-lookup-max", "0"], "prompt-lookup-max"),
 ])
 def test_bad_orchestrator_settings_are_refused(argv, match):
     with pytest.raises(ConfigError, match=match):

@@ -46,19 +46,27 @@ def test_prompts_are_long_enough(tokenizer):
     assert all(len(chat_ids(tokenizer, p)) >= 64 for p in PROMPTS)
 
 
-@pytest.mark.parametrize("k,threshold", [(4, 0.0), (0, 0.0), (6, 0.3)])
-def test_greedy_output_equals_target_alone(partial_stack, reference, k, threshold):
-    """threshold: the draft stops a round early on low confidence, so rounds propose different numbers of tokens."""
+@pytest.mark.parametrize("k,threshold,lookup", [(4, 0.0, 0), (0, 0.0, 0), (6, 0.3, 0), (3, 0.0, 2)])
+def test_greedy_output_equals_target_alone(partial_stack, reference, k, threshold, lookup):
+    """threshold: the draft stops a round early on low confidence, so rounds propose different numbers of tokens.
+    lookup: rounds whose suffix repeats propose the tokens that followed it instead of the draft's."""
     assert partial_stack.draft.runner.quantize == "int8"  # as deployed on CPU: the draft's products in int8
+    looked = accepted = rejected = 0
     for text, expected in zip(PROMPTS, reference):
         ids, _, stats = partial_stack.generate(messages=[("user", text)], max_tokens=MAX_TOKENS, temperature=0.0,
-                                               num_speculative_tokens=k, draft_confidence_threshold=threshold)
+                                               num_speculative_tokens=k, draft_confidence_threshold=threshold,
+                                               prompt_lookup_min=lookup)
         assert ids == expected, f"diverged at token {next(i for i, (a, b) in enumerate(zip(ids + [-1], expected + [-2])) if a != b)}"
         assert len(ids) == MAX_TOKENS
         if k:
             assert 0 < stats.accepted_tokens < stats.draft_tokens  # both accept and reject paths ran
         if threshold:
             assert stats.draft_tokens < k * stats.rounds - 1  # some rounds stopped short (the last may be cut by length)
+        assert stats.lookup_accepted_tokens <= stats.lookup_tokens <= k * stats.lookup_rounds
+        looked += stats.lookup_rounds
+        accepted += stats.lookup_accepted_tokens
+        rejected += stats.lookup_tokens - stats.lookup_accepted_tokens
+    assert (looked > 0 and accepted > 0 and rejected > 0) == bool(lookup)  # lookup's rounds kept and dropped tokens
 
 
 @pytest.mark.parametrize("matmul", FORMS)
@@ -94,14 +102,20 @@ def test_greedy_parity_holds_with_a_draft_that_always_misses(tiny_stack, referen
     assert stats.rejected_rounds > 0
 
 
-@pytest.mark.parametrize("stack_name,top_p", [("partial_stack", 0.9), ("tiny_stack", 1.0)])
-def test_same_seed_same_output(request, stack_name, top_p):
-    """top_p 0.9 mostly takes the sparse path; top_p 1.0 fetches dense distributions on demand."""
+@pytest.mark.parametrize("stack_name,top_p,lookup", [("partial_stack", 0.9, 0), ("tiny_stack", 1.0, 0),
+                                                      ("partial_stack", 0.9, 1), ("tiny_stack", 1.0, 1)])
+def test_same_seed_same_output(request, stack_name, top_p, lookup):
+    """top_p 0.9 mostly takes the sparse path; top_p 1.0 fetches dense distributions on demand.
+    lookup: some rounds propose copied tokens, verified as point masses; a rejection draws from p without them."""
     stack = request.getfixturevalue(stack_name)
-    kw = dict(messages=[("user", PROMPTS[3])], max_tokens=40, temperature=0.8, top_p=top_p, num_speculative_tokens=4)
+    kw = dict(messages=[("user", PROMPTS[3])], max_tokens=40, temperature=0.8, top_p=top_p, num_speculative_tokens=4,
+              prompt_lookup_min=lookup)
     a, text_a, stats = stack.generate(seed=1234, **kw)
     b, text_b, _ = stack.generate(seed=1234, **kw)
     c, _, _ = stack.generate(seed=4321, **kw)
     assert a == b and text_a == text_b
     assert a != c
     assert stats.seed == 1234 and stats.rejected_rounds > 0
+    if lookup:
+        assert 0 < stats.lookup_rounds < stats.rounds
+        assert stats.lookup_accepted_tokens < stats.lookup_tokens  # a lookup token was rejected and resampled

@@ -98,6 +98,9 @@ def test_every_dashboard_and_alert_expression_returns_data(event_loop_thread, to
         time.sleep(2)
         for i in range(3):  # a short load: greedy, sampled, and one bad request
             stack.generate(prompt="Tell me about the sea.", max_tokens=12, temperature=0.7 * (i % 2), seed=i)
+        _, _, stats = stack.generate(prompt="red green blue red green blue red green", max_tokens=12, temperature=0.0,
+                                     prompt_lookup_min=2)
+        assert stats.lookup_rounds > 0  # the pattern repeats, so prompt lookup proposed
         with pytest.raises(grpc.RpcError):
             stack.generate(prompt="hi", top_p=3.0)
         time.sleep(4)

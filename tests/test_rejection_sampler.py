@@ -122,3 +122,18 @@ def test_identical_draft_and_target_accept_everything():
 def test_residual_of_equal_distributions_falls_back_to_target():
     d = dist([0.5, 0.5])
     assert rs.residual(d, d) is d
+
+
+def test_a_proposal_made_with_certainty_is_exact():
+    """Prompt lookup proposes fixed tokens, q = a point mass on each: x is kept with probability p(x), and a
+    rejection draws from p without x; every emitted token still follows p."""
+    proposed = [1, 3]  # p_1(1) = 0.25: mostly rejected; p_2(3) = 0.10
+    q = [rs.point_mass(x) for x in proposed]
+    out = []
+    for seed in range(N):
+        n, token = rs.speculative_round(proposed, q, P, seed, START)
+        out.append((n, proposed[:n] + [token]))
+    assert_matches(np.array([t[0] for _, t in out]), dense(P[0], VOCAB), "first token, fixed proposal")
+    assert_matches(np.array([t[1] for n, t in out if n >= 1]), dense(P[1], VOCAB), "second token, fixed proposal")
+    assert_matches(np.array([n for n, _ in out]), np.array([1 - 0.25, 0.25 * (1 - 0.10), 0.25 * 0.10]),
+                   "accepted length, fixed proposal")

@@ -37,6 +37,7 @@ def code_of(stack, **fields):
     (dict(prompt="hi", draft_confidence_threshold=1.0), grpc.StatusCode.INVALID_ARGUMENT),
     (dict(prompt="hi", draft_confidence_threshold=-0.1), grpc.StatusCode.INVALID_ARGUMENT),
     (dict(prompt="hi", draft_confidence_threshold=float("nan")), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt="hi", prompt_lookup_min=5), grpc.StatusCode.INVALID_ARGUMENT),  # past --prompt-lookup-max (4)
     (dict(prompt="hi", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT),
     (dict(prompt="hi", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT),
     (dict(messages=[("", "no role")]), grpc.StatusCode.INVALID_ARGUMENT),
@@ -280,15 +281,19 @@ def test_stop_string_ends_generation_and_is_not_returned(tiny_stack):
 
 def test_metrics_move_with_the_stats(partial_stack):
     names = ["specdec_generated_tokens_total", "specdec_draft_tokens_total", "specdec_accepted_tokens_total",
-             "specdec_rounds_total", "specdec_rejected_rounds_total"]
+             "specdec_rounds_total", "specdec_rejected_rounds_total", "specdec_lookup_rounds_total",
+             "specdec_lookup_tokens_total", "specdec_lookup_accepted_tokens_total"]
     before = {n: partial_stack.metric(n) for n in names}
-    _, _, stats = partial_stack.generate(messages=CHAT, max_tokens=24, temperature=0.7, seed=5)
+    _, _, stats = partial_stack.generate(messages=CHAT, max_tokens=24, temperature=0.7, seed=5, prompt_lookup_min=1)
     delta = {n: partial_stack.metric(n) - before[n] for n in names}
     assert delta["specdec_generated_tokens_total"] == stats.completion_tokens
     assert delta["specdec_draft_tokens_total"] == stats.draft_tokens
     assert delta["specdec_accepted_tokens_total"] == stats.accepted_tokens <= stats.draft_tokens
     assert delta["specdec_rounds_total"] == stats.rounds
     assert delta["specdec_rejected_rounds_total"] == stats.rejected_rounds
+    assert delta["specdec_lookup_rounds_total"] == stats.lookup_rounds > 0
+    assert delta["specdec_lookup_tokens_total"] == stats.lookup_tokens
+    assert delta["specdec_lookup_accepted_tokens_total"] == stats.lookup_accepted_tokens
     per_pos = sum(partial_stack.metric("specdec_accepted_tokens_per_position_total", {"position": str(i)}) for i in range(1, 9))
     assert per_pos == partial_stack.metric("specdec_accepted_tokens_total")
     assert abs(stats.acceptance_rate - stats.accepted_tokens / stats.draft_tokens) < 1e-6
