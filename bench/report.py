@@ -57,7 +57,9 @@ def markdown(report: dict) -> str:
         for k, row in res["per_k"].items():
             if "lookup_share" in row:
                 lines.append(f"K = {k}: prompt lookup proposed {100 * row['lookup_share']:.0f}% of the tokens, "
-                             f"{100 * row['lookup_accepted_over_proposed']:.0f}% of them accepted.")
+                             f"{100 * row['lookup_accepted_over_proposed']:.0f}% of them accepted"
+                             + (f"; tokens/s {_fmt(row['over_plain_k'])}× those of K = {k.split('+')[0]} without it, "
+                                "prompt by prompt." if "over_plain_k" in row else "."))
         lines.append("")
     if "transformers_assisted" in report:
         peer = report["transformers_assisted"]

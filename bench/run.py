@@ -216,6 +216,8 @@ def summarize(runs, metric, speedups, temperature, top_p) -> dict:
         if k and looked:
             row["lookup_share"] = looked / drafted
             row["lookup_accepted_over_proposed"] = looked_acc / looked
+        if name != str(k) and str(k) in speedups:  # the same prompts' runs without lookup, pair by pair
+            row["over_plain_k"] = quartiles([a / b for a, b in zip(speedups[name], speedups[str(k)])])
         elif k and name == str(k):
             row["bound"] = leviathan_bound(alpha, k, c)
             row["efficiency"] = row["speedup"]["median"] / row["bound"] if row["bound"] else None
