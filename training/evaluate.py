@@ -58,7 +58,7 @@ def run(stub, conversations, k, temperature, top_p, max_tokens, seed):
     acc = drafted = rejected = rounds = emitted = 0
     for i, messages in enumerate(conversations):
         req = pb.GenerateRequest(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + i,
-                                 num_speculative_tokens=k)
+                                 num_speculative_tokens=k, prompt_lookup_min=0)  # the draft's own alpha: no lookup
         for m in messages:
             req.messages.add(role=m["role"], content=m["content"])
         for msg in stub.Generate(req, timeout=600):
