@@ -14,7 +14,7 @@ def _fmt(q: dict, digits: int = 2) -> str:
 
 def _best_lookup(res: dict) -> str:
     name = res.get("best_lookup")
-    return f"{_fmt(res['per_k'][name]['speedup'])} (K = {name.split('+')[0]})" if name else "-"
+    return f"{_fmt(res['per_k'][name]['speedup'])} (K = {res['per_k'][name]['k']})" if name else "-"
 
 
 def markdown(report: dict) -> str:
@@ -58,7 +58,7 @@ def markdown(report: dict) -> str:
             if "lookup_share" in row:
                 lines.append(f"K = {k}: prompt lookup proposed {100 * row['lookup_share']:.0f}% of the tokens, "
                              f"{100 * row['lookup_accepted_over_proposed']:.0f}% of them accepted"
-                             + (f"; tokens/s {_fmt(row['over_plain_k'])}× those of K = {k.split('+')[0]} without it, "
+                             + (f"; tokens/s {_fmt(row['over_plain_k'])}× those of K = {row['k']} without it, "
                                 "prompt by prompt." if "over_plain_k" in row else "."))
         lines.append("")
     if "transformers_assisted" in report:
@@ -87,14 +87,14 @@ def plot(report: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, res in report["services"].items():
-        ks = [int(k) for k in res["per_k"] if k != "0" and "+" not in k]
-        rows = [res["per_k"][str(k)] for k in ks]
-        looked = [k for k in res["per_k"] if "+" in k]
+        rows = [row for row in res["per_k"].values() if row["k"] and not row["lookup"]]
+        ks = [row["k"] for row in rows]
+        looked = [row for row in res["per_k"].values() if row["lookup"]]
         med = [r["speedup"]["median"] for r in rows]
         err = [[m - r["speedup"]["p25"] for m, r in zip(med, rows)], [r["speedup"]["p75"] - m for m, r in zip(med, rows)]]
         line = axes[0].errorbar(ks, med, yerr=err, marker="o", capsize=3, label=f"measured, {name}")
         if looked:
-            axes[0].plot([int(k.split("+")[0]) for k in looked], [res["per_k"][k]["speedup"]["median"] for k in looked],
+            axes[0].plot([row["k"] for row in looked], [row["speedup"]["median"] for row in looked],
                          marker="*", markersize=10, linestyle="none", color=line[0].get_color(),
                          label=f"with prompt lookup, {name}")
         axes[0].plot(ks, [r["bound"] for r in rows], linestyle="--", color=line[0].get_color(), label=f"Leviathan bound, {name}")

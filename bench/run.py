@@ -8,8 +8,8 @@ Starts the three services on free loopback ports. For each temperature (0, and
 runs K = 0 (the target alone, same path), every K in a shuffled order, then
 K = 0 again. Arms named "K+lookup" run K with prompt lookup, whose rounds propose
 tokens copied from the sequence itself when its last tokens repeat, and ask the
-draft only otherwise (the proposals' source is mixed, so no bound applies to them). Each K's speedup is its tokens/s over the mean of that prompt's two
-K = 0 runs, so machine drift cancels; the report gives the median and quartiles.
+draft only otherwise (the proposals' source is mixed, so no bound applies to them).
+Each K's speedup is its tokens/s over the mean of that prompt's two K = 0 runs, so machine drift cancels; the report gives the median and quartiles.
 The orchestrator's metrics, scraped around every run, give per K: the round split
 into draft, verify, accept and RPC time, bytes and RPCs per round, and
 c = draft time per drafted token / target time per K = 0 round. With alpha =
@@ -37,7 +37,7 @@ import grpc
 
 from bench.metrics import delta, histogram_median, leviathan_alpha, leviathan_bound, scrape, value
 from specdec import models
-from specdec.config import DEFAULT_DRAFT
+from specdec.config import DEFAULT_DRAFT, OrchestratorConfig
 from specdec.server import free_ports
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 
@@ -129,10 +129,6 @@ def arm_name(k: int, lookup_min: int) -> str:
     return f"{k}+lookup" if lookup_min else str(k)
 
 
-def arm_k(name: str) -> int:
-    return int(name.split("+")[0])
-
-
 def quartiles(xs: list[float]) -> dict:
     if len(xs) < 2:
         return {"median": xs[0] if xs else None, "p25": xs[0] if xs else None, "p75": xs[0] if xs else None}
@@ -189,7 +185,8 @@ def summarize(runs, metric, speedups, temperature, top_p) -> dict:
     target_round_s = value(metric["0"], "specdec_round_phase_seconds_sum", phase="verify") / base_rounds
     per_k = {}
     for name, rs in runs.items():
-        m, k = metric[name], arm_k(name)
+        m, k = metric[name], int(name.split("+")[0])
+        lookup = name != str(k)
         rounds = value(m, "specdec_rounds_total") or 1.0
         acc, drafted = sum(r["accepted"] for r in rs), sum(r["drafted"] for r in rs)
         rej = sum(r["rejected_rounds"] for r in rs)
@@ -199,6 +196,7 @@ def summarize(runs, metric, speedups, temperature, top_p) -> dict:
         by_draft = drafted - looked  # c is the draft's cost per token it drafted
         c = (draft_s / by_draft) / target_round_s if by_draft and target_round_s else 0.0
         row = {
+            "k": k, "lookup": lookup,
             "tokens_per_s": quartiles([r["tokens"] / r["seconds"] for r in rs]),
             "latency_s": quartiles([r["seconds"] for r in rs]),
             "ttft_s": quartiles([r["ttft"] for r in rs]),
@@ -213,18 +211,19 @@ def summarize(runs, metric, speedups, temperature, top_p) -> dict:
         }
         if k:
             row["speedup"] = quartiles(speedups[name])
-        if k and looked:
-            row["lookup_share"] = looked / drafted
-            row["lookup_accepted_over_proposed"] = looked_acc / looked
-        if name != str(k) and str(k) in speedups:  # the same prompts' runs without lookup, pair by pair
-            row["over_plain_k"] = quartiles([a / b for a, b in zip(speedups[name], speedups[str(k)])])
-        elif k and name == str(k):
+        if lookup:
+            if looked:
+                row["lookup_share"] = looked / drafted
+                row["lookup_accepted_over_proposed"] = looked_acc / looked
+            if str(k) in speedups:  # the same prompts' runs without lookup, pair by pair
+                row["over_plain_k"] = quartiles([a / b for a, b in zip(speedups[name], speedups[str(k)])])
+        elif k:
             row["bound"] = leviathan_bound(alpha, k, c)
             row["efficiency"] = row["speedup"]["median"] / row["bound"] if row["bound"] else None
         per_k[name] = row
     speed = lambda name: per_k[name]["speedup"]["median"]
-    best = max((n for n in per_k if n != "0" and "+" not in n), key=speed, default=None)
-    best_lookup = max((n for n in per_k if "+" in n), key=speed, default=None)
+    best = max((n for n, row in per_k.items() if row["k"] and not row["lookup"]), key=speed, default=None)
+    best_lookup = max((n for n, row in per_k.items() if row["lookup"]), key=speed, default=None)
     return {"temperature": temperature, "top_p": top_p, "per_k": per_k,
             "best_k": int(best) if best else None, "best_lookup": best_lookup, "target_step_ms": 1000 * target_round_s}
 
@@ -293,8 +292,10 @@ def main(argv=None) -> int:
     ks = [int(k) for k in args.ks.split(",")] if args.ks else ([2, 4] if args.quick else list(range(1, 9)))
     lookup_ks = args.lookup_ks if args.lookup_ks is not None else ("3" if args.quick else "2,3,4")
     lookup_ks = [int(k) for k in lookup_ks.split(",") if k.strip()]
-    if not 1 <= args.prompt_lookup_min <= 4:
-        ap.error(f"--prompt-lookup-min must be within [1, 4] (the orchestrator's --prompt-lookup-max), got {args.prompt_lookup_min}")
+    longest = OrchestratorConfig.prompt_lookup_max  # the orchestrator the bench starts runs with its default
+    if not 1 <= args.prompt_lookup_min <= longest:
+        ap.error(f"--prompt-lookup-min must be within [1, {longest}] (the orchestrator's --prompt-lookup-max), "
+                 f"got {args.prompt_lookup_min}")
     if min(ks + lookup_ks) < 1:
         ap.error("every K of --ks and --lookup-ks must be at least 1 (K = 0 always runs)")
     arms = [(k, 0) for k in ks] + [(k, args.prompt_lookup_min) for k in lookup_ks]
