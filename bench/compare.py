@@ -36,8 +36,9 @@ def per_round(before: dict, after: dict) -> dict:
     rounds = value(d, "specdec_wire_bytes_per_round_count") or 1.0
     res = {"wire_bytes_per_round_mean": value(d, "specdec_wire_bytes_per_round_sum") / rounds,
            "rpcs_per_round_mean": value(d, "specdec_rpcs_per_round_sum") / rounds}
+    decoding = value(d, "specdec_round_phase_seconds_count", phase="verify") or 1.0  # rounds that prefilled are apart
     for phase in ("draft", "verify", "accept", "rpc"):
-        res[f"{phase}_ms_per_round_mean"] = 1000 * value(d, "specdec_round_phase_seconds_sum", phase=phase) / rounds
+        res[f"{phase}_ms_per_round_mean"] = 1000 * value(d, "specdec_round_phase_seconds_sum", phase=phase) / decoding
     return res
 
 

@@ -7,11 +7,28 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 
-def scrape(url: str) -> dict:
-    """Every sample of the specdec metrics, keyed by (name, sorted labels)."""
+def scrape(url: str, job: str | None = None) -> dict:
+    """Every sample of the specdec metrics, keyed by (name, sorted labels); job, when given, is added to the
+    labels, as Prometheus labels each target's samples, so that several servers' samples fit one dict."""
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+    extra = {"job": job} if job else {}
+    return {(s.name, tuple(sorted({**s.labels, **extra}.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples if s.name.startswith("specdec_")}
+
+
+def scrape_all(urls: dict) -> dict:
+    """scrape() of several servers into one dict: {job: url}, the job None for the orchestrator."""
+    out = {}
+    for job, url in urls.items():
+        out.update(scrape(url, job))
+    return out
+
+
+def mean_step_s(d: dict, job: str) -> float:
+    """A model server's mean time of a one-token forward pass (its specdec_forward_seconds{tokens="1"}): one
+    decoding step, without the prefills and verify passes of the other buckets. 0 without observations."""
+    n = value(d, "specdec_forward_seconds_count", job=job, tokens="1")
+    return value(d, "specdec_forward_seconds_sum", job=job, tokens="1") / n if n else 0.0
 
 
 def delta(before: dict, after: dict) -> dict:

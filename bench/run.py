@@ -10,11 +10,16 @@ K = 0 again. Arms named "K+lookup" run K with prompt lookup, whose rounds propos
 tokens copied from the sequence itself when its last tokens repeat, and ask the
 draft only otherwise (the proposals' source is mixed, so no bound applies to them).
 Each K's speedup is its tokens/s over the mean of that prompt's two K = 0 runs, so machine drift cancels; the report gives the median and quartiles.
-The orchestrator's metrics, scraped around every run, give per K: the round split
-into draft, verify, accept and RPC time, bytes and RPCs per round, and
-c = draft time per drafted token / target time per K = 0 round. With alpha =
+Two rates: end to end (all tokens over the request's time, as a client sees it,
+the prompt's prefill included) and decoding (the tokens after the first streamed
+message over the time after it; speculative decoding speeds up only this part).
+The metrics of the three servers, scraped around every run, give per K: the split
+of a decoding round into draft, verify, accept and RPC time, bytes and RPCs per
+round, and c = the draft's mean one-token step / the target's (each server's own
+forward-pass histogram; the target's from the K = 0 runs). With alpha =
 accepted / (accepted + rounds ending in a rejection), the Leviathan bound is
-(1 - alpha^(K+1)) / ((1 - alpha)(Kc + 1)), and efficiency = speedup / bound.
+(1 - alpha^(K+1)) / ((1 - alpha)(Kc + 1)), a bound on the decoding speedup, and
+efficiency = decoding speedup / bound.
 Then the in-process peer: transformers assisted generation (generate(assistant_model=...))
 against its own generate(), on the same models and prompts.
 Writes report.json, report.md and speedup.png under --out.
@@ -35,7 +40,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.metrics import delta, histogram_median, leviathan_alpha, leviathan_bound, scrape, value
+from bench.metrics import delta, histogram_median, leviathan_alpha, leviathan_bound, mean_step_s, scrape_all, value
 from specdec import models
 from specdec.config import DEFAULT_DRAFT, OrchestratorConfig
 from specdec.server import free_ports
@@ -92,7 +97,9 @@ def start_services(draft: str, target: str, log_path: Path):
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"specdec bench: the services did not start; see {log_path}")
         time.sleep(1)
-    return proc, f"127.0.0.1:{o}", f"http://127.0.0.1:{om}/metrics", forwards(f"127.0.0.1:{d}", f"127.0.0.1:{t}")
+    urls = {None: f"http://127.0.0.1:{om}/metrics", "draft": f"http://127.0.0.1:{dm}/metrics",
+            "target": f"http://127.0.0.1:{tm}/metrics"}
+    return proc, f"127.0.0.1:{o}", urls, forwards(f"127.0.0.1:{d}", f"127.0.0.1:{t}")
 
 
 def forwards(draft_address: str, target_address: str) -> dict:
@@ -114,15 +121,28 @@ def generate(stub, prompt: str, k: int, temperature: float, top_p: float, seed: 
                              prompt_lookup_min=lookup_min)
     req.messages.add(role="user", content=prompt)
     t = time.perf_counter()
-    stats = None
+    stats, first_s, first_tokens = None, None, 0
     for msg in stub.Generate(req, timeout=600):
+        if first_s is None and msg.token_ids:
+            first_s, first_tokens = time.perf_counter() - t, len(msg.token_ids)
         if msg.HasField("stats"):
             stats = msg.stats
     seconds = time.perf_counter() - t
-    return {"tokens": stats.completion_tokens, "seconds": seconds, "accepted": stats.accepted_tokens,
+    return {"tokens": stats.completion_tokens, "seconds": seconds,
+            "decode_tokens_per_s": decode_rate(stats.completion_tokens, seconds, first_tokens, first_s),
+            "accepted": stats.accepted_tokens,
             "drafted": stats.draft_tokens, "rejected_rounds": stats.rejected_rounds, "rounds": stats.rounds,
             "emitted": stats.mean_tokens_per_round * stats.rounds, "ttft": stats.time_to_first_token_seconds,
             "lookup_tokens": stats.lookup_tokens, "lookup_accepted": stats.lookup_accepted_tokens}
+
+
+def decode_rate(tokens: int, seconds: float, first_tokens: int, first_s: float | None) -> float | None:
+    """Tokens/s after the first streamed message: the tokens it did not carry over the time since it came.
+    None when it carried them all. The first message waits for the prompt's prefill, which speculative
+    decoding does not shorten; vLLM's time per output token leaves it out the same way."""
+    if first_s is None or tokens <= first_tokens or seconds <= first_s:
+        return None
+    return (tokens - first_tokens) / (seconds - first_s)
 
 
 def arm_name(k: int, lookup_min: int) -> str:
@@ -139,7 +159,7 @@ def quartiles(xs: list[float]) -> dict:
 def run_services(args, prompts, arms, progress) -> dict:
     """arms: (K, prompt_lookup_min) pairs besides K = 0."""
     out_dir = Path(args.out)
-    proc, address, metrics_url, forward = start_services(args.draft_model, args.target_model,
+    proc, address, metrics_urls, forward = start_services(args.draft_model, args.target_model,
                                                          out_dir / "services.log")
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
     results = {}
@@ -151,59 +171,66 @@ def run_services(args, prompts, arms, progress) -> dict:
             runs = {name: [] for name in ["0", *names]}
             metric = {name: {} for name in ["0", *names]}
             speedups = {name: [] for name in names}
+            decode_speedups = {name: [] for name in names}
             for rep in range(args.reps):
                 for i, p in enumerate(prompts):
                     order = rng.sample(arms, len(arms))
-                    base, rate = [], {}
+                    base, rate, base_decode, decode = [], {}, [], {}
                     for k, lookup_min in [(0, 0), *order, (0, 0)]:
                         name = arm_name(k, lookup_min)
-                        before = scrape(metrics_url)
+                        before = scrape_all(metrics_urls)
                         r = generate(stub, p["prompt"], k, temperature, top_p, seed=1000 * rep + i,
                                      max_tokens=args.max_tokens, draft_confidence=args.draft_confidence,
                                      lookup_min=lookup_min)
-                        d = delta(before, scrape(metrics_url))
+                        d = delta(before, scrape_all(metrics_urls))
                         for key, v in d.items():
                             metric[name][key] = metric[name].get(key, 0.0) + v
                         runs[name].append(r)
                         if k == 0:
                             base.append(r["tokens"] / r["seconds"])
+                            base_decode.append(r["decode_tokens_per_s"])
                         else:
                             rate[name] = r["tokens"] / r["seconds"]
+                            decode[name] = r["decode_tokens_per_s"]
                         progress.update(1)
                     for name, v in rate.items():
                         speedups[name].append(v / statistics.mean(base))
-            results[f"T={temperature}"] = summarize(runs, metric, speedups, temperature, top_p)
+                        if decode[name] and all(base_decode):
+                            decode_speedups[name].append(decode[name] / statistics.mean(base_decode))
+            results[f"T={temperature}"] = summarize(runs, metric, speedups, decode_speedups, temperature, top_p)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     return results, forward
 
 
-def summarize(runs, metric, speedups, temperature, top_p) -> dict:
-    """Per arm (K, or K+lookup): rates, acceptance, c, the round's split and, for the draft alone, the bound."""
-    base_rounds = value(metric["0"], "specdec_rounds_total") or 1.0
-    target_round_s = value(metric["0"], "specdec_round_phase_seconds_sum", phase="verify") / base_rounds
+def summarize(runs, metric, speedups, decode_speedups, temperature, top_p) -> dict:
+    """Per arm (K, or K+lookup): rates, acceptance, c, the decoding round's split and, for the draft alone, the
+    bound. Round times are of decoding rounds: the orchestrator times a round that prefills a session apart."""
+    target_step_s = mean_step_s(metric["0"], "target")
     per_k = {}
     for name, rs in runs.items():
         m, k = metric[name], int(name.split("+")[0])
         lookup = name != str(k)
         rounds = value(m, "specdec_rounds_total") or 1.0
+        decoding_rounds = value(m, "specdec_round_phase_seconds_count", phase="verify") or 1.0
         acc, drafted = sum(r["accepted"] for r in rs), sum(r["drafted"] for r in rs)
         rej = sum(r["rejected_rounds"] for r in rs)
         looked, looked_acc = sum(r["lookup_tokens"] for r in rs), sum(r["lookup_accepted"] for r in rs)
         alpha = leviathan_alpha(acc, rej)
-        draft_s = value(m, "specdec_round_phase_seconds_sum", phase="draft")
-        by_draft = drafted - looked  # c is the draft's cost per token it drafted
-        c = (draft_s / by_draft) / target_round_s if by_draft and target_round_s else 0.0
+        draft_step_s = mean_step_s(m, "draft")
+        c = draft_step_s / target_step_s if target_step_s else 0.0
         row = {
             "k": k, "lookup": lookup,
             "tokens_per_s": quartiles([r["tokens"] / r["seconds"] for r in rs]),
+            "decode_tokens_per_s": quartiles([r["decode_tokens_per_s"] for r in rs if r["decode_tokens_per_s"]]),
             "latency_s": quartiles([r["seconds"] for r in rs]),
             "ttft_s": quartiles([r["ttft"] for r in rs]),
             "alpha": alpha, "accepted_over_drafted": acc / drafted if drafted else 0.0,
             "tokens_per_round": sum(r["emitted"] for r in rs) / max(sum(r["rounds"] for r in rs), 1),
             "c": c,
-            "round_ms": {ph: 1000 * value(m, "specdec_round_phase_seconds_sum", phase=ph) / rounds
+            "draft_step_ms": 1000 * draft_step_s,
+            "round_ms": {ph: 1000 * value(m, "specdec_round_phase_seconds_sum", phase=ph) / decoding_rounds
                          for ph in ("draft", "verify", "accept", "rpc")},
             "wire_bytes_per_round_mean": value(m, "specdec_wire_bytes_per_round_sum") / rounds,
             "wire_bytes_per_round_median_at_most": histogram_median(m, "specdec_wire_bytes_per_round"),
@@ -211,6 +238,7 @@ def summarize(runs, metric, speedups, temperature, top_p) -> dict:
         }
         if k:
             row["speedup"] = quartiles(speedups[name])
+            row["decode_speedup"] = quartiles(decode_speedups[name])
         if lookup:
             if looked:
                 row["lookup_share"] = looked / drafted
@@ -219,13 +247,30 @@ def summarize(runs, metric, speedups, temperature, top_p) -> dict:
                 row["over_plain_k"] = quartiles([a / b for a, b in zip(speedups[name], speedups[str(k)])])
         elif k:
             row["bound"] = leviathan_bound(alpha, k, c)
-            row["efficiency"] = row["speedup"]["median"] / row["bound"] if row["bound"] else None
+            decoding = row["decode_speedup"]["median"]
+            row["efficiency"] = decoding / row["bound"] if row["bound"] and decoding else None
         per_k[name] = row
     speed = lambda name: per_k[name]["speedup"]["median"]
     best = max((n for n, row in per_k.items() if row["k"] and not row["lookup"]), key=speed, default=None)
     best_lookup = max((n for n, row in per_k.items() if row["lookup"]), key=speed, default=None)
     return {"temperature": temperature, "top_p": top_p, "per_k": per_k,
-            "best_k": int(best) if best else None, "best_lookup": best_lookup, "target_step_ms": 1000 * target_round_s}
+            "best_k": int(best) if best else None, "best_lookup": best_lookup, "target_step_ms": 1000 * target_step_s}
+
+
+class _FirstChunk:
+    """A generate() streamer that notes when the first generated tokens come and how many: generate() puts
+    the prompt first, then each step's (or each assisted round's) new tokens."""
+
+    def __init__(self):
+        self.puts, self.at, self.tokens = 0, None, 0
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at, self.tokens = time.perf_counter(), value.numel()
+
+    def end(self) -> None:
+        pass
 
 
 def run_peer(args, prompts, progress) -> dict:
@@ -237,22 +282,28 @@ def run_peer(args, prompts, progress) -> dict:
     draft = models.load_model(args.draft_model)
     out = {}
     for temperature, top_p in TEMPERATURES:
-        ratios, rates = [], {"plain": [], "assisted": []}
+        ratios, decode_ratios, rates = [], [], {"plain": [], "assisted": []}
         for i, p in enumerate(prompts):
             ids = tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
                                           return_tensors="pt", return_dict=True)["input_ids"]
             kw = dict(max_new_tokens=args.max_tokens, pad_token_id=tok.eos_token_id)
             kw.update(do_sample=True, temperature=temperature, top_p=top_p) if temperature else kw.update(do_sample=False)
-            rate = {}
+            rate, decode = {}, {}
             for mode in (("plain", "assisted") if i % 2 == 0 else ("assisted", "plain")):
                 torch.manual_seed(i)
+                first = _FirstChunk()
                 t = time.perf_counter()
-                gen = target.generate(ids, assistant_model=draft if mode == "assisted" else None, **kw)
-                rate[mode] = (gen.shape[1] - ids.shape[1]) / (time.perf_counter() - t)
+                gen = target.generate(ids, assistant_model=draft if mode == "assisted" else None, streamer=first, **kw)
+                seconds, tokens = time.perf_counter() - t, gen.shape[1] - ids.shape[1]
+                rate[mode] = tokens / seconds
+                decode[mode] = decode_rate(tokens, seconds, first.tokens, first.at and first.at - t)
                 rates[mode].append(rate[mode])
                 progress.update(1)
             ratios.append(rate["assisted"] / rate["plain"])
-        out[f"T={temperature}"] = {"speedup": quartiles(ratios), "plain_tokens_per_s": quartiles(rates["plain"]),
+            if decode["assisted"] and decode["plain"]:
+                decode_ratios.append(decode["assisted"] / decode["plain"])
+        out[f"T={temperature}"] = {"speedup": quartiles(ratios), "decode_speedup": quartiles(decode_ratios),
+                                   "plain_tokens_per_s": quartiles(rates["plain"]),
                                    "assisted_tokens_per_s": quartiles(rates["assisted"])}
     return out
 

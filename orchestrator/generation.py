@@ -52,6 +52,7 @@ class RoundTrace:
     draft_s: float = 0.0
     verify_s: float = 0.0
     rpc_s: float = 0.0
+    built: bool = False  # a call (re)built a session from the history: the prompt's prefill, or a rebuild
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -205,6 +206,7 @@ class Generation:
         compute = getattr(resp, "compute_seconds", 0.0) if compute_field else 0.0
         if compute_field:
             setattr(trace, compute_field, getattr(trace, compute_field) + compute)
+            trace.built = trace.built or req.cursor.expected_length == 0
         trace.rpc_s += max(wall_s - compute, 0.0)
 
     def _apply_stops(self, emitted: list[int]) -> tuple[list[int], int | None]:
@@ -252,11 +254,14 @@ class Generation:
                 m.accepted_per_position.labels(m.positions[i]).inc()
         m.tokens_per_round.observe(n + 1)
         m.generated_tokens.inc(len(kept))
-        m.phase_seconds.labels("draft").observe(trace.draft_s)
-        m.phase_seconds.labels("verify").observe(trace.verify_s)
-        m.phase_seconds.labels("rpc").observe(trace.rpc_s)
-        m.phase_seconds.labels("accept").observe(now - t_accept)
-        m.round_seconds.observe(now - t0)
+        if trace.built:  # a prefill's time says nothing of a round's; it is in the time to first token
+            m.prefill_round_seconds.observe(now - t0)
+        else:
+            m.phase_seconds.labels("draft").observe(trace.draft_s)
+            m.phase_seconds.labels("verify").observe(trace.verify_s)
+            m.phase_seconds.labels("rpc").observe(trace.rpc_s)
+            m.phase_seconds.labels("accept").observe(now - t_accept)
+            m.round_seconds.observe(now - t0)
         m.wire_bytes.observe(trace.bytes)
         m.rpcs_per_round.observe(trace.rpcs)
 

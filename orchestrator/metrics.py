@@ -52,10 +52,16 @@ class OrchestratorMetrics:
         self.requests = Counter("specdec_requests_total", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.request_errors = Counter("specdec_request_errors_total", "Requests ended by an error status", ["code"], registry=r)
         self.phase_seconds = Histogram("specdec_round_phase_seconds",
-                                       "Time of one round by phase: draft and verify compute on the servers, "
-                                       "accept on the orchestrator, and rpc (network, serialization, queueing)",
+                                       "Time of one decoding round by phase: draft and verify compute on the servers, "
+                                       "accept on the orchestrator, and rpc (network, serialization, queueing); "
+                                       "rounds that build a session are in specdec_prefill_round_seconds instead",
                                        ["phase"], buckets=_SECONDS, registry=r)
-        self.round_seconds = Histogram("specdec_round_seconds", "Wall time of one round", buckets=_SECONDS, registry=r)
+        self.round_seconds = Histogram("specdec_round_seconds", "Wall time of one decoding round (as above)",
+                                       buckets=_SECONDS, registry=r)
+        self.prefill_round_seconds = Histogram(
+            "specdec_prefill_round_seconds", "Wall time of a round that built a server's session from the history: "
+            "a request's first round, which carries the prompt's prefill, or a rebuild after a server lost it",
+            buckets=_SECONDS, registry=r)
         self.ttft = Histogram("specdec_time_to_first_token_seconds", "Time from request to its first token",
                               buckets=_SECONDS, registry=r)
         self.inter_token = Histogram("specdec_inter_token_seconds", "Time between streamed messages of a request",

@@ -34,33 +34,52 @@ def test_a_shrunk_profile_times_every_k_and_projects_the_best_one():
     assert "Projected" in markdown(r) and "shrunk 32x" in markdown(r)
 
 
-def _run(tokens, seconds, accepted=0, drafted=0, rejected=0, rounds=1, lookup_tokens=0, lookup_accepted=0):
+def _run(tokens, seconds, accepted=0, drafted=0, rejected=0, rounds=1, lookup_tokens=0, lookup_accepted=0,
+         decode=None):
     return {"tokens": tokens, "seconds": seconds, "accepted": accepted, "drafted": drafted, "rejected_rounds": rejected,
             "rounds": rounds, "emitted": tokens, "ttft": 0.01, "lookup_tokens": lookup_tokens,
-            "lookup_accepted": lookup_accepted}
+            "lookup_accepted": lookup_accepted, "decode_tokens_per_s": decode}
 
 
-def _metrics(rounds, draft_s, verify_s):
-    phase = lambda p: ("specdec_round_phase_seconds_sum", (("phase", p),))
-    return {("specdec_rounds_total", ()): rounds, phase("draft"): draft_s, phase("verify"): verify_s}
+def _metrics(rounds, decoding_rounds, draft_s, verify_s, step_s, job):
+    """The orchestrator's round counters and phase sums, and one server's one-token forward passes."""
+    phase = lambda p, kind: (f"specdec_round_phase_seconds_{kind}", (("phase", p),))
+    forward = lambda kind: (f"specdec_forward_seconds_{kind}", (("job", job), ("tokens", "1")))
+    return {("specdec_rounds_total", ()): rounds, phase("draft", "sum"): draft_s, phase("verify", "sum"): verify_s,
+            phase("verify", "count"): decoding_rounds, forward("sum"): step_s * 10, forward("count"): 10}
 
 
-def test_the_bench_gives_c_per_token_the_draft_drafted_and_a_bound_only_to_the_draft_alone():
-    """A K+lookup arm's proposals come partly from prompt lookup: its c counts only the draft's tokens, and the
-    bound, which assumes every round drafts K from the draft, is given to plain K arms only."""
+def test_decoding_rate_leaves_out_the_first_message_and_its_wait():
+    from bench.run import decode_rate
+
+    assert decode_rate(40, 0.5, 3, 0.1) == pytest.approx(37 / 0.4)
+    assert decode_rate(3, 0.5, 3, 0.1) is None  # the first message carried every token
+    assert decode_rate(0, 0.5, 0, None) is None
+
+
+def test_the_bench_takes_c_from_the_servers_steps_and_bounds_the_decoding_speedup_of_the_draft_alone():
+    """c is the draft's one-token step over the target's, each from its server's forward histogram; round times
+    are per decoding round; the bound is compared with the decoding speedup, and given to plain K arms only,
+    since a K+lookup arm's proposals come partly from prompt lookup."""
     from bench.report import markdown
     from bench.run import summarize
 
-    runs = {"0": [_run(40, 0.4, rounds=40)],
-            "3": [_run(40, 0.3, accepted=12, drafted=30, rejected=8, rounds=10)],
+    runs = {"0": [_run(40, 0.4, rounds=40, decode=110.0)],
+            "3": [_run(40, 0.3, accepted=12, drafted=30, rejected=8, rounds=10, decode=160.0)],
             "3+lookup": [_run(40, 0.25, accepted=15, drafted=30, rejected=5, rounds=10, lookup_tokens=10,
-                              lookup_accepted=6)]}
-    metric = {"0": _metrics(40, 0.0, 0.4), "3": _metrics(10, 0.03, 0.15), "3+lookup": _metrics(10, 0.02, 0.15)}
-    res = summarize(runs, metric, {"3": [1.3, 1.0], "3+lookup": [1.6, 0.9]}, 0.0, 1.0)
+                              lookup_accepted=6, decode=180.0)]}
+    metric = {"0": _metrics(40, 39, 0.0, 0.36, 0.008, "target"),
+              "3": _metrics(10, 9, 0.03, 0.117, 0.0012, "draft"),
+              "3+lookup": _metrics(10, 9, 0.02, 0.117, 0.0010, "draft")}
+    res = summarize(runs, metric, {"3": [1.3, 1.0], "3+lookup": [1.6, 0.9]},
+                    {"3": [1.4, 1.2], "3+lookup": [1.7, 1.0]}, 0.0, 1.0)
     plain, looked = res["per_k"]["3"], res["per_k"]["3+lookup"]
-    assert plain["c"] == pytest.approx((0.03 / 30) / 0.01)  # target step: 0.4 s over 40 rounds
-    assert looked["c"] == pytest.approx((0.02 / 20) / 0.01)  # 30 proposed, 10 of them by lookup
+    assert res["target_step_ms"] == pytest.approx(8.0)
+    assert plain["c"] == pytest.approx(0.0012 / 0.008) and looked["c"] == pytest.approx(0.0010 / 0.008)
+    assert plain["round_ms"]["verify"] == pytest.approx(13.0) and plain["round_ms"]["draft"] == pytest.approx(30 / 9)
     assert plain["bound"] == pytest.approx(leviathan_bound(0.6, 3, plain["c"]))
+    assert plain["decode_speedup"]["median"] == pytest.approx(1.3)
+    assert plain["efficiency"] == pytest.approx(1.3 / plain["bound"])  # the decoding speedup, not end to end
     assert "bound" not in looked and "efficiency" not in looked
     assert looked["lookup_share"] == pytest.approx(1 / 3) and looked["lookup_accepted_over_proposed"] == 0.6
     assert res["best_k"] == 3 and res["best_lookup"] == "3+lookup"  # the best plain K is reported on its own
@@ -72,3 +91,16 @@ def test_the_bench_gives_c_per_token_the_draft_drafted_and_a_bound_only_to_the_d
               "prompt_lookup_min": 2, "services": {"T=0.0": res}, "wall_seconds": 60}
     md = markdown(report)
     assert "| 3+lookup | 1.25" in md and "prompt lookup proposed 33% of the tokens, 60% of them accepted" in md
+    assert "| 3 | 1.15 [1.07, 1.23] | 1.30 [1.25, 1.35] |" in md
+
+
+@pytest.mark.parametrize("assisted", [False, True])
+def test_the_peers_first_chunk_is_its_first_generated_tokens_not_the_prompt(tiny_draft, tokenizer, assisted):
+    from bench.run import _FirstChunk
+
+    ids = torch.tensor([[1, 5, 9, 13]])
+    first = _FirstChunk()
+    out = tiny_draft.generate(ids, assistant_model=tiny_draft if assisted else None, streamer=first, do_sample=False,
+                              max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
+    assert out.shape[1] == 12 and first.at is not None
+    assert first.tokens == 1 if not assisted else 1 <= first.tokens <= 8

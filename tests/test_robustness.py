@@ -220,6 +220,11 @@ def test_evicted_sessions_are_rebuilt_and_output_is_unchanged(deployed_draft_sta
     assert got == expected
     assert evicting_stack.metric("specdec_session_rebuilds_total", {"service": "draft"}) > 0
     assert evicting_stack.metric("specdec_session_rebuilds_total", {"service": "target"}) > 0
+    # a rebuild's round is timed as a prefill, not as a decoding round; every round is timed once
+    built = evicting_stack.metric("specdec_prefill_round_seconds_count")
+    requests = sum(evicting_stack.metric("specdec_requests_total", {"finish_reason": r}) for r in gen_pb.FinishReason.keys())
+    assert built > requests
+    assert built + evicting_stack.metric("specdec_round_seconds_count") == evicting_stack.metric("specdec_rounds_total")
     # KV rollback: at every round each server held exactly the history so far, rejected drafts gone
     history = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in CHAT], add_generation_prompt=True,
                                             return_dict=True)["input_ids"] + got
@@ -282,7 +287,8 @@ def test_stop_string_ends_generation_and_is_not_returned(tiny_stack):
 def test_metrics_move_with_the_stats(partial_stack):
     names = ["specdec_generated_tokens_total", "specdec_draft_tokens_total", "specdec_accepted_tokens_total",
              "specdec_rounds_total", "specdec_rejected_rounds_total", "specdec_lookup_rounds_total",
-             "specdec_lookup_tokens_total", "specdec_lookup_accepted_tokens_total"]
+             "specdec_lookup_tokens_total", "specdec_lookup_accepted_tokens_total",
+             "specdec_prefill_round_seconds_count", "specdec_round_seconds_count"]
     before = {n: partial_stack.metric(n) for n in names}
     _, _, stats = partial_stack.generate(messages=CHAT, max_tokens=24, temperature=0.7, seed=5, prompt_lookup_min=1)
     delta = {n: partial_stack.metric(n) - before[n] for n in names}
@@ -294,6 +300,11 @@ def test_metrics_move_with_the_stats(partial_stack):
     assert delta["specdec_lookup_rounds_total"] == stats.lookup_rounds > 0
     assert delta["specdec_lookup_tokens_total"] == stats.lookup_tokens
     assert delta["specdec_lookup_accepted_tokens_total"] == stats.lookup_accepted_tokens
+    # A round that prefills a session is timed apart, so round timings describe decoding: the first round (the
+    # target's prefill, and the draft's when that round asks it) and, when prompt lookup proposed the first round,
+    # the draft's first call. Every round is timed once.
+    assert delta["specdec_prefill_round_seconds_count"] in (1, 2)
+    assert delta["specdec_prefill_round_seconds_count"] + delta["specdec_round_seconds_count"] == stats.rounds
     per_pos = sum(partial_stack.metric("specdec_accepted_tokens_per_position_total", {"position": str(i)}) for i in range(1, 9))
     assert per_pos == partial_stack.metric("specdec_accepted_tokens_total")
     assert abs(stats.acceptance_rate - stats.accepted_tokens / stats.draft_tokens) < 1e-6
