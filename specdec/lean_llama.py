@@ -300,14 +300,17 @@ class LeanLlamaRunner:
         self.matmul = matmul
         self.layer_ops = self._layer_ops()
         self.matmul_timings_ms: dict = {}
+        self.stacks: dict = {}  # product form -> its LayerStack: all the layers in one kernel call
         if quantize == "int8":
             self._quantize_int8()
+            self._add_stacks()
             return
         self.long_pass = "linear"
         self.products = {"linear": (F.linear, self.layers, self.lm_head),
                          "weights-first": (weights_first, self.layers, self.lm_head)}
         self.gguf_blocks = None  # what the gguf form reads, once it is set up
         self._add_forms(matmul, gguf)
+        self._add_stacks()
         if matmul != "auto":
             self.plan = ("linear",) + (matmul,) * SMALL_PASS_ROWS
         elif self.device.type != "cpu":
@@ -321,6 +324,25 @@ class LeanLlamaRunner:
                      describe_plan(self.plan))
         for unused in set(self.products) - set(self.plan) - {"linear"}:  # long passes take linear
             del self.products[unused]  # a packed copy nothing uses: give its memory back
+            self.stacks.pop(unused, None)
+
+    def _add_stacks(self) -> None:
+        """A LayerStack for each form whose products all run in specdec's kernels (fewrow, gguf, int8 in the
+        kernel), where the layer kernels run too: the layers' loop then runs in C++, the same operations in
+        the same order, so the same values, for one Python call a pass instead of ten a layer."""
+        kernels = self.layer_ops
+        if kernels is TorchLayerOps or not hasattr(kernels, "LayerStack"):
+            return
+        for form in ("fewrow", "gguf", "int8"):
+            if form not in self.products or (form == "int8" and self.int8_products != "specdec's kernel"):
+                continue
+            norms, weights, forms = [], [], []
+            for ln1, wqkv, wo, ln2, wgu, wd in self.products[form][1]:
+                norms += [ln1, ln2]
+                for w in (wqkv, wo, wgu, wd):  # fewrow: w; int8: (w, scale); gguf: (q, scales, format)
+                    weights.append([w] if form == "fewrow" else list(w[:2]))
+                    forms.append({"fewrow": "fewrow", "int8": "int8"}.get(form) or w[2])
+            self.stacks[form] = kernels.LayerStack(norms, weights, forms, self.n_heads, self.eps)
 
     def _quantize_int8(self) -> None:
         """Every product on int8 weights, one scale per output row. With specdec's kernels: steps and verifies
@@ -415,6 +437,8 @@ class LeanLlamaRunner:
 
     def describe(self) -> str:
         layer = "" if self.layer_ops is TorchLayerOps else " with specdec's CPU layer kernels"
+        if self.stacks:
+            layer += f" (the layers' loop in C++ for {', '.join(sorted(self.stacks))})"
         if self.quantize == "int8":
             return f"lean forward{layer}; products on int8 weights in {self.int8_products}"
         blocks = f" (gguf: the file's {self.gguf_blocks})" if "gguf" in self.plan else ""
@@ -436,16 +460,20 @@ class LeanLlamaRunner:
             raise ValueError(f"sequence of {start + n} tokens exceeds {self.max_len}")
         cache.reserve(n)
         h = self.n_heads
-        linear, layers, lm_head = self.products[self.plan[n] if n <= SMALL_PASS_ROWS else self.long_pass]
+        form = self.plan[n] if n <= SMALL_PASS_ROWS else self.long_pass
+        linear, layers, lm_head = self.products[form]
         if not isinstance(token_ids, torch.Tensor):  # a tensor on the device can be a CUDA graph's static input
             token_ids = torch.tensor(token_ids, device=self.device)
         x = self.embed[token_ids]  # [n, hidden]
         cos, sin = self.cos[start:start + n], self.sin[start:start + n]
         ops, eps = self.layer_ops, self.eps
-        for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(layers):
-            att = ops.attend(linear(ops.rms_norm(x, ln1, eps), wqkv), cache.k[i], cache.v[i], cos, sin, start, h)
-            x = x + linear(att, wo)
-            x = x + linear(ops.silu_mul(linear(ops.rms_norm(x, ln2, eps), wgu)), wd)
+        if (stack := self.stacks.get(form)) is not None:
+            x = stack.forward(x, cache.k, cache.v, cos, sin, start)
+        else:
+            for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(layers):
+                att = ops.attend(linear(ops.rms_norm(x, ln1, eps), wqkv), cache.k[i], cache.v[i], cos, sin, start, h)
+                x = x + linear(att, wo)
+                x = x + linear(ops.silu_mul(linear(ops.rms_norm(x, ln2, eps), wgu)), wd)
         cache.length = start + n
         x = ops.rms_norm(x[n - num_logits:], self.norm, eps)
         logits = linear(x, lm_head).float()  # [num_logits, vocab or kept]

@@ -82,8 +82,11 @@ def test_greedy_output_equals_target_alone_with_every_product_form(event_loop_th
     try:
         assert set(stack.target.runner.plan[1:]) == {matmul} and set(stack.draft.runner.plan[1:]) == {draft_form}
         # what the benchmark's report says ran: each server's ModelInfo.forward
-        layer = " with specdec's CPU layer kernels" if cpu_kernels() is not None else ""
-        said = lambda form, blocks="": f"lean forward{layer}; products: 1-32 rows: {form}{blocks}, longer passes: linear"
+        kernels = cpu_kernels() is not None
+        layer = lambda form: ((" with specdec's CPU layer kernels" if kernels else "")
+                              + (f" (the layers' loop in C++ for {form})" if kernels and form in ("fewrow", "gguf") else ""))
+        said = lambda form, blocks="": (f"lean forward{layer(form)}; products: 1-32 rows: {form}{blocks}, "
+                                        "longer passes: linear")
         blocks = " (gguf: the file's Q4_1 layers, Q8_0 head, 111 MB)" if matmul == "gguf" else ""
         assert forwards(stack.draft_address, stack.target_address) == {"draft": said(draft_form),
                                                                        "target": said(matmul, blocks)}

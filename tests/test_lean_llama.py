@@ -322,7 +322,25 @@ def test_a_runner_says_how_it_runs(tiny_draft, tokenizer, no_kernel):
 def test_a_runner_names_the_layer_kernels_it_uses(tiny_draft, tokenizer, layer_kernels):
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, quantize="int8")
     assert runner.layer_ops is layer_kernels
-    assert runner.describe() == "lean forward with specdec's CPU layer kernels; products on int8 weights in specdec's kernel"
+    assert runner.describe() == ("lean forward with specdec's CPU layer kernels (the layers' loop in C++ for int8); "
+                                 "products on int8 weights in specdec's kernel")
+
+
+@pytest.mark.parametrize("form", ["fewrow", "gguf", "int8"])
+def test_the_layers_loop_in_cpp_gives_the_python_loops_logits_bit_for_bit(tiny_draft, tiny_gguf, tokenizer, form,
+                                                                           layer_kernels):
+    """LayerStack runs the same operations in the same order as the Python loop, so greedy output and seeded
+    sampling are unchanged by it: steps, verify-sized passes and a pass after rollback, on a cache that grows."""
+    model, gguf = tiny_gguf if form == "gguf" else (tiny_draft, None)
+    kw = dict(quantize="int8") if form == "int8" else dict(matmul=form, gguf=gguf)
+    runner = LeanLlamaRunner(model, len(tokenizer), max_len=1024, **kw)
+    assert form in runner.stacks
+    ids = list(range(100, 400))
+    chunks = [ids[:250], ids[250:251], ids[251:255], ids[255:264], ids[264:265], ids[200:203]]
+    with_stack = steps(runner, chunks, crop_at=(5, 200))
+    runner.stacks = {}
+    for a, b in zip(with_stack, steps(runner, chunks, crop_at=(5, 200))):
+        assert torch.equal(a, b)
 
 
 def test_unknown_product_form_is_refused(tiny_draft, tokenizer):

@@ -3,6 +3,8 @@
 // by specdec/kernels/__init__.py.
 #include <torch/extension.h>
 
+#include "layer.h"
+
 torch::Tensor few_rows(torch::Tensor x, torch::Tensor w);
 torch::Tensor few_rows_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor few_rows_gguf(torch::Tensor x, torch::Tensor q, torch::Tensor scales, const std::string& format);
@@ -22,4 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of side-by-side gate and up projections");
   m.def("sampling_probs", &sampling_probs, "temperature, top-k, top-p and softmax of each row of logits");
   m.def("argmax_rows", &argmax_rows, "the index of each row's largest value, the first of ties");
+  py::class_<LayerStack>(m, "LayerStack", "all the layers of a Llama pass in one call, products in these kernels")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<std::vector<torch::Tensor>>, std::vector<std::string>,
+                    int64_t, double>())
+      .def("forward", &LayerStack::forward, "x [n, hidden] through every layer, writing the cache at start");
 }

@@ -1,0 +1,22 @@
+// The layers of a Llama pass in one call (layer.cpp).
+#pragma once
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+class LayerStack {
+ public:
+  LayerStack(std::vector<torch::Tensor> norms, std::vector<std::vector<torch::Tensor>> weights,
+             std::vector<std::string> forms, int64_t heads, double eps);
+  torch::Tensor forward(torch::Tensor x, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+                        int64_t start) const;
+
+ private:
+  torch::Tensor product(const torch::Tensor& x, size_t i) const;
+  std::vector<torch::Tensor> norms_;
+  std::vector<std::vector<torch::Tensor>> weights_;
+  std::vector<std::string> forms_;
+  int64_t heads_;
+  double eps_;
+};
