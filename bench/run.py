@@ -9,7 +9,8 @@ runs K = 0 (the target alone, same path), every K in a shuffled order, then
 K = 0 again. Arms named "K+lookup" run K with prompt lookup, whose rounds propose
 tokens copied from the sequence itself when its last tokens repeat, and ask the
 draft only otherwise (the proposals' source is mixed, so no bound applies to them).
-Each K's speedup is its tokens/s over the mean of that prompt's two K = 0 runs, so machine drift cancels; the report gives the median and quartiles.
+Each K's speedup is its tokens/s over the mean of that prompt's two K = 0 runs,
+so machine drift cancels; the report gives the median and quartiles.
 Two rates: end to end (all tokens over the request's time, as a client sees it,
 the prompt's prefill included) and decoding (the tokens after the first streamed
 message over the time after it; speculative decoding speeds up only this part).

@@ -254,7 +254,7 @@ class Generation:
                 m.accepted_per_position.labels(m.positions[i]).inc()
         m.tokens_per_round.observe(n + 1)
         m.generated_tokens.inc(len(kept))
-        if trace.built:  # a prefill's time says nothing of a round's; it is in the time to first token
+        if trace.built:  # a prefill's time says nothing of a decoding round's: it is timed apart
             m.prefill_round_seconds.observe(now - t0)
         else:
             m.phase_seconds.labels("draft").observe(trace.draft_s)

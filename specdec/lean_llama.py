@@ -331,7 +331,7 @@ class LeanLlamaRunner:
         kernel), where the layer kernels run too: the layers' loop then runs in C++, the same operations in
         the same order, so the same values, for one Python call a pass instead of ten a layer."""
         kernels = self.layer_ops
-        if kernels is TorchLayerOps or not hasattr(kernels, "LayerStack"):
+        if kernels is TorchLayerOps:
             return
         for form in ("fewrow", "gguf", "int8"):
             if form not in self.products or (form == "int8" and self.int8_products != "specdec's kernel"):
@@ -341,7 +341,7 @@ class LeanLlamaRunner:
                 norms += [ln1, ln2]
                 for w in (wqkv, wo, wgu, wd):  # fewrow: w; int8: (w, scale); gguf: (q, scales, format)
                     weights.append([w] if form == "fewrow" else list(w[:2]))
-                    forms.append({"fewrow": "fewrow", "int8": "int8"}.get(form) or w[2])
+                    forms.append(w[2] if form == "gguf" else form)
             self.stacks[form] = kernels.LayerStack(norms, weights, forms, self.n_heads, self.eps)
 
     def _quantize_int8(self) -> None:

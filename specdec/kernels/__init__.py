@@ -7,9 +7,10 @@ process keeps one OpenMP team.
 ``cpu_kernels()`` returns one module, built from every source here: the few-row products
 (``products.cpp``: ``few_rows``, ``few_rows_int8``, ``few_rows_gguf``), the work between the products
 (``layer.cpp``: ``rms_norm``, ``attend``, ``silu_mul``; and ``LayerStack``, a pass's layers in one call),
-and the work on the logits (``sampling.cpp``: ``sampling_probs``, ``argmax_rows``); ``kernels_for(t)`` returns it for a tensor it can take. It returns
-None where the module cannot be built: no C++ compiler, no ninja, an unsupported platform. Callers fall back to torch's functions then. The build
-takes about 45 s once per machine, CPU and torch version; later loads take about a second.
+and the work on the logits (``sampling.cpp``: ``sampling_probs``, ``argmax_rows``); ``kernels_for(t)``
+returns it for a tensor it can take. It returns None where the module cannot be built: no C++ compiler, no
+ninja, an unsupported platform. Callers fall back to torch's functions then. The build takes about 45 s once
+per machine, CPU and torch version; later loads take about a second.
 """
 
 from __future__ import annotations
