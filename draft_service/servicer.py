@@ -8,6 +8,7 @@ draft's outputs, never on the target's, so the ratio test stays exact.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specdec.errors import invalid
@@ -20,6 +21,10 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc
 class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, core: ModelServer):
         self.core = core
+        # A restricted draft scores a subset of the vocabulary (q = 0 elsewhere): the round works on those
+        # columns, a quarter of the row for the embedded draft, and names tokens by ids[column].
+        self.ids = core.runner.scored_ids
+        self.column_tokens = None if self.ids is None else self.ids.numpy()
 
     async def ProposeTokens(self, request, context):
         return await self.core.call("ProposeTokens", self._propose, request, context)
@@ -44,17 +49,18 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
         rows = []
         confidence = 1.0  # the draft's estimate that the target accepts every token so far
         for _ in range(k):
-            logits = core.forward(s, feed, 1)  # [1, vocab]
+            logits = core.forward(s, feed, 1, scored_only=True)  # [1, scored tokens]
             position = len(s.tokens)  # absolute position of the token drafted now
             if params.greedy:
-                x, qx = argmax_rows(logits)[0], 1.0
+                x, qx = self._token(argmax_rows(logits)[0]), 1.0
                 if req.min_confidence:
                     confidence *= top_probability(logits[0])
             else:
                 probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)[0]
-                found = support(probs)
+                columns, p = support(probs)
+                found = (columns if self.ids is None else self.column_tokens[columns], p)  # ids stay ascending
                 x = sample_sparse(*found, uniform(params.seed, position, Purpose.DRAFT))
-                qx = float(probs[x])
+                qx = float(p[np.searchsorted(found[0], x)])
                 rows.append(probs)
                 resp.distributions.append(core.sparse(found))
                 confidence *= qx
@@ -63,7 +69,9 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
             if confidence < req.min_confidence:
                 break
             feed = [x]
-        s.probs = torch.stack(rows) if rows else None
-        s.probs_start = len(s.tokens) - (len(resp.token_ids) - 1)
+        s.keep_probs(torch.stack(rows) if rows else None, len(s.tokens) - (len(resp.token_ids) - 1), self.ids)
         resp.length = len(s.tokens)
         return resp
+
+    def _token(self, column: int) -> int:
+        return column if self.ids is None else int(self.column_tokens[column])

@@ -26,6 +26,11 @@ class Session:
     last_used: float = 0.0
     probs: Any = None  # [n, vocab] distributions of the last call, for GetDistribution
     probs_start: int = 0  # absolute position of probs[0]
+    probs_ids: Any = None  # the token of each column of probs, when it holds only the tokens a draft scores
+
+    def keep_probs(self, probs, start: int = 0, ids=None) -> None:
+        """Keep the last call's distributions (None: none) for GetDistribution."""
+        self.probs, self.probs_start, self.probs_ids = probs, start, ids
 
 
 class SessionPool:

@@ -278,7 +278,7 @@ class LeanLlamaRunner:
         self.norm = m.norm.weight.detach()
         from specdec.runner import output_token_ids
 
-        self.kept = output_token_ids(model)  # [kept] or None: score only these rows
+        self.kept = self.scored_ids = output_token_ids(model)  # [kept] or None: score only these rows
         head = model.get_output_embeddings().weight.detach()[:vocab_size]  # [vocab, hidden]
         self.lm_head = head if self.kept is None else head[self.kept].contiguous()  # [vocab or kept, hidden]
         positions = torch.arange(max_len, device=self.device)[None]
@@ -452,9 +452,10 @@ class LeanLlamaRunner:
         cache.length = min(cache.length, length)
 
     @torch.inference_mode()
-    def forward(self, cache: LeanCache, token_ids, num_logits: int) -> torch.Tensor:
+    def forward(self, cache: LeanCache, token_ids, num_logits: int, scored_only: bool = False) -> torch.Tensor:
         """Append token_ids (a list, or a 1-D tensor on the device); logits of the last num_logits positions:
-        [num_logits, vocab] float32."""
+        [num_logits, vocab] float32, or with scored_only [num_logits, len(scored_ids)], the columns of the
+        tokens the model scores (a restricted draft's kept tokens, without widening them to the vocabulary)."""
         n, start = len(token_ids), cache.length
         if start + n > self.max_len:
             raise ValueError(f"sequence of {start + n} tokens exceeds {self.max_len}")
@@ -477,7 +478,7 @@ class LeanLlamaRunner:
         cache.length = start + n
         x = ops.rms_norm(x[n - num_logits:], self.norm, eps)
         logits = linear(x, lm_head).float()  # [num_logits, vocab or kept]
-        if self.kept is None:
+        if self.kept is None or scored_only:
             return logits
         full = torch.full((num_logits, self.vocab_size), float("-inf"), device=logits.device)
         return full.index_copy_(1, self.kept.to(logits.device), logits)  # [num_logits, vocab]

@@ -225,11 +225,12 @@ class ModelServer:
             raise
         return s
 
-    def forward(self, s: Session, token_ids: list[int], num_logits: int) -> torch.Tensor:
-        """Feed tokens to the session; [num_logits, vocab] logits. A failure drops the session."""
+    def forward(self, s: Session, token_ids: list[int], num_logits: int, scored_only: bool = False) -> torch.Tensor:
+        """Feed tokens to the session; [num_logits, vocab] logits, or [num_logits, len(runner.scored_ids)]
+        with scored_only (see the runners). A failure drops the session."""
         start = time.perf_counter()
         try:
-            logits = self.runner.forward(s.cache, token_ids, num_logits)
+            logits = self.runner.forward(s.cache, token_ids, num_logits, scored_only)
         except Exception:
             self.pool.release(s.id)
             raise
@@ -261,7 +262,10 @@ class ModelServer:
         if s.probs is None or not 0 <= i < len(s.probs):
             raise ServiceError(grpc.StatusCode.NOT_FOUND,
                                f"position {req.position} has no distribution from the last call of {req.session_id!r}")
-        return pb.GetDistributionResponse(probs=s.probs[i].tolist())
+        row = s.probs[i]
+        if s.probs_ids is not None:  # a restricted draft's row: probability 0 for the tokens it does not score
+            row = torch.zeros(self.vocab_size, dtype=row.dtype).index_copy_(0, s.probs_ids, row)
+        return pb.GetDistributionResponse(probs=row.tolist())
 
     def model_info(self, req) -> pb.ModelInfo:
         return self.info

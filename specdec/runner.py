@@ -16,6 +16,7 @@ class CausalLMRunner:
         self.vocab_size = vocab_size
         self.device = next(model.parameters()).device
         kept = output_token_ids(model)
+        self.scored_ids = kept  # the tokens the model scores, ascending; None: all of them
         self._outside = None
         if kept is not None:  # a draft that scores only these tokens: everything else gets probability 0
             self._outside = torch.ones(vocab_size, dtype=torch.bool)
@@ -36,11 +37,14 @@ class CausalLMRunner:
             cache.crop(-drop)
 
     @torch.inference_mode()
-    def forward(self, cache, token_ids: list[int], num_logits: int) -> torch.Tensor:
-        """Append token_ids to the cache; logits of the last num_logits positions: [num_logits, vocab] float32."""
+    def forward(self, cache, token_ids: list[int], num_logits: int, scored_only: bool = False) -> torch.Tensor:
+        """Append token_ids to the cache; logits of the last num_logits positions: [num_logits, vocab] float32,
+        or with scored_only [num_logits, len(scored_ids)], the columns of the tokens the model scores."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=num_logits)
         logits = out.logits[0, :, : self.vocab_size].float().cpu()  # [num_logits, vocab]
+        if scored_only and self.scored_ids is not None:
+            return logits[:, self.scored_ids]
         if self._outside is not None:
             logits.masked_fill_(self._outside, float("-inf"))
         return logits

@@ -32,11 +32,11 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         logits = core.forward(s, unseen + drafts, len(drafts) + 1)  # [K+1, vocab]
         resp = target_pb2.VerifyResponse(length=len(s.tokens))
         if params.greedy:
-            s.probs = None
+            s.keep_probs(None)
             resp.argmax_token_ids.extend(argmax_rows(logits))
             return resp
         probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # [K+1, vocab]
-        s.probs, s.probs_start = probs, len(s.tokens) - len(drafts)
+        s.keep_probs(probs, len(s.tokens) - len(drafts))
         resp.draft_token_probs.extend(probs[i, x].item() for i, x in enumerate(drafts))
         found = [support(row) for row in probs]
         resp.distributions.extend(core.sparse(f) for f in found)

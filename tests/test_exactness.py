@@ -122,3 +122,53 @@ def test_same_seed_same_output(request, stack_name, top_p, lookup):
     if lookup:
         assert 0 < stats.lookup_rounds < stats.rounds
         assert stats.lookup_accepted_tokens < stats.lookup_tokens  # a lookup token was rejected and resampled
+
+
+@pytest.mark.parametrize("runner", ["lean", "hf"])
+def test_a_restricted_draft_proposes_from_its_whole_vocabulary_distribution(tokenizer, tiny_draft, runner):
+    """The draft service works on a restricted draft's scored columns only; what it sends must still be the
+    distribution over the whole vocabulary that the ratio test assumes: the same greedy tokens, the same q
+    (token ids, not column numbers), the same keyed draws, and GetDistribution's dense row zero elsewhere."""
+    import copy
+
+    import numpy as np
+
+    from draft_service.servicer import DraftServicer
+    from specdec.config import ModelServerConfig
+    from specdec.model_server import ModelServer
+    from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, support, uniform
+    from specdec.v1 import draft_pb2
+    from specdec.v1 import model_server_pb2 as pb
+
+    draft = copy.deepcopy(tiny_draft)
+    kept = list(range(3, len(tokenizer), 7))  # spread out: a column number is never its token's id
+    draft.config.specdec_output_token_ids = kept
+    core = ModelServer(ModelServerConfig(role="draft", model="test-draft", metrics_port=0, runner=runner,
+                                         quantize="none"), draft, tokenizer)
+    servicer = DraftServicer(core)
+    prompt = chat_ids(tokenizer, PROMPTS[1])
+    for i, (temperature, top_p) in enumerate([(0.0, 1.0), (0.8, 0.9), (1.0, 1.0)]):
+        sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, seed=7)
+        cursor = pb.SessionCursor(session_id=f"s{i}", tokens=prompt)
+        resp = servicer._propose(draft_pb2.ProposeTokensRequest(cursor=cursor, num_tokens=4, sampling=sampling))
+        cache, feed = core.runner.new_cache(), list(prompt)
+        for j, x in enumerate(resp.token_ids):
+            full = core.runner.forward(cache, feed, 1)  # [1, vocab], -inf outside the kept tokens
+            feed = [x]
+            position = len(prompt) + j
+            assert x in kept
+            if temperature == 0:
+                assert x == argmax_rows(full)[0]
+                continue
+            q = logits_to_probs(full, temperature, 0, top_p)[0]
+            ids, probs = support(q)
+            assert x == sample_sparse(ids, probs, uniform(7, position, Purpose.DRAFT))
+            assert resp.token_probs[j] == pytest.approx(float(q[x]), rel=1e-5)
+            sent = resp.distributions[j]
+            if sent.complete:
+                assert list(sent.token_ids) == ids.tolist()
+                np.testing.assert_allclose(sent.probs, probs, rtol=1e-5, atol=1e-9)
+            else:  # the whole kept set at top_p 1: over max_sparse_support, fetched densely
+                assert len(ids) > core.cfg.max_sparse_support
+            dense = core.get_distribution(pb.GetDistributionRequest(session_id=f"s{i}", position=position))
+            np.testing.assert_allclose(dense.probs, q.numpy(), rtol=1e-5, atol=1e-9)

@@ -161,9 +161,9 @@ def _record_forwards(core: ModelServer) -> list[tuple[int, str]]:
     """(tokens fed, thread) of every forward pass the core runs from now on."""
     calls, forward = [], core.runner.forward
 
-    def recording_forward(cache, token_ids, num_logits):
+    def recording_forward(cache, token_ids, num_logits, scored_only=False):
         calls.append((len(token_ids), threading.current_thread().name))
-        return forward(cache, token_ids, num_logits)
+        return forward(cache, token_ids, num_logits, scored_only)
 
     core.runner.forward = recording_forward
     return calls
