@@ -161,9 +161,21 @@ torch::Tensor few_rows_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scal
 struct Q4_1 {
   static constexpr int64_t kBytes = 16, kScales = 2;
   static inline void load(const uint8_t* q, const float* s, vec& lo, vec& hi) {
+#ifdef __AVX512F__
+    // A block has 16 possible weights, d q + m for q = 0..15: one register. Each byte widened to a 32-bit lane
+    // indexes it by its low 4 bits (vpermps reads no more), so the low nibble needs no mask, the high one a
+    // shift: 5 instructions a block instead of 9, and the same weights (one FMA each, as before).
+    const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_ps(s[0]), _mm512_set1_ps(s[1]));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+    const __m512 l = _mm512_permutexvar_ps(b, table), h = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+    __builtin_memcpy(&lo, &l, sizeof lo);
+    __builtin_memcpy(&hi, &h, sizeof hi);
+#else
     const __m128i b = _mm_loadu_si128((const __m128i*)q), nibble = _mm_set1_epi8(0x0f);
     lo = widen16<true>(_mm_and_si128(b, nibble)) * s[0] + s[1];
     hi = widen16<true>(_mm_and_si128(_mm_srli_epi16(b, 4), nibble)) * s[0] + s[1];
+#endif
   }
 };
 
