@@ -56,6 +56,9 @@ class ModelServerConfig:
     max_sparse_support: int = field(default=1024, metadata={"help": "largest support sent in sparse form"})
     grace_s: float = field(default=10.0, metadata={"help": "seconds in-flight calls get on shutdown"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = torch's default"})
+    prefill_threads: int = field(default=0, metadata={"help": "torch CPU threads for a pass of more than 32 tokens "
+                                                              "(a prefill, a rebuild), which is compute-bound where a "
+                                                              "step is not; 0 = torch's default (the cores)"})
     prefill_chunk: int = field(default=0, metadata={"help": "tokens per pass of a long feed (a prefill, a rebuild), "
                                                             "the event loop free between passes; 0 = 256 on CPU, "
                                                             "512 on an accelerator"})
@@ -77,9 +80,10 @@ class ModelServerConfig:
         for name in ("max_sessions", "max_tokens", "max_draft_tokens", "max_sparse_support"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        if min(self.max_model_len, self.threads, self.prefill_chunk) < 0 or self.idle_ttl_s <= 0 or self.grace_s < 0:
-            raise ConfigError("--max-model-len, --threads, --prefill-chunk must be >= 0; --idle-ttl-s > 0; "
-                              "--grace-s >= 0")
+        if (min(self.max_model_len, self.threads, self.prefill_threads, self.prefill_chunk) < 0
+                or self.idle_ttl_s <= 0 or self.grace_s < 0):
+            raise ConfigError("--max-model-len, --threads, --prefill-threads, --prefill-chunk must be >= 0; "
+                              "--idle-ttl-s > 0; --grace-s >= 0")
 
 
 @dataclass

@@ -42,6 +42,13 @@ log = logging.getLogger(__name__)
 # (0.34-0.43 s); of 64, +38-48%. An accelerator takes 512 tokens in a few tens of ms.
 PREFILL_CHUNK = {"cpu": 256, "accelerator": 512}
 
+# A pass longer than this is compute-bound on CPU and runs on --prefill-threads (the lean runner's long passes
+# start at the same width). A step or a verify stays on --threads: the draft's are chains of small ops that a
+# second thread only synchronises, and its spinning would take the core the target's verify needs. Its prefill
+# is 2 GFLOP for 150 tokens: one thread 23-24 ms, two 13-14 ms (embedded draft, Xeon).
+LONG_PASS_TOKENS = 32
+_TORCH_THREADS = torch.get_num_threads()  # torch's default, before any server sets its own
+
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
 
 
@@ -89,6 +96,9 @@ class ModelServer:
         self.metrics = ModelServerMetrics(self.registry)
         self.metrics.sessions_capacity.set(cfg.max_sessions)
         self.metrics.tokens_capacity.set(cfg.max_tokens)
+        self.threads = torch.get_num_threads()  # ModelServer.load set cfg.threads
+        on_cpu = self.runner.device.type == "cpu"
+        self.prefill_threads = (cfg.prefill_threads or _TORCH_THREADS) if on_cpu else self.threads
         self.prefill_chunk = cfg.prefill_chunk or PREFILL_CHUNK[
             "cpu" if self.runner.device.type == "cpu" else "accelerator"]
         self._stopping: asyncio.Future | None = None  # set by begin_shutdown; ends idle streams
@@ -229,11 +239,17 @@ class ModelServer:
         """Feed tokens to the session; [num_logits, vocab] logits, or [num_logits, len(runner.scored_ids)]
         with scored_only (see the runners). A failure drops the session."""
         start = time.perf_counter()
+        widen = len(token_ids) > LONG_PASS_TOKENS and self.prefill_threads != self.threads
+        if widen:
+            torch.set_num_threads(self.prefill_threads)  # the loop thread's OpenMP team grows; no second team
         try:
             logits = self.runner.forward(s.cache, token_ids, num_logits, scored_only)
         except Exception:
             self.pool.release(s.id)
             raise
+        finally:
+            if widen:
+                torch.set_num_threads(self.threads)
         s.tokens.extend(token_ids)
         self.metrics.forward_seconds.labels(_tokens_bucket(len(token_ids))).observe(time.perf_counter() - start)
         return logits

@@ -206,6 +206,40 @@ def test_a_multithreaded_cpu_server_loads_and_computes_on_its_event_loop_thread_
     assert {name for _, name in forwards} == {event_loop_thread.thread.name}
 
 
+def test_a_long_pass_runs_on_the_prefill_threads_and_a_step_on_the_servers_own(tokenizer, tiny_draft):
+    """A prefill is compute-bound and takes --prefill-threads; steps and verifies stay on --threads, and the
+    count comes back after a long pass, a failed one included."""
+    import torch
+
+    from specdec.model_server import LONG_PASS_TOKENS
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as ModelServer.load sets --threads 1 for the draft
+    try:
+        core = ModelServer(ModelServerConfig(role="draft", model="test-draft", metrics_port=0, prefill_threads=2),
+                           tiny_draft, tokenizer)
+        seen, forward = [], core.runner.forward
+
+        def recording_forward(cache, token_ids, num_logits, scored_only=False):
+            seen.append((len(token_ids), torch.get_num_threads()))
+            if token_ids[0] == 0:
+                raise RuntimeError("a pass that fails")
+            return forward(cache, token_ids, num_logits, scored_only)
+
+        core.runner.forward = recording_forward
+        s = core.open(cursor("s", 0, 0, []), 200)
+        long_feed = list(range(1, LONG_PASS_TOKENS + 2))
+        core.forward(s, long_feed, 1)
+        core.forward(s, [5], 1)
+        core.forward(s, list(range(1, LONG_PASS_TOKENS + 1)), 4)  # at the limit: still a short pass
+        with pytest.raises(RuntimeError):
+            core.forward(s, [0] * (LONG_PASS_TOKENS + 1), 1)
+        assert seen == [(LONG_PASS_TOKENS + 1, 2), (1, 1), (LONG_PASS_TOKENS, 1), (LONG_PASS_TOKENS + 1, 2)]
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_a_prompt_fed_in_chunks_verifies_as_if_fed_in_one_pass(event_loop_thread, tokenizer, target_model, sampling):
     prompt = tokenizer("The lighthouse keeper wrote in his log every night: the weather, the ships that "
