@@ -28,7 +28,8 @@ def markdown(report: dict) -> str:
              "end to end (the prompt's prefill included, as a client sees it) and decoding (after the first streamed "
              "message, the part speculative decoding speeds up). The bound is Leviathan's for the decoding speedup, "
              "from alpha and c = the draft's one-token step over the target's; efficiency = decoding speedup / bound. "
-             "Round times are of decoding rounds."]
+             "Round times are of decoding rounds; TTFT is the median time to the first token, as the orchestrator "
+             "measures it."]
     if report.get("draft_confidence_threshold"):
         lines.append(f"Draft confidence threshold {report['draft_confidence_threshold']:g}: K is the most a round "
                      "drafts, and a round stops early once the draft's confidence falls below it; the bound and the "
@@ -43,9 +44,9 @@ def markdown(report: dict) -> str:
     lines.append("")
     for name, res in report["services"].items():
         lines += [f"## {name}" + (f", top_p {res['top_p']}" if res["temperature"] else " (greedy)"), "",
-                  "| K | speedup | decoding speedup | tokens/s | alpha | accepted/drafted | tokens/round | c | bound | "
-                  "efficiency | draft / verify / accept / rpc ms per round | bytes/round (mean) | RPCs/round |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| K | speedup | decoding speedup | tokens/s | TTFT ms | alpha | accepted/drafted | tokens/round | c | "
+                  "bound | efficiency | draft / verify / accept / rpc ms per round | bytes/round (mean) | RPCs/round |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for k, row in res["per_k"].items():
             ms = row["round_ms"]
             eff = "-" if row.get("efficiency") is None else f"{row['efficiency']:.2f}"
@@ -53,6 +54,7 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {k} | {_fmt(row['speedup']) if 'speedup' in row else '1 (baseline)'} | "
                 f"{_fmt(row['decode_speedup']) if 'decode_speedup' in row else '1'} | {_fmt(row['tokens_per_s'], 1)} | "
+                f"{1e3 * row['ttft_s']['median']:.0f} | "
                 f"{row['alpha']:.3f} | {row['accepted_over_drafted']:.3f} | {row['tokens_per_round']:.2f} | {row['c']:.3f} | "
                 f"{bound} | {eff} | "
                 f"{ms['draft']:.1f} / {ms['verify']:.1f} / {ms['accept']:.2f} / {ms['rpc']:.2f} | "

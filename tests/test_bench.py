@@ -92,6 +92,9 @@ def test_the_bench_takes_c_from_the_servers_steps_and_bounds_the_decoding_speedu
     md = markdown(report)
     assert "| 3+lookup | 1.25" in md and "prompt lookup proposed 33% of the tokens, 60% of them accepted" in md
     assert "| 3 | 1.15 [1.07, 1.23] | 1.30 [1.25, 1.35] |" in md
+    header = next(line for line in md.splitlines() if line.startswith("| K |")).split(" | ")
+    row = next(line for line in md.splitlines() if line.startswith("| 3 |")).split(" | ")
+    assert row[header.index("TTFT ms")] == "10"  # the median time to first token, in ms
 
 
 @pytest.mark.parametrize("assisted", [False, True])
