@@ -41,6 +41,7 @@ class GenerationSpec:
     stops: list[str] = field(default_factory=list)
     min_confidence: float = 0.0  # the draft stops a round early below it (ProposeTokensRequest.min_confidence)
     lookup: tuple[int, int] = (0, 0)  # prompt lookup's (n_min, n_max); n_min 0 turns it off
+    speculate_first_round: bool = False  # False: the first round is the target's prefill alone (K = 0)
 
 
 @dataclass
@@ -95,6 +96,8 @@ class Generation:
             n_hist = len(self.history)
             remaining = self.spec.max_tokens - self.stats.completion_tokens
             k = max(0, min(self.spec.k, remaining - 1, self.max_model_len - n_hist - 1))
+            if not self.spec.speculate_first_round and not self.stats.rounds:
+                k = 0  # the first token from the target's prefill alone; the draft prefills in the next round
             t0 = time.perf_counter()
             trace = RoundTrace()
             looked = self.lookup.propose(self.history, k) if self.lookup else []

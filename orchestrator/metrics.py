@@ -60,7 +60,8 @@ class OrchestratorMetrics:
                                        buckets=_SECONDS, registry=r)
         self.prefill_round_seconds = Histogram(
             "specdec_prefill_round_seconds", "Wall time of a round that built a server's session from the history: "
-            "a request's first round, which carries the prompt's prefill, or a rebuild after a server lost it",
+            "the rounds that carry the prompt's prefill (by default a request's first two: the target's, then the "
+            "draft's), or a rebuild after a server lost it",
             buckets=_SECONDS, registry=r)
         self.ttft = Histogram("specdec_time_to_first_token_seconds", "Time from request to its first token",
                               buckets=_SECONDS, registry=r)

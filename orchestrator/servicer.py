@@ -84,7 +84,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_tokens = min(cfg.max_tokens, room)
         seed = req.seed if req.HasField("seed") else secrets.randbits(63)
         return GenerationSpec(ids, max_tokens, SamplingParams(temperature, top_p, top_k, seed), k, list(req.stop),
-                              min_confidence=confidence, lookup=(lookup_min, cfg.prompt_lookup_max))
+                              min_confidence=confidence, lookup=(lookup_min, cfg.prompt_lookup_max),
+                              speculate_first_round=cfg.speculate_first_round)
 
     def _tokenize(self, req: gen_pb.GenerateRequest) -> list[int]:
         if req.prompt:

@@ -69,6 +69,38 @@ def test_greedy_output_equals_target_alone(partial_stack, reference, k, threshol
     assert (looked > 0 and accepted > 0 and rejected > 0) == bool(lookup)  # lookup's rounds kept and dropped tokens
 
 
+def _first_message_and_ids(stack, text, **fields):
+    """The number of tokens the first streamed message carries, and all the ids."""
+    from specdec.v1 import generation_pb2 as gen_pb
+
+    req = gen_pb.GenerateRequest(**fields)
+    req.messages.add(role="user", content=text)
+    sizes, ids = [], []
+    for msg in stack.stub().Generate(req, timeout=300):
+        if msg.token_ids:
+            sizes.append(len(msg.token_ids))
+            ids.extend(msg.token_ids)
+    return sizes[0], ids
+
+
+def test_with_the_first_round_the_targets_alone_the_first_message_is_its_prefills_token(
+        event_loop_thread, tokenizer, target_model, reference):
+    """--speculate-first-round false: the first token comes from the target's prefill alone, as without
+    speculation (the draft prefills in the second round), and the output is the target's all the same. The
+    target drafts for itself here, so that a first round that drafts keeps its drafts."""
+    kw = dict(max_tokens=16, temperature=0.0, num_speculative_tokens=4)
+    for speculate in (True, False):
+        stack = make_stack(event_loop_thread, tokenizer, target_model, target_model,
+                           orch_cfg={"speculate_first_round": speculate})
+        try:
+            for text, expected in zip(PROMPTS[:3], reference):
+                first, ids = _first_message_and_ids(stack, text, **kw)
+                assert ids == expected[:16]
+                assert first == 1 if not speculate else first > 1
+        finally:
+            stop_stack(stack)
+
+
 @pytest.mark.parametrize("matmul", FORMS)
 def test_greedy_output_equals_target_alone_with_every_product_form(event_loop_thread, tokenizer, partial_draft,
                                                                      target_model, reference, matmul):
