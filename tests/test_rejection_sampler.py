@@ -137,3 +137,25 @@ def test_a_proposal_made_with_certainty_is_exact():
     assert_matches(np.array([t[1] for n, t in out if n >= 1]), dense(P[1], VOCAB), "second token, fixed proposal")
     assert_matches(np.array([n for n, _ in out]), np.array([1 - 0.25, 0.25 * (1 - 0.10), 0.25 * 0.10]),
                    "accepted length, fixed proposal")
+
+
+def test_residual_equals_the_dense_max_of_p_minus_q_for_any_supports():
+    """The residual, computed on p's support, equals norm(max(0, p - q)) over the whole vocabulary, whether
+    q's support lies inside p's, overlaps it or misses it."""
+    rng = np.random.default_rng(7)
+    vocab = 300
+    for trial in range(200):
+        p_ids = np.sort(rng.choice(vocab, rng.integers(1, 60), replace=False))
+        overlap = rng.choice(p_ids, rng.integers(0, len(p_ids) + 1), replace=False)
+        outside = rng.choice(vocab, rng.integers(0 if len(overlap) else 1, 20), replace=False)
+        q_ids = np.unique(np.concatenate([overlap, outside])).astype(np.int64)
+        p = np.zeros(vocab)
+        p[p_ids] = rng.random(len(p_ids)) + 1e-3
+        q = np.zeros(vocab)
+        q[q_ids] = rng.random(len(q_ids)) + 1e-3
+        p, q = p / p.sum(), q / q.sum()
+        got = rs.residual(rs.Dist.from_dense(p), rs.Dist.from_dense(q))
+        r = np.maximum(p - q, 0.0)
+        want = rs.Dist.from_dense(r / r.sum()) if r.sum() > 0 else rs.Dist.from_dense(p)
+        assert np.array_equal(got.token_ids, want.token_ids), trial
+        np.testing.assert_allclose(got.probs, want.probs, rtol=1e-12, atol=0)
