@@ -72,11 +72,8 @@ def residual(p: Dist, q: Dist) -> Dist:
 
     max(0, p - q) is zero wherever p is, so it is computed on p's support, q looked up there: no union of
     the supports to sort (a support of 1,000 tokens: 124 -> 21 us)."""
-    if len(q.token_ids):
-        i = np.minimum(np.searchsorted(q.token_ids, p.token_ids), len(q.token_ids) - 1)
-        r = np.maximum(p.probs - np.where(q.token_ids[i] == p.token_ids, q.probs[i], 0.0), 0.0)
-    else:
-        r = p.probs
+    i = np.minimum(np.searchsorted(q.token_ids, p.token_ids), len(q.token_ids) - 1)
+    r = np.maximum(p.probs - np.where(q.token_ids[i] == p.token_ids, q.probs[i], 0.0), 0.0)
     total = r.sum()
     if total <= 0.0:
         return p

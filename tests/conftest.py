@@ -154,13 +154,17 @@ class Stack:
         channel = grpc.insecure_channel(self.address)
         return generation_pb2_grpc.GenerationStub(channel)
 
-    def generate(self, **fields) -> tuple[list[int], str, gen_pb.GenerationStats]:
+    def stream(self, **fields) -> list[gen_pb.GenerateResponse]:
+        """A request's streamed messages; messages=[(role, content)] become the chat."""
         messages = fields.pop("messages", None)
         req = gen_pb.GenerateRequest(**fields)
         for role, content in messages or []:
             req.messages.add(role=role, content=content)
+        return list(self.stub().Generate(req, timeout=300))
+
+    def generate(self, **fields) -> tuple[list[int], str, gen_pb.GenerationStats]:
         ids, text, stats = [], "", None
-        for msg in self.stub().Generate(req, timeout=300):
+        for msg in self.stream(**fields):
             ids.extend(msg.token_ids)
             text += msg.text
             if msg.HasField("stats"):
