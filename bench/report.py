@@ -38,6 +38,11 @@ def markdown(report: dict) -> str:
         lines.append(f"Arms K+lookup run K with prompt lookup (prompt_lookup_min {report['prompt_lookup_min']}): a round "
                      "whose last tokens occurred earlier in the prompt or answer proposes the tokens that followed "
                      "them instead of calling the draft. Their proposals come from two sources, so no bound is given.")
+    if any(row.get("adaptive") for res in report["services"].values() for row in res["per_k"].values()):
+        lines.append("Arm auto: requests leave K unset, and a second orchestrator on the same model servers, with "
+                     "adaptive speculation, chooses K round by round from the round costs and the request's "
+                     "acceptance it measured so far (the K column gives the mean K of its decoding rounds); its K "
+                     "varies, so no bound is given.")
     if report.get("forward"):
         lines.append(f"Forward passes, as each server chose at start-up: draft `{report['forward']['draft']}`, "
                      f"target `{report['forward']['target']}`.")
@@ -51,8 +56,9 @@ def markdown(report: dict) -> str:
             ms = row["round_ms"]
             eff = "-" if row.get("efficiency") is None else f"{row['efficiency']:.2f}"
             bound = "-" if k != "0" and row.get("bound") is None else f"{row.get('bound', 1.0):.2f}"
+            label = f"auto (mean K {row['k']:.2f})" if row.get("adaptive") else k
             lines.append(
-                f"| {k} | {_fmt(row['speedup']) if 'speedup' in row else '1 (baseline)'} | "
+                f"| {label} | {_fmt(row['speedup']) if 'speedup' in row else '1 (baseline)'} | "
                 f"{_fmt(row['decode_speedup']) if 'decode_speedup' in row else '1'} | {_fmt(row['tokens_per_s'], 1)} | "
                 f"{1e3 * row['ttft_s']['median']:.0f} | "
                 f"{row['alpha']:.3f} | {row['accepted_over_drafted']:.3f} | {row['tokens_per_round']:.2f} | {row['c']:.3f} | "
@@ -62,6 +68,9 @@ def markdown(report: dict) -> str:
         lines += ["", f"Best K (end to end): {res['best_k']}; the target's one-token step {res['target_step_ms']:.1f} ms "
                   "at K = 0."]
         for k, row in res["per_k"].items():
+            if row.get("adaptive"):
+                shares = ", ".join(f"K = {kk}: {100 * share:.0f}%" for kk, share in row["k_share"].items())
+                lines.append(f"auto: {_fmt(row['decode_speedup'])} decoding, rounds at {shares}.")
             if "lookup_share" in row:
                 lines.append(f"K = {k}: prompt lookup proposed {100 * row['lookup_share']:.0f}% of the tokens, "
                              f"{100 * row['lookup_accepted_over_proposed']:.0f}% of them accepted"
@@ -97,7 +106,7 @@ def plot(report: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, res in report["services"].items():
-        rows = [row for row in res["per_k"].values() if row["k"] and not row["lookup"]]
+        rows = [row for row in res["per_k"].values() if row["k"] and not row["lookup"] and not row.get("adaptive")]
         ks = [row["k"] for row in rows]
         looked = [row for row in res["per_k"].values() if row["lookup"]]
         med = [r["speedup"]["median"] for r in rows]
@@ -107,6 +116,10 @@ def plot(report: dict, path: Path) -> None:
             axes[0].plot([row["k"] for row in looked], [row["speedup"]["median"] for row in looked],
                          marker="*", markersize=10, linestyle="none", color=line[0].get_color(),
                          label=f"with prompt lookup, {name}")
+        auto = [row for row in res["per_k"].values() if row.get("adaptive")]
+        if auto:  # drawn at its mean K
+            axes[0].plot([row["k"] for row in auto], [row["speedup"]["median"] for row in auto], marker="D",
+                         linestyle="none", color=line[0].get_color(), label=f"auto (adaptive K, at its mean K), {name}")
         axes[0].plot(ks, [r["bound"] for r in rows], linestyle="--", color=line[0].get_color(), label=f"Leviathan bound, {name}")
         axes[1].plot(ks, [r["alpha"] for r in rows], marker="o", label=f"alpha, {name}")
         axes[1].plot(ks, [r["accepted_over_drafted"] for r in rows], marker="x", linestyle=":", label=f"accepted/drafted, {name}")

@@ -90,17 +90,27 @@ def start_services(draft: str, target: str, log_path: Path):
                SPECDEC_TARGET_MODEL=target, SPECDEC_ORCHESTRATOR_TOKENIZER=target,
                SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS="8")
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    procs = [subprocess.Popen([sys.executable, "-m", "specdec.cli", "up"], env=env, stdout=log, stderr=subprocess.STDOUT)]
+    # The "auto" arm's orchestrator, on the same model servers: adaptive speculation learns its costs and alpha
+    # from the rounds it runs, as it would in service, and not from the fixed-K arms' runs of the same prompt.
+    o2, om2 = free_ports(2)
+    env2 = dict(env, SPECDEC_ORCHESTRATOR_PORT=str(o2), SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om2),
+                SPECDEC_ORCHESTRATOR_ADAPTIVE_SPECULATION="true")
+    procs.append(subprocess.Popen([sys.executable, "-m", "specdec.cli", "orchestrator"], env=env2, stdout=log,
+                                  stderr=subprocess.STDOUT))
     from specdec.cli import health_status
 
     deadline = time.monotonic() + 600
-    while health_status(f"127.0.0.1:{o}", timeout=1) != "SERVING":
-        if proc.poll() is not None or time.monotonic() > deadline:
+    while any(health_status(f"127.0.0.1:{port}", timeout=1) != "SERVING" for port in (o, o2)):
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                p.terminate()
             raise SystemExit(f"specdec bench: the services did not start; see {log_path}")
         time.sleep(1)
     urls = {None: f"http://127.0.0.1:{om}/metrics", "draft": f"http://127.0.0.1:{dm}/metrics",
             "target": f"http://127.0.0.1:{tm}/metrics"}
-    return proc, f"127.0.0.1:{o}", urls, forwards(f"127.0.0.1:{d}", f"127.0.0.1:{t}")
+    auto = (f"127.0.0.1:{o2}", {**urls, None: f"http://127.0.0.1:{om2}/metrics"})
+    return procs, f"127.0.0.1:{o}", urls, auto, forwards(f"127.0.0.1:{d}", f"127.0.0.1:{t}")
 
 
 def forwards(draft_address: str, target_address: str) -> dict:
@@ -115,11 +125,13 @@ def forwards(draft_address: str, target_address: str) -> dict:
     return out
 
 
-def generate(stub, prompt: str, k: int, temperature: float, top_p: float, seed: int, max_tokens: int,
+def generate(stub, prompt: str, k: int | None, temperature: float, top_p: float, seed: int, max_tokens: int,
              draft_confidence: float = 0.0, lookup_min: int = 0) -> dict:
+    """k None leaves num_speculative_tokens unset: the orchestrator's default, or its adaptive choice."""
     req = pb.GenerateRequest(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             num_speculative_tokens=k, draft_confidence_threshold=draft_confidence,
-                             prompt_lookup_min=lookup_min)
+                             draft_confidence_threshold=draft_confidence, prompt_lookup_min=lookup_min)
+    if k is not None:
+        req.num_speculative_tokens = k
     req.messages.add(role="user", content=prompt)
     t = time.perf_counter()
     stats, first_s, first_tokens = None, None, 0
@@ -146,7 +158,12 @@ def decode_rate(tokens: int, seconds: float, first_tokens: int, first_s: float |
     return (tokens - first_tokens) / (seconds - first_s)
 
 
-def arm_name(k: int, lookup_min: int) -> str:
+AUTO = "auto"  # the arm whose K the orchestrator chooses round by round (adaptive speculation)
+
+
+def arm_name(k: int | None, lookup_min: int) -> str:
+    if k is None:
+        return AUTO
     return f"{k}+lookup" if lookup_min else str(k)
 
 
@@ -160,12 +177,14 @@ def quartiles(xs: list[float]) -> dict:
 def run_services(args, prompts, arms, progress) -> dict:
     """arms: (K, prompt_lookup_min) pairs besides K = 0."""
     out_dir = Path(args.out)
-    proc, address, metrics_urls, forward = start_services(args.draft_model, args.target_model,
-                                                         out_dir / "services.log")
+    procs, address, metrics_urls, (auto_address, auto_urls), forward = start_services(
+        args.draft_model, args.target_model, out_dir / "services.log")
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
+    auto_stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(auto_address))
     results = {}
     try:
         generate(stub, "Hello!", 4, 0.0, 1.0, 0, 8)  # warm-up
+        generate(auto_stub, "Hello!", None, 0.0, 1.0, 0, 8)
         rng = random.Random(0)
         for temperature, top_p in TEMPERATURES:
             names = [arm_name(*arm) for arm in arms]
@@ -179,11 +198,12 @@ def run_services(args, prompts, arms, progress) -> dict:
                     base, rate, base_decode, decode = [], {}, [], {}
                     for k, lookup_min in [(0, 0), *order, (0, 0)]:
                         name = arm_name(k, lookup_min)
-                        before = scrape_all(metrics_urls)
-                        r = generate(stub, p["prompt"], k, temperature, top_p, seed=1000 * rep + i,
-                                     max_tokens=args.max_tokens, draft_confidence=args.draft_confidence,
-                                     lookup_min=lookup_min)
-                        d = delta(before, scrape_all(metrics_urls))
+                        urls = auto_urls if k is None else metrics_urls
+                        before = scrape_all(urls)
+                        r = generate(auto_stub if k is None else stub, p["prompt"], k, temperature, top_p,
+                                     seed=1000 * rep + i, max_tokens=args.max_tokens,
+                                     draft_confidence=args.draft_confidence, lookup_min=lookup_min)
+                        d = delta(before, scrape_all(urls))
                         for key, v in d.items():
                             metric[name][key] = metric[name].get(key, 0.0) + v
                         runs[name].append(r)
@@ -200,9 +220,18 @@ def run_services(args, prompts, arms, progress) -> dict:
                             decode_speedups[name].append(decode[name] / statistics.mean(base_decode))
             results[f"T={temperature}"] = summarize(runs, metric, speedups, decode_speedups, temperature, top_p)
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=60)
     return results, forward
+
+
+def _k_shares(m: dict) -> dict[int, float]:
+    """The share of decoding rounds at each K, from the specdec_speculative_tokens histogram."""
+    cum = [value(m, "specdec_speculative_tokens_bucket", le=f"{k:.1f}") for k in range(9)]
+    total = value(m, "specdec_speculative_tokens_count") or 1.0
+    return {k: (cum[k] - (cum[k - 1] if k else 0.0)) / total for k in range(9) if cum[k] > (cum[k - 1] if k else 0.0)}
 
 
 def summarize(runs, metric, speedups, decode_speedups, temperature, top_p) -> dict:
@@ -211,8 +240,9 @@ def summarize(runs, metric, speedups, decode_speedups, temperature, top_p) -> di
     target_step_s = mean_step_s(metric["0"], "target")
     per_k = {}
     for name, rs in runs.items():
-        m, k = metric[name], int(name.split("+")[0])
-        lookup = name != str(k)
+        m, adaptive = metric[name], name == AUTO
+        k = None if adaptive else int(name.split("+")[0])
+        lookup = not adaptive and name != str(k)
         rounds = value(m, "specdec_rounds_total") or 1.0
         decoding_rounds = value(m, "specdec_round_phase_seconds_count", phase="verify") or 1.0
         acc, drafted = sum(r["accepted"] for r in rs), sum(r["drafted"] for r in rs)
@@ -237,10 +267,16 @@ def summarize(runs, metric, speedups, decode_speedups, temperature, top_p) -> di
             "wire_bytes_per_round_median_at_most": histogram_median(m, "specdec_wire_bytes_per_round"),
             "rpcs_per_round_mean": value(m, "specdec_rpcs_per_round_sum") / rounds,
         }
-        if k:
+        if adaptive:  # k: the mean K of its decoding rounds; no bound, since K varies
+            row["k"] = value(m, "specdec_speculative_tokens_sum") / decoding_rounds
+            row["adaptive"] = True
+            row["k_share"] = _k_shares(m)
+        if name != "0":
             row["speedup"] = quartiles(speedups[name])
             row["decode_speedup"] = quartiles(decode_speedups[name])
-        if lookup:
+        if adaptive:
+            pass
+        elif lookup:
             if looked:
                 row["lookup_share"] = looked / drafted
                 row["lookup_accepted_over_proposed"] = looked_acc / looked
@@ -252,7 +288,8 @@ def summarize(runs, metric, speedups, decode_speedups, temperature, top_p) -> di
             row["efficiency"] = decoding / row["bound"] if row["bound"] and decoding else None
         per_k[name] = row
     speed = lambda name: per_k[name]["speedup"]["median"]
-    best = max((n for n, row in per_k.items() if row["k"] and not row["lookup"]), key=speed, default=None)
+    fixed = lambda row: row["k"] and not row["lookup"] and not row.get("adaptive")
+    best = max((n for n, row in per_k.items() if fixed(row)), key=speed, default=None)
     best_lookup = max((n for n, row in per_k.items() if row["lookup"]), key=speed, default=None)
     return {"temperature": temperature, "top_p": top_p, "per_k": per_k,
             "best_k": int(best) if best else None, "best_lookup": best_lookup, "target_step_ms": 1000 * target_step_s}
@@ -331,6 +368,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-lookup-min", type=int, default=2,
                     help="prompt_lookup_min of the K+lookup arms: the shortest repeat they copy from (default 2)")
     ap.add_argument("--no-peer", action="store_true", help="skip the transformers assisted-generation peer")
+    ap.add_argument("--no-auto", action="store_true",
+                    help="skip the arm 'auto', whose K a second orchestrator with adaptive speculation chooses")
     ap.add_argument("--draft-confidence", type=float, default=0.0,
                     help="draft_confidence_threshold of every request: rounds stop drafting early below it (default 0: always K)")
     args = ap.parse_args(argv)
@@ -351,6 +390,8 @@ def main(argv=None) -> int:
     if min(ks + lookup_ks) < 1:
         ap.error("every K of --ks and --lookup-ks must be at least 1 (K = 0 always runs)")
     arms = [(k, 0) for k in ks] + [(k, args.prompt_lookup_min) for k in lookup_ks]
+    if not args.no_auto:
+        arms.append((None, 0))
     args.out = args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}{'-quick' if args.quick else ''}"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(args.prompts)

@@ -22,6 +22,7 @@ from orchestrator.clients import Duplex, ModelClient, Unary
 from orchestrator.detokenizer import TextStream
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.prompt_lookup import PromptLookup
+from orchestrator.speculation import AdaptiveK, Speculation
 from specdec.errors import ServiceError
 from specdec.sampling import SamplingParams
 from specdec.v1 import draft_pb2, generation_pb2 as gen_pb, model_server_pb2 as ms_pb, target_pb2
@@ -42,6 +43,8 @@ class GenerationSpec:
     min_confidence: float = 0.0  # the draft stops a round early below it (ProposeTokensRequest.min_confidence)
     lookup: tuple[int, int] = (0, 0)  # prompt lookup's (n_min, n_max); n_min 0 turns it off
     speculate_first_round: bool = False  # False: the first round is the target's prefill alone (K = 0)
+    adaptive_start: int | None = None  # set: each round chooses K in 0..k (orchestrator.speculation), this one
+    # until the process has measured a drafted round; None: every round drafts k
 
 
 @dataclass
@@ -51,6 +54,9 @@ class RoundTrace:
     rpcs: int = 0
     bytes: int = 0
     draft_s: float = 0.0
+    draft_wall_s: float = 0.0  # the draft call's wall time, draft_s included
+    draft_fed: int = 0  # tokens the draft call fed the draft before drafting
+    draft_built: bool = False  # the draft call built the draft's session (the prompt's prefill, or a rebuild)
     verify_s: float = 0.0
     rpc_s: float = 0.0
     built: bool = False  # a call (re)built a session from the history: the prompt's prefill, or a rebuild
@@ -66,7 +72,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Generation:
     def __init__(self, spec: GenerationSpec, session_id: str, draft: ModelClient, target: ModelClient,
                  tokenizer, eos_ids: set[int], max_model_len: int, metrics: OrchestratorMetrics,
-                 draft_health: dict):
+                 draft_health: dict, speculation: Speculation | None = None):
         self.spec = spec
         self.session_id = session_id
         self.draft = draft
@@ -78,6 +84,9 @@ class Generation:
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.draft_health = draft_health  # shared across requests: {"retry_at": monotonic time}
+        self.speculation = speculation or Speculation()  # shared across requests: what rounds cost, recent alpha
+        self.adaptive = (AdaptiveK(self.speculation, spec.sampling.greedy, spec.k, spec.adaptive_start)
+                         if spec.adaptive_start is not None else None)
         self.text = TextStream(tokenizer, spec.stops)
         self.lookup = PromptLookup(*spec.lookup) if spec.lookup[0] and spec.k else None
         self.history = list(spec.prompt_ids)
@@ -95,9 +104,12 @@ class Generation:
         while finish is None:
             n_hist = len(self.history)
             remaining = self.spec.max_tokens - self.stats.completion_tokens
-            k = max(0, min(self.spec.k, remaining - 1, self.max_model_len - n_hist - 1))
             if not self.spec.speculate_first_round and not self.stats.rounds:
-                k = 0  # the first token from the target's prefill alone; the draft prefills in the next round
+                wanted = 0  # the first token from the target's prefill alone; the draft prefills in the next round
+            else:
+                wanted = (self.adaptive.next_k(remaining, draft_started=bool(self.draft_mirror)) if self.adaptive
+                          else self.spec.k)
+            k = max(0, min(wanted, remaining - 1, self.max_model_len - n_hist - 1))
             t0 = time.perf_counter()
             trace = RoundTrace()
             looked = self.lookup.propose(self.history, k) if self.lookup else []
@@ -138,7 +150,9 @@ class Generation:
                     self.metrics.draft_fallbacks.inc()
                     return None
                 raise _upstream("draft", e) from None
-            self._trace(trace, req, resp, time.perf_counter() - t, "draft_s")
+            trace.draft_wall_s, trace.draft_fed = time.perf_counter() - t, len(req.cursor.tokens)
+            trace.draft_built = req.cursor.expected_length == 0
+            self._trace(trace, req, resp, trace.draft_wall_s, "draft_s")
             self.draft_mirror = self.history + list(resp.token_ids[:-1])  # the last drafted token is not fed
             return resp
         raise ServiceError(grpc.StatusCode.INTERNAL, "draft session lost twice in one round")
@@ -259,12 +273,19 @@ class Generation:
         m.generated_tokens.inc(len(kept))
         if trace.built:  # a prefill's time says nothing of a decoding round's: it is timed apart
             m.prefill_round_seconds.observe(now - t0)
+            if trace.draft_built and k:
+                self.speculation.observe_start(k, trace.draft_wall_s)
         else:
             m.phase_seconds.labels("draft").observe(trace.draft_s)
             m.phase_seconds.labels("verify").observe(trace.verify_s)
             m.phase_seconds.labels("rpc").observe(trace.rpc_s)
             m.phase_seconds.labels("accept").observe(now - t_accept)
             m.round_seconds.observe(now - t0)
+            m.speculative_tokens.observe(k)
+            self.speculation.observe(self.spec.sampling.greedy, k, n, now - t0, trace.draft_wall_s, trace.draft_s,
+                                     trace.draft_fed)
+            if self.adaptive and trace.draft_wall_s:
+                self.adaptive.observe(k, n)
         m.wire_bytes.observe(trace.bytes)
         m.rpcs_per_round.observe(trace.rpcs)
 

@@ -63,6 +63,9 @@ class OrchestratorMetrics:
             "the rounds that carry the prompt's prefill (by default a request's first two: the target's, then the "
             "draft's), or a rebuild after a server lost it",
             buckets=_SECONDS, registry=r)
+        self.speculative_tokens = Histogram(
+            "specdec_speculative_tokens", "Tokens proposed per decoding round (K; with adaptive speculation the "
+            "orchestrator chooses it round by round)", buckets=list(range(max_k + 1)), registry=r)
         self.ttft = Histogram("specdec_time_to_first_token_seconds", "Time from request to its first token",
                               buckets=_SECONDS, registry=r)
         self.inter_token = Histogram("specdec_inter_token_seconds", "Time between streamed messages of a request",

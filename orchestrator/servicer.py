@@ -14,6 +14,7 @@ import grpc
 from orchestrator.clients import ModelClient
 from orchestrator.generation import Generation, GenerationSpec
 from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.speculation import Speculation
 from specdec.config import OrchestratorConfig
 from specdec.errors import ServiceError, invalid
 from specdec.sampling import SamplingParams
@@ -33,6 +34,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.draft_health: dict = {}
+        self.speculation = Speculation()  # round costs and alpha, learned from every request's rounds
         self._releases: set[asyncio.Task] = set()
 
     def build_spec(self, req: gen_pb.GenerateRequest) -> GenerationSpec:
@@ -44,6 +46,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         top_p = req.top_p if req.HasField("top_p") else cfg.top_p
         top_k = req.top_k if req.HasField("top_k") else cfg.top_k
         k = req.num_speculative_tokens if req.HasField("num_speculative_tokens") else cfg.num_speculative_tokens
+        adaptive = cfg.adaptive_speculation and not req.HasField("num_speculative_tokens")  # a K asked for is kept
         confidence = (req.draft_confidence_threshold if req.HasField("draft_confidence_threshold")
                       else cfg.draft_confidence_threshold)
         lookup_min = req.prompt_lookup_min if req.HasField("prompt_lookup_min") else cfg.prompt_lookup_min
@@ -83,9 +86,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                    f"prompt ({len(ids)} tokens) leaves no room in the context length {self.max_model_len}")
             max_tokens = min(cfg.max_tokens, room)
         seed = req.seed if req.HasField("seed") else secrets.randbits(63)
-        return GenerationSpec(ids, max_tokens, SamplingParams(temperature, top_p, top_k, seed), k, list(req.stop),
+        return GenerationSpec(ids, max_tokens, SamplingParams(temperature, top_p, top_k, seed),
+                              cfg.max_speculative_tokens if adaptive else k, list(req.stop),
                               min_confidence=confidence, lookup=(lookup_min, cfg.prompt_lookup_max),
-                              speculate_first_round=cfg.speculate_first_round)
+                              speculate_first_round=cfg.speculate_first_round, adaptive_start=k if adaptive else None)
 
     def _tokenize(self, req: gen_pb.GenerateRequest) -> list[int]:
         if req.prompt:
@@ -108,7 +112,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             m.request_errors.labels(e.code.name).inc()
             await context.abort(e.code, e.message)
         gen = Generation(spec, uuid.uuid4().hex, self.draft, self.target, self.tokenizer, self.eos_ids,
-                         self.max_model_len, m, self.draft_health)
+                         self.max_model_len, m, self.draft_health, self.speculation)
         m.active.inc()
         m.prompt_tokens.inc(len(spec.prompt_ids))
         last = None

@@ -103,6 +103,11 @@ class OrchestratorConfig:
     # verify pass costs about one step, and 3 for its CPU profile.
     num_speculative_tokens: int = field(default=3, metadata={"help": "default K per request"})
     max_speculative_tokens: int = field(default=8, metadata={"help": "largest K a request may ask"})
+    adaptive_speculation: bool = field(default=False, metadata={
+        "help": "for requests that leave num_speculative_tokens unset, choose K round by round, 0 to "
+                "--max-speculative-tokens, for the most expected tokens per second from the round costs and the "
+                "request's acceptance measured so far (starting at --num-speculative-tokens); the speed changes, "
+                "not the output, but a seeded sampled request replays token for token only at a fixed K"})
     draft_confidence_threshold: float = field(default=0.0, metadata={
         "help": "default per request: a round drafts fewer than K tokens once the draft's confidence that all "
                 "of them are accepted falls below this (0 = always K)"})

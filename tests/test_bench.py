@@ -97,6 +97,36 @@ def test_the_bench_takes_c_from_the_servers_steps_and_bounds_the_decoding_speedu
     assert row[header.index("TTFT ms")] == "10"  # the median time to first token, in ms
 
 
+def test_the_auto_arm_reports_its_mean_k_and_the_share_of_rounds_at_each_k_and_is_never_the_best_fixed_k():
+    from bench.report import markdown
+    from bench.run import summarize
+
+    runs = {"0": [_run(40, 0.4, rounds=40, decode=110.0)],
+            "2": [_run(40, 0.3, accepted=10, drafted=20, rejected=6, rounds=10, decode=150.0)],
+            "auto": [_run(40, 0.25, accepted=14, drafted=20, rejected=4, rounds=10, decode=170.0)]}
+    auto = _metrics(10, 9, 0.03, 0.11, 0.0012, "draft")
+    # decoding rounds at K = 0, 1, 3 and 3: the histogram's cumulative buckets
+    cum = {0: 1, 1: 2, 2: 2, 3: 4}
+    for k in range(9):
+        auto[("specdec_speculative_tokens_bucket", (("le", f"{k:.1f}"),))] = cum.get(k, 4)
+    auto[("specdec_speculative_tokens_sum", ())] = 7
+    auto[("specdec_speculative_tokens_count", ())] = 4
+    metric = {"0": _metrics(40, 39, 0.0, 0.36, 0.008, "target"), "2": _metrics(10, 9, 0.02, 0.117, 0.0012, "draft"),
+              "auto": auto}
+    res = summarize(runs, metric, {"2": [1.3], "auto": [1.6]}, {"2": [1.4], "auto": [1.7]}, 0.0, 1.0)
+    row = res["per_k"]["auto"]
+    assert row["k"] == pytest.approx(7 / 9) and row["adaptive"]  # K per decoding round (9 here)
+    assert row["k_share"] == {0: 0.25, 1: 0.25, 3: 0.5}
+    assert "bound" not in row and "efficiency" not in row  # K varies: no bound
+    assert res["best_k"] == 2  # the best fixed K, though auto was faster
+    report = {"machine": {"date": "d", "cpu": "c", "cores": 2, "gpu": None, "torch": "t", "transformers": "t"},
+              "draft_model": "d", "target_model": "t", "prompts": 1, "reps": 1, "max_tokens": 40, "lookup_ks": [],
+              "prompt_lookup_min": 2, "services": {"T=0.0": res}, "wall_seconds": 60}
+    md = markdown(report)
+    assert "| auto (mean K 0.78) | 1.60 [1.60, 1.60] | 1.70 [1.70, 1.70] |" in md
+    assert "rounds at K = 0: 25%, K = 1: 25%, K = 3: 50%" in md
+
+
 @pytest.mark.parametrize("assisted", [False, True])
 def test_the_peers_first_chunk_is_its_first_generated_tokens_not_the_prompt(tiny_draft, tokenizer, assisted):
     from bench.run import _FirstChunk

@@ -7,9 +7,11 @@ import torch
 from conftest import can_run, make_stack, stop_stack
 
 from bench.run import forwards
+from orchestrator import generation
 from specdec import models
 from specdec.kernels import cpu_kernels
 from specdec.lean_llama import FORMS
+from specdec.v1 import generation_pb2 as gen_pb
 
 PROMPTS = [  # each at least 64 tokens after the chat template; answers run past 64 tokens
     "Write a detailed story about a lighthouse keeper who finds a message in a bottle. Describe the weather, "
@@ -114,6 +116,64 @@ def test_greedy_output_equals_target_alone_with_every_product_form(event_loop_th
             assert ids == expected
     finally:
         stop_stack(stack)
+
+
+@pytest.fixture(scope="module")
+def adaptive_stack(event_loop_thread, tokenizer, partial_draft, target_model):
+    stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model,
+                       orch_cfg={"adaptive_speculation": True})
+    yield stack
+    stop_stack(stack)
+
+
+def _rounds_by_k(stack) -> dict[int, float]:
+    """Decoding rounds so far by the number of tokens they proposed (specdec_speculative_tokens)."""
+    cum = [stack.metric("specdec_speculative_tokens_bucket", {"le": f"{k:.1f}"}) for k in range(9)]
+    return {k: cum[k] - (cum[k - 1] if k else 0.0) for k in range(9)}
+
+
+def test_greedy_output_equals_target_alone_whatever_k_each_round_drafts(adaptive_stack, reference, monkeypatch):
+    """Adaptive speculation changes K from round to round, and the output must not notice. Here K follows a
+    fixed cycle through 0, the cap and values between, so that the test does not hang on the timings the
+    real choice reads."""
+    cycle = [0, 8, 1, 5, 2, 0, 3, 6]
+
+    class Cycle:
+        def __init__(self, *args, **kwargs):
+            self.i = 0
+
+        def next_k(self, *args, **kwargs):
+            self.i += 1
+            return cycle[self.i % len(cycle)]
+
+        def observe(self, drafted, accepted):
+            pass
+
+    monkeypatch.setattr(generation, "AdaptiveK", Cycle)
+    before = _rounds_by_k(adaptive_stack)
+    for text, expected in zip(PROMPTS[:3], reference):
+        ids, _, stats = adaptive_stack.generate(messages=[("user", text)], max_tokens=MAX_TOKENS, temperature=0.0)
+        assert ids == expected
+        assert 0 < stats.accepted_tokens < stats.draft_tokens
+    after = _rounds_by_k(adaptive_stack)
+    assert all(after[k] > before[k] for k in (0, 1, 2, 3, 5, 8))
+
+
+def test_adaptive_speculation_chooses_k_only_for_requests_that_leave_it_unset(adaptive_stack, reference):
+    servicer = adaptive_stack.servicer
+    before = _rounds_by_k(adaptive_stack)
+    ids, _, stats = adaptive_stack.generate(messages=[("user", PROMPTS[1])], max_tokens=MAX_TOKENS, temperature=0.0,
+                                            num_speculative_tokens=2)
+    after = _rounds_by_k(adaptive_stack)
+    assert ids == reference[1]
+    assert after[2] > before[2] and all(after[k] == before[k] for k in range(3, 9))  # a K asked for is kept
+    assert servicer.speculation.costs.round_s(8) is not None  # and the costs were learned from its rounds
+    ids, _, stats = adaptive_stack.generate(messages=[("user", PROMPTS[2])], max_tokens=MAX_TOKENS, temperature=0.0)
+    assert ids == reference[2] and stats.rounds > 1
+    spec = servicer.build_spec(gen_pb.GenerateRequest(prompt="Hi"))
+    assert (spec.k, spec.adaptive_start) == (servicer.cfg.max_speculative_tokens, servicer.cfg.num_speculative_tokens)
+    spec = servicer.build_spec(gen_pb.GenerateRequest(prompt="Hi", num_speculative_tokens=5))
+    assert (spec.k, spec.adaptive_start) == (5, None)
 
 
 def test_greedy_parity_holds_with_a_draft_that_always_misses(tiny_stack, reference):
