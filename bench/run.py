@@ -9,6 +9,9 @@ runs K = 0 (the target alone, same path), every K in a shuffled order, then
 K = 0 again. Arms named "K+lookup" run K with prompt lookup, whose rounds propose
 tokens copied from the sequence itself when its last tokens repeat, and ask the
 draft only otherwise (the proposals' source is mixed, so no bound applies to them).
+The arm "auto" leaves K unset on a second orchestrator over the same model servers,
+run with adaptive speculation (orchestrator/speculation.py), so that it chooses K
+round by round from what its own requests measured (--no-auto skips it).
 Each K's speedup is its tokens/s over the mean of that prompt's two K = 0 runs,
 so machine drift cancels; the report gives the median and quartiles.
 Two rates: end to end (all tokens over the request's time, as a client sees it,
