@@ -65,11 +65,19 @@ class ModelServerMetrics:
         self.rpc_errors = Counter("specdec_server_rpc_errors_total", "RPCs answered with an error status",
                                   ["method", "code"], registry=registry)
         self.sessions_expired = Counter("specdec_kv_sessions_expired_total", "Idle sessions freed", registry=registry)
+        # Each width's series exists from the start at zero, so that rate() counts a series' first passes: one
+        # created by its first observation, between two scrapes, starts at that value and rate() never sees it
+        # (on a fast CPU a short request's passes all fell between two scrapes, and the dashboard showed no data).
+        for width in _TOKENS_BUCKETS:
+            self.forward_seconds.labels(width)
+
+
+_TOKENS_BUCKETS = ("1", "2-8", "9-64", "65+")
 
 
 def _tokens_bucket(n: int) -> str:
     """A bounded label for a forward pass's width."""
-    return "1" if n <= 1 else "2-8" if n <= 8 else "9-64" if n <= 64 else "65+"
+    return _TOKENS_BUCKETS[0 if n <= 1 else 1 if n <= 8 else 2 if n <= 64 else 3]
 
 
 class ModelServer:

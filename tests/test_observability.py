@@ -78,6 +78,21 @@ def alert_value_exprs() -> list[str]:
     return [re.sub(r"\s*(<|>|==|!=|<=|>=)\s*[-\d.]+\s*$", "", r["expr"]) for r in rules]
 
 
+def test_every_forward_width_series_exists_at_zero_before_the_first_pass():
+    """A series created by its first observation starts at that value, so rate() over it misses those passes;
+    the widths are few and fixed, so each is exported from the start."""
+    from prometheus_client import CollectorRegistry
+
+    from specdec.model_server import ModelServerMetrics, _tokens_bucket
+
+    registry = CollectorRegistry()
+    ModelServerMetrics(registry)
+    widths = {_tokens_bucket(n) for n in (1, 2, 8, 9, 64, 65, 4096)}
+    for width in widths:
+        assert registry.get_sample_value("specdec_forward_seconds_count", {"tokens": width}) == 0.0
+    assert len(widths) == 4
+
+
 @needs("prometheus")
 def test_every_dashboard_and_alert_expression_returns_data(event_loop_thread, tokenizer, tiny_draft, target_model,
                                                           tmp_path):
