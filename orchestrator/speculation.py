@@ -2,8 +2,9 @@
 
 A round with K drafts yields (1 - alpha^(K+1)) / (1 - alpha) tokens on average (Leviathan et al.) and costs
 what this process's rounds at that K have cost. Both move: alpha with the text (code and lists are easy for a
-draft, stories are not), the costs with the machine and its load (on one CPU a drafted token costs a tenth of
-a target step, on another a third). So the orchestrator measures both as it goes: the costs process-wide from
+draft, stories are not), the costs with the machine and its load (a drafted token, the draft's step and its
+verify row, cost a quarter of a target step on the Xeon this project was measured on, and a third on the
+Zen 5 after it). So the orchestrator measures both as it goes: the costs process-wide from
 every decoding round, alpha per request, starting from the process's recent alpha. Then each round drafts
 argmax_K tokens(alpha, K) / seconds(K) over K = 0..cap. K = 0 is the target alone. A request starts the
 draft (whose first call prefills the prompt) only when the time it expects to save over its remaining tokens
@@ -67,8 +68,8 @@ class RoundCosts:
 
     def observe_start(self, k: int, draft_wall_s: float) -> None:
         """The call that built a request's draft session (its prompt's prefill) and drafted k tokens. The
-        process's first pays one-time costs (caches, the channel's first stream: 35 ms against 7 ms after, on
-        the 2-core VM) and is left out, so that it does not keep every later request from starting the draft."""
+        process's first pays one-time costs (caches, the channel's first stream: 35 ms against about 10 ms
+        after, on the 2-core VM) and is left out, so that it does not keep every later request from starting the draft."""
         if not self._first_start_seen:
             self._first_start_seen = True
             return
@@ -130,10 +131,6 @@ class Acceptance:
             return
         self.accepted = self.decay * self.accepted + accepted
         self.rejected = self.decay * self.rejected + (accepted < drafted)
-
-    @property
-    def measured(self) -> bool:
-        return self.accepted + self.rejected > 0
 
     @property
     def alpha(self) -> float:
@@ -198,7 +195,7 @@ class AdaptiveK:
         alpha = self.acceptance.alpha
         k = best_k(alpha, costs)
         if not draft_started and self.explorer:
-            return max(k, 1)
+            return min(max(k, 1), self.cap)
         if k and not draft_started and remaining is not None:
             saved = remaining * (costs[0] - costs[k] / expected_tokens(alpha, k))
             if saved <= self.shared.costs.draft_start:

@@ -80,7 +80,7 @@ def test_a_draft_call_that_catches_up_after_rounds_of_the_target_alone_does_not_
 
 def test_acceptance_estimate_starts_at_its_prior_and_converges_to_the_rounds_alpha():
     a = sp.Acceptance(prior_alpha=0.3, prior_rounds=4.0, decay=1.0)
-    assert not a.measured and a.alpha == pytest.approx(0.3)
+    assert a.alpha == pytest.approx(0.3)
     rng = random.Random(0)
     for _ in range(3000):  # rounds of K = 4 where each draft survives with probability 0.8 until one fails
         n = 0
@@ -186,3 +186,11 @@ def test_every_few_requests_one_starts_the_draft_where_the_estimates_say_the_tar
         starts.append(ak.next_k(remaining=100, draft_started=False))
     assert starts == ([1] + [0] * (sp.PROBE_EVERY - 1)) * 3
     assert sp.AdaptiveK(shared, greedy=False, cap=8, start_k=3).explorer  # counted apart for sampled requests
+
+
+def test_a_cap_of_zero_keeps_every_round_on_the_target_alone_even_for_an_explorer():
+    shared = _shared(round_s_per_k=0.0015)
+    ak = sp.AdaptiveK(shared, greedy=True, cap=0, start_k=0)
+    assert ak.explorer
+    assert [ak.next_k(remaining=100, draft_started=False) for _ in range(3)] == [0, 0, 0]
+    assert [ak.next_k(remaining=100, draft_started=True) for _ in range(2 * sp.PROBE_EVERY)] == [0] * (2 * sp.PROBE_EVERY)
