@@ -232,9 +232,9 @@ def run_services(args, prompts, arms, progress) -> dict:
 
 def _k_shares(m: dict) -> dict[int, float]:
     """The share of decoding rounds at each K, from the specdec_speculative_tokens histogram."""
-    cum = [value(m, "specdec_speculative_tokens_bucket", le=f"{k:.1f}") for k in range(9)]
+    cum = [0.0] + [value(m, "specdec_speculative_tokens_bucket", le=f"{k:.1f}") for k in range(9)]
     total = value(m, "specdec_speculative_tokens_count") or 1.0
-    return {k: (cum[k] - (cum[k - 1] if k else 0.0)) / total for k in range(9) if cum[k] > (cum[k - 1] if k else 0.0)}
+    return {k: (cum[k + 1] - cum[k]) / total for k in range(9) if cum[k + 1] > cum[k]}
 
 
 def summarize(runs, metric, speedups, decode_speedups, temperature, top_p) -> dict:
@@ -270,15 +270,13 @@ def summarize(runs, metric, speedups, decode_speedups, temperature, top_p) -> di
             "wire_bytes_per_round_median_at_most": histogram_median(m, "specdec_wire_bytes_per_round"),
             "rpcs_per_round_mean": value(m, "specdec_rpcs_per_round_sum") / rounds,
         }
+        if name != "0":
+            row["speedup"] = quartiles(speedups[name])
+            row["decode_speedup"] = quartiles(decode_speedups[name])
         if adaptive:  # k: the mean K of its decoding rounds; no bound, since K varies
             row["k"] = value(m, "specdec_speculative_tokens_sum") / decoding_rounds
             row["adaptive"] = True
             row["k_share"] = _k_shares(m)
-        if name != "0":
-            row["speedup"] = quartiles(speedups[name])
-            row["decode_speedup"] = quartiles(decode_speedups[name])
-        if adaptive:
-            pass
         elif lookup:
             if looked:
                 row["lookup_share"] = looked / drafted

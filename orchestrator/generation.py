@@ -84,9 +84,9 @@ class Generation:
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.draft_health = draft_health  # shared across requests: {"retry_at": monotonic time}
-        self.speculation = speculation or Speculation()  # shared across requests: what rounds cost, recent alpha
-        self.adaptive = (AdaptiveK(self.speculation, spec.sampling.greedy, spec.k, spec.adaptive_start)
-                         if spec.adaptive_start is not None else None)
+        self.speculation = speculation  # shared across requests: what rounds cost, recent alpha; None: not learned
+        self.adaptive = (AdaptiveK(speculation, spec.sampling.greedy, spec.k, spec.adaptive_start)
+                         if speculation and spec.adaptive_start is not None else None)
         self.text = TextStream(tokenizer, spec.stops)
         self.lookup = PromptLookup(*spec.lookup) if spec.lookup[0] and spec.k else None
         self.history = list(spec.prompt_ids)
@@ -273,7 +273,7 @@ class Generation:
         m.generated_tokens.inc(len(kept))
         if trace.built:  # a prefill's time says nothing of a decoding round's: it is timed apart
             m.prefill_round_seconds.observe(now - t0)
-            if trace.draft_built and k:
+            if self.speculation and trace.draft_built and k:
                 self.speculation.observe_start(k, trace.draft_wall_s)
         else:
             m.phase_seconds.labels("draft").observe(trace.draft_s)
@@ -282,8 +282,9 @@ class Generation:
             m.phase_seconds.labels("accept").observe(now - t_accept)
             m.round_seconds.observe(now - t0)
             m.speculative_tokens.observe(k)
-            self.speculation.observe(self.spec.sampling.greedy, k, n, now - t0, trace.draft_wall_s, trace.draft_s,
-                                     trace.draft_fed)
+            if self.speculation:
+                self.speculation.observe(self.spec.sampling.greedy, k, n, now - t0, trace.draft_wall_s, trace.draft_s,
+                                         trace.draft_fed)
             if self.adaptive and trace.draft_wall_s:
                 self.adaptive.observe(k, n)
         m.wire_bytes.observe(trace.bytes)

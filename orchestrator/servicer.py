@@ -34,7 +34,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.draft_health: dict = {}
-        self.speculation = Speculation()  # round costs and alpha, learned from every request's rounds
+        # round costs and alpha, learned from every request's rounds, where adaptive speculation uses them
+        self.speculation = Speculation() if cfg.adaptive_speculation else None
         self._releases: set[asyncio.Task] = set()
 
     def build_spec(self, req: gen_pb.GenerateRequest) -> GenerationSpec:
