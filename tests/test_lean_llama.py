@@ -2,6 +2,8 @@
 with every form of its few-row products and the per-row-count plan `auto` makes of them, and with the
 work between the products in specdec's CPU kernels or in torch; its int8 products stay close to them."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -243,6 +245,36 @@ def test_the_attention_kernel_is_torch_attention_and_writes_the_same_cache(layer
         assert torch.equal(v, v_ref)
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 2, 32), (2, 1, 128), (3, 1, 10)])
+def test_the_attention_kernel_gives_a_row_what_it_gets_alone_bit_for_bit(layer_kernels, heads, kv_heads, head_dim):
+    """A verify's row j must equal the step at that position exactly, or a near-tie could flip greedy output
+    against the target alone: the rows of a pass share key reads but not arithmetic, whatever the thread count.
+    Passes end on and across 16-key blocks and at a capacity that is not a multiple of 16."""
+    torch.manual_seed(2)
+    cap = 333
+    for n, start in [(4, 12), (9, 7), (5, 311), (9, 324), (3, 0)]:
+        qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim)
+        cos, sin = torch.randn(n, head_dim), torch.randn(n, head_dim)
+        k, v = torch.randn(kv_heads, cap, head_dim), torch.randn(kv_heads, cap, head_dim)
+        for threads in (1, 2):
+            with torch_threads(threads):
+                whole = layer_kernels.attend(qkv, k.clone(), v.clone(), cos, sin, start, heads)
+                kk, vv = k.clone(), v.clone()  # row by row: each step writes its key, as a decoding step does
+                alone = [layer_kernels.attend(qkv[j:j + 1], kk, vv, cos[j:j + 1], sin[j:j + 1], start + j, heads)
+                         for j in range(n)]
+            assert torch.equal(whole, torch.cat(alone)), (n, start, threads)
+
+
 def test_the_attention_kernel_sees_only_earlier_tokens(layer_kernels):
     """Changing the cache past a row's own position leaves that row's output unchanged."""
     torch.manual_seed(1)
@@ -341,6 +373,22 @@ def test_the_layers_loop_in_cpp_gives_the_python_loops_logits_bit_for_bit(tiny_d
     runner.stacks = {}
     for a, b in zip(with_stack, steps(runner, chunks, crop_at=(5, 200))):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("form", ["fewrow", "gguf", "int8"])
+def test_a_verify_pass_gives_each_row_the_steps_logits_bit_for_bit(tiny_draft, tiny_gguf, tokenizer, form,
+                                                                  layer_kernels):
+    """Greedy speculative output equals the target alone's only if a verify's logits at a position are the
+    step's there, exactly: every product and attention row is summed on its own whatever the pass's width."""
+    model, gguf = tiny_gguf if form == "gguf" else (tiny_draft, None)
+    kw = dict(quantize="int8") if form == "int8" else dict(matmul=form, gguf=gguf)
+    runner = LeanLlamaRunner(model, len(tokenizer), max_len=1024, **kw)
+    ids = list(range(100, 160))
+    runner.forward(cache := runner.new_cache(), ids[:41], 1)
+    verify = runner.forward(cache, ids[41:50], 9)
+    runner.forward(cache := runner.new_cache(), ids[:41], 1)
+    steps_ = torch.cat([runner.forward(cache, [t], 1) for t in ids[41:50]])
+    assert torch.equal(verify, steps_)
 
 
 def test_unknown_product_form_is_refused(tiny_draft, tokenizer):

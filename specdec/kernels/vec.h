@@ -30,6 +30,27 @@ static inline float lane_sum(vec v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// Lane sums of 16 vectors at once, in four levels: lane u of the last is lane_sum(v_u), the same additions in the
+// same tree, bit for bit, in 45 shuffles and adds instead of 16 x 7. Each level halves the lanes that hold one
+// vector's partial sums and packs two inputs' halves into one output: level 1 takes v_2i and v_2i+1 (16 lanes of
+// one vector each) to 8 lanes of each; level 2, 8 lanes of two vectors each to 4 of four; and so on.
+static inline vec sums_level1(vec x, vec y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+static inline vec sums_level2(vec x, vec y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+static inline vec sums_level3(vec x, vec y) {
+  return __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+static inline vec sums_level4(vec x, vec y) {
+  return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 static inline float lane_max(vec v) {
   float m = v[0];
   for (int i = 1; i < 16; i++) m = v[i] > m ? v[i] : m;
