@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = ("module.cpp", "products.cpp", "layer.cpp", "sampling.cpp")
 HEADERS = ("vec.h", "layer.h")
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
 def _cpu_signature() -> str:
@@ -54,13 +55,13 @@ def cpu_kernels():
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         code = [(HERE / name).read_bytes() for name in SOURCES + HEADERS]
-        key = hashlib.sha256(b"\0".join([*code, torch.__version__.encode(),
+        key = hashlib.sha256(b"\0".join([*code, " ".join(CFLAGS).encode(), torch.__version__.encode(),
                                           _cpu_signature().encode()])).hexdigest()[:16]
         build = cache_dir() / "kernels" / f"cpu-{key}"
         build.mkdir(parents=True, exist_ok=True)
         with FileLock(str(build) + ".lock"):  # the draft and target servers may start together
             return load(name=f"specdec_cpu_{key}", sources=[str(HERE / name) for name in SOURCES],
-                        build_directory=str(build), extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                        build_directory=str(build), extra_cflags=list(CFLAGS),
                         verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: torch's functions remain
         last_line = (str(e).strip().splitlines() or [""])[-1][:200]
