@@ -117,6 +117,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         m.active.inc()
         m.prompt_tokens.inc(len(spec.prompt_ids))
         last = None
+        finished = False  # counted in specdec_requests_total
         try:
             async for msg in gen.run():
                 now = time.perf_counter()
@@ -130,13 +131,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     msg.stats.time_to_first_token_seconds = gen.stats.time_to_first_token_seconds
                     msg.stats.total_seconds = now - arrived
                     m.requests.labels(gen_pb.FinishReason.Name(msg.stats.finish_reason)).inc()
+                    finished = True
                     m.request_acceptance.observe(msg.stats.acceptance_rate)
                 yield msg
         except ServiceError as e:
             m.request_errors.labels(e.code.name).inc()
             await context.abort(e.code, e.message)
-        except asyncio.CancelledError:
-            m.request_errors.labels("CANCELLED").inc()
+        except Exception:  # a defect, not the request's fault: the client gets INTERNAL, the log the traceback
+            m.request_errors.labels("INTERNAL").inc()
+            log.exception("Generate failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "the generation failed on the orchestrator; see its log")
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away: grpc.aio cancels the handler at an await, or closes it at a yield
+            # (GeneratorExit) when the client cancels while a message is on its way.
+            if not finished:
+                m.request_errors.labels("CANCELLED").inc()
             raise
         finally:
             m.active.dec()

@@ -143,6 +143,51 @@ def test_finished_and_cancelled_requests_free_both_pools(tiny_stack):
     assert _pools_drain(tiny_stack)
 
 
+def test_a_client_that_leaves_between_two_messages_is_counted_as_cancelled(tiny_stack):
+    """grpc.aio closes a streaming handler that waits at a yield when its client cancels (GeneratorExit, not
+    CancelledError): that request must still count as cancelled, once, and not as finished."""
+    cancelled = {"code": "CANCELLED"}
+    before = tiny_stack.metric("specdec_request_errors_total", cancelled)
+    finished = sum(s.value for m in tiny_stack.registry.collect() if m.name == "specdec_requests"
+                   for s in m.samples if s.name == "specdec_requests_total")
+
+    async def leave_after_two_messages():
+        stream = tiny_stack.servicer.Generate(
+            gen_pb.GenerateRequest(prompt="Once upon a time", max_tokens=500, temperature=0.0,
+                                   num_speculative_tokens=2), context=None)
+        await stream.__anext__()
+        await stream.__anext__()
+        await stream.aclose()
+
+    tiny_stack.lt.run(leave_after_two_messages())
+    assert tiny_stack.metric("specdec_request_errors_total", cancelled) == before + 1
+    assert sum(s.value for m in tiny_stack.registry.collect() if m.name == "specdec_requests"
+               for s in m.samples if s.name == "specdec_requests_total") == finished
+    assert tiny_stack.lt.call(lambda: tiny_stack.servicer.metrics.active._value.get()) == 0
+    assert _pools_drain(tiny_stack)
+
+
+def test_a_defect_mid_generation_is_internal_with_a_message_and_frees_both_pools(tiny_stack, monkeypatch):
+    from orchestrator.generation import Generation
+
+    real_run = Generation.run
+
+    async def breaks_after_one_message(self):
+        async for msg in real_run(self):
+            yield msg
+            raise RuntimeError("a defect")
+
+    before = tiny_stack.metric("specdec_request_errors_total", {"code": "INTERNAL"})
+    monkeypatch.setattr(Generation, "run", breaks_after_one_message)
+    with pytest.raises(grpc.RpcError) as e:
+        tiny_stack.generate(prompt="Once upon a time", max_tokens=50, temperature=0.0, num_speculative_tokens=2)
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "orchestrator" in e.value.details()
+    assert tiny_stack.metric("specdec_request_errors_total", {"code": "INTERNAL"}) == before + 1
+    assert _pools_drain(tiny_stack)
+    monkeypatch.undo()
+    assert tiny_stack.generate(prompt="Once upon a time", max_tokens=4, temperature=0.0)[2].completion_tokens == 4
+
+
 def _pools_drain(stack, timeout_s=10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
