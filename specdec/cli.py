@@ -76,7 +76,7 @@ def _up(args) -> int:
         env.setdefault("SPECDEC_DRAFT_THREADS", str(args.threads))
         env.setdefault("SPECDEC_TARGET_THREADS", str(args.threads))
     cmd = [sys.executable, "-m", "specdec.cli"]
-    children = [subprocess.Popen([*cmd, role], env=env) for role in ("target", "draft", "orchestrator")]
+    children = [_child([*cmd, role], env=env) for role in ("target", "draft", "orchestrator")]
     if args.with_prometheus:
         children.append(_start_prometheus(env, args.prometheus_port))
     stopping = False
@@ -95,16 +95,47 @@ def _up(args) -> int:
             print(f"specdec up: a service exited with status {done[0].returncode}; stopping the others", file=sys.stderr)
             break
         time.sleep(0.2)
-    for c in children:
-        if c.poll() is None:
-            c.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 40
-    for c in children:
+    # The orchestrator first, so that the generations in flight finish on model servers that are still up
+    # (a model server that stops ends its streams at once, for a client that would reconnect elsewhere);
+    # then the model servers and Prometheus. Each gets its grace period and a margin before SIGKILL.
+    def grace(role: str, default: float) -> float:
         try:
-            c.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            c.kill()
+            return float(env.get(env_prefix(role) + "GRACE_S", default))
+        except ValueError:
+            return default
+
+    orchestrator, rest = children[2], children[:2] + children[3:]
+    _stop([orchestrator], grace("orchestrator", OrchestratorConfig.grace_s) + 10)
+    _stop(rest, max(grace(role, ModelServerConfig.grace_s) for role in ("draft", "target")) + 10)
     return code
+
+
+def _child(argv: list[str], **kwargs) -> subprocess.Popen:
+    """A service in its own session, so that a terminal's Ctrl-C reaches `specdec up` alone, which stops the
+    services in order; on Linux the service gets SIGTERM should `specdec up` die without stopping it."""
+    return subprocess.Popen(argv, start_new_session=True, preexec_fn=_terminate_with_parent, **kwargs)
+
+
+def _terminate_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: the child outlives a killed parent, as without this
+        pass
+
+
+def _stop(processes: list[subprocess.Popen], timeout_s: float) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in processes:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def prometheus_config(targets: dict[str, str], rules: str | None, interval: str = "5s") -> str:
@@ -135,9 +166,8 @@ def _start_prometheus(env: dict, port: int) -> subprocess.Popen:
     (folder / "prometheus.yml").write_text(prometheus_config(
         {role: f"localhost:{p}" for role, p in ports.items()}, str(rules) if rules.exists() else None))
     print(f"specdec up: Prometheus on http://localhost:{port} (data in {folder})", file=sys.stderr)
-    return subprocess.Popen([binary, f"--config.file={folder / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return _child([binary, f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'data'}",
+                   f"--web.listen-address=:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _generate(args) -> int:

@@ -62,9 +62,17 @@ def test_each_service_exports_its_metrics(services):
         assert "specdec_kv_sessions_capacity" in body[p] and "specdec_forward_seconds" in body[p]
 
 
-def test_sigterm_stops_all_three_cleanly(services):
+def test_sigterm_finishes_the_generation_in_flight_and_stops_all_three_cleanly(services):
     up, address, env, _ = services
+    gen = subprocess.Popen([sys.executable, "-m", "specdec.cli", "generate", "Once upon a time", "--address", address,
+                            "--max-tokens", "300", "--temperature", "0"],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    gen.stdout.read(8)  # streaming has begun
+    assert gen.poll() is None
     up.send_signal(signal.SIGTERM)
+    out, err = gen.communicate(timeout=60)
+    assert gen.returncode == 0, err
+    assert "tokens/round" in err and "specdec generate:" not in err, err  # it ended with its stats, not an error
     assert up.wait(timeout=60) == 0
     assert specdec("health", address, "--timeout", "1", env=env).returncode != 0
     log = up.stdout.read()
