@@ -49,6 +49,8 @@ async def start_orchestrator(cfg: OrchestratorConfig, registry: CollectorRegistr
     tokenizer = tokenizer or await asyncio.to_thread(models.load_tokenizer, cfg.tokenizer)
     draft = ModelClient("draft", cfg.draft_address, draft_pb2_grpc.DraftServiceStub, cfg)
     target = ModelClient("target", cfg.target_address, target_pb2_grpc.TargetServiceStub, cfg)
+    log.info("waiting up to %.0f s for the draft service at %s and the target service at %s",
+             cfg.startup_timeout_s, cfg.draft_address, cfg.target_address)
     draft_info, target_info = await asyncio.gather(_model_info(draft, cfg.startup_timeout_s),
                                                    _model_info(target, cfg.startup_timeout_s))
     check_compatible(cfg, tokenizer, draft_info, target_info)
