@@ -204,7 +204,9 @@ def _generate(args) -> int:
                           + (f", prompt lookup {s.lookup_accepted_tokens}/{s.lookup_tokens} in {s.lookup_rounds} rounds"
                              if s.lookup_rounds else "") + f" | seed {s.seed}", file=sys.stderr)
         except grpc.RpcError as e:
-            print(f"\nspecdec generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            hint = (f" (is an orchestrator running at {args.address}? `specdec up` starts one)"
+                    if e.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (e.details() or "") else "")
+            print(f"\nspecdec generate: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
             return 1
     return 0
 
@@ -239,31 +241,34 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--device", help="cpu, cuda...")
     up.add_argument("--threads", type=int, default=0, help="torch threads per model server")
     up.add_argument("--with-prometheus", action="store_true", help="also start Prometheus (the binary must be installed)")
-    up.add_argument("--prometheus-port", type=int, default=9090)
+    up.add_argument("--prometheus-port", type=int, default=9090, help="with --with-prometheus (default %(default)s)")
     for role in ("draft", "target"):
         s = sub.add_parser(role, help=f"start the {role} service")
         add_arguments(s, ModelServerConfig, ROLE_DEFAULTS[role])
     o = sub.add_parser("orchestrator", help="start the orchestrator")
     add_arguments(o, OrchestratorConfig)
     g = sub.add_parser("generate", help="stream a completion from a running orchestrator")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="raw text to continue, or with --chat the user's message")
     g.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
-    g.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "localhost:50051"))
-    g.add_argument("--max-tokens", type=int)
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", default=[])
-    g.add_argument("-k", "--num-speculative-tokens", dest="k", type=int)
+    g.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "localhost:50051"),
+                   help="the orchestrator's host:port (default %(default)s; env SPECDEC_ADDRESS)")
+    unset = "; unset: the orchestrator's default"
+    g.add_argument("--max-tokens", type=int, help="most tokens to generate" + unset)
+    g.add_argument("--temperature", type=float, help="0 is greedy" + unset)
+    g.add_argument("--top-p", type=float, help="nucleus sampling, in (0, 1]" + unset)
+    g.add_argument("--top-k", type=int, help="sample among the k likeliest tokens, 0 for all" + unset)
+    g.add_argument("--seed", type=int, help="makes a sampled completion reproducible; unset: a random one, printed")
+    g.add_argument("--stop", action="append", default=[], help="a string that ends the completion (repeatable)")
+    g.add_argument("-k", "--num-speculative-tokens", dest="k", type=int,
+                   help="tokens the draft proposes a round, 0 for the target alone" + unset)
     g.add_argument("--prompt-lookup-min", type=int,
                    help="propose tokens copied from earlier in the sequence when its last n >= this tokens repeat (0: off)")
-    g.add_argument("--timeout", type=float, default=600.0)
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up (default %(default)s)")
     sub.add_parser("bench", help="measure the speedup side by side (specdec bench --help)", add_help=False)
     h = sub.add_parser("health", help="check a server's gRPC health service")
     h.add_argument("address", nargs="?", default="localhost:50051")
     h.add_argument("--service", default="", help="service name; empty for the whole server")
-    h.add_argument("--timeout", type=float, default=3.0)
+    h.add_argument("--timeout", type=float, default=3.0, help="seconds (default %(default)s)")
     return p
 
 

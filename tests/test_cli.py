@@ -54,6 +54,12 @@ def test_bad_request_prints_the_status(services):
     assert out.returncode == 1 and "INVALID_ARGUMENT" in out.stderr and "top_p" in out.stderr
 
 
+def test_generate_without_an_orchestrator_says_how_to_start_one():
+    (port,) = free_ports(1)
+    out = specdec("generate", "hi", "--address", f"localhost:{port}", "--timeout", "5")
+    assert out.returncode == 1 and "UNAVAILABLE" in out.stderr and "specdec up" in out.stderr, out.stderr
+
+
 def test_each_service_exports_its_metrics(services):
     _, _, _, (om, dm, tm) = services
     body = {p: urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=5).read().decode() for p in (om, dm, tm)}
