@@ -11,6 +11,7 @@ import uuid
 
 import grpc
 
+from orchestrator.admission import Admission
 from orchestrator.clients import ModelClient
 from orchestrator.generation import Generation, GenerationSpec
 from orchestrator.metrics import OrchestratorMetrics
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, cfg: OrchestratorConfig, tokenizer, draft: ModelClient, target: ModelClient,
-                 eos_ids: set[int], max_model_len: int, metrics: OrchestratorMetrics):
+                 eos_ids: set[int], max_model_len: int, metrics: OrchestratorMetrics, admission: Admission):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.draft = draft
@@ -37,6 +38,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # round costs and alpha, learned from every request's rounds, where adaptive speculation uses them
         self.speculation = Speculation() if cfg.adaptive_speculation else None
         self._releases: set[asyncio.Task] = set()
+        self.admission = admission
+        metrics.waiting.set_function(lambda: admission.waiting)
 
     def build_spec(self, req: gen_pb.GenerateRequest) -> GenerationSpec:
         """The request checked field by field; raises INVALID_ARGUMENT or OUT_OF_RANGE."""
@@ -109,11 +112,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         m = self.metrics
         try:
             spec = self.build_spec(request)
+            gen = Generation(spec, uuid.uuid4().hex, self.draft, self.target, self.tokenizer, self.eos_ids,
+                             self.max_model_len, m, self.draft_health, self.speculation)
+            await self.admission.enter()  # released once the generation's sessions are freed, below
         except ServiceError as e:
             m.request_errors.labels(e.code.name).inc()
             await context.abort(e.code, e.message)
-        gen = Generation(spec, uuid.uuid4().hex, self.draft, self.target, self.tokenizer, self.eos_ids,
-                         self.max_model_len, m, self.draft_health, self.speculation)
+        except asyncio.CancelledError:  # the client left, or its deadline passed, while it waited in line
+            m.request_errors.labels("CANCELLED").inc()
+            raise
         m.active.inc()
         m.prompt_tokens.inc(len(spec.prompt_ids))
         last = None
@@ -152,6 +159,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             task = asyncio.ensure_future(gen.release())  # survives the cancellation of this handler
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
+            task.add_done_callback(lambda _: self.admission.leave())  # once both servers freed the sessions
 
     async def drain_releases(self) -> None:
         if self._releases:

@@ -128,6 +128,11 @@ class OrchestratorConfig:
     top_k: int = field(default=0, metadata={"help": "default top_k (0 = off)"})
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request"})
     max_request_bytes: int = field(default=1 << 20, metadata={"help": "largest request message"})
+    max_concurrent_requests: int = field(default=0, metadata={
+        "help": "generations run at once, each holding a KV session on both model servers; 0 = the smaller of "
+                "the two servers' --max-sessions. Further requests wait in line"})
+    max_queued_requests: int = field(default=256, metadata={
+        "help": "requests that may wait for a free slot; past them a request gets RESOURCE_EXHAUSTED at once"})
     rpc_streams: bool = field(default=True, metadata={"help": "send each generation's ProposeTokens and Verify "
                                                             "over one stream per server (false: a unary call each)"})
     rpc_timeout_s: float = field(default=60.0, metadata={"help": "deadline of one call to a model server"})
@@ -147,6 +152,8 @@ class OrchestratorConfig:
             raise ConfigError("need --max-tokens >= 1, --temperature >= 0, --top-p in (0, 1], --top-k >= 0")
         if self.rpc_timeout_s <= 0 or self.max_request_bytes < 1024:
             raise ConfigError("--rpc-timeout-s must be > 0 and --max-request-bytes at least 1024")
+        if self.max_concurrent_requests < 0 or self.max_queued_requests < 0:
+            raise ConfigError("--max-concurrent-requests and --max-queued-requests must be >= 0")
 
 
 def _one_of(values) -> str:

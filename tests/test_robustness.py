@@ -188,6 +188,33 @@ def test_a_defect_mid_generation_is_internal_with_a_message_and_frees_both_pools
     assert tiny_stack.generate(prompt="Once upon a time", max_tokens=4, temperature=0.0)[2].completion_tokens == 4
 
 
+def test_requests_past_the_concurrency_limit_wait_their_turn_and_past_the_line_are_refused(
+        event_loop_thread, tokenizer, tiny_draft, target_model):
+    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model,
+                       orch_cfg={"max_concurrent_requests": 1, "max_queued_requests": 1})
+    try:
+        request = gen_pb.GenerateRequest(prompt="Once upon a time", max_tokens=40, temperature=0.0,
+                                         num_speculative_tokens=2)
+        alone = [t for m in stack.stub().Generate(request, timeout=120) for t in m.token_ids]
+        first = stack.stub().Generate(request, timeout=120)
+        first_ids = list(next(first).token_ids)  # running: the one slot is taken
+        second = stack.stub().Generate(request, timeout=120)
+        deadline = time.monotonic() + 10
+        while stack.metric("specdec_waiting_requests") < 1:
+            assert time.monotonic() < deadline, "the second request did not wait in line"
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stack.stub().Generate(request, timeout=120))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queued-requests" in e.value.details()
+        assert stack.metric("specdec_active_requests") == 1
+        first_ids += [t for m in first for t in m.token_ids]
+        second_ids = [t for m in second for t in m.token_ids]
+        assert first_ids == alone and second_ids == alone
+        assert stack.metric("specdec_waiting_requests") == 0 and _pools_drain(stack)
+    finally:
+        stop_stack(stack)
+
+
 def _pools_drain(stack, timeout_s=10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
