@@ -58,16 +58,18 @@ async def start_orchestrator(cfg: OrchestratorConfig, registry: CollectorRegistr
     eos = set(target_info.eos_token_ids) | set(models.eos_token_ids(None, tokenizer))
     metrics = OrchestratorMetrics(registry, cfg.max_speculative_tokens)
     slots = cfg.max_concurrent_requests or min(draft_info.max_sessions, target_info.max_sessions)
+    kv_tokens = min(draft_info.max_tokens, target_info.max_tokens)
     servicer = GenerationServicer(cfg, tokenizer, draft, target, eos,
                                   min(draft_info.max_model_len, target_info.max_model_len), metrics,
-                                  Admission(slots, cfg.max_queued_requests))
+                                  Admission(slots, kv_tokens, cfg.max_queued_requests))
     server, port, health_servicer = create_server(
         f"{cfg.host}:{cfg.port}", [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE_NAME)],
         max_receive_bytes=cfg.max_request_bytes)
     await server.start()
     await mark_serving(health_servicer, [SERVICE_NAME])
-    log.info("orchestrator listening on %s:%d (draft %s, target %s; %d generations at once, %d more in line)",
-             cfg.host, port, draft_info.model, target_info.model, slots, cfg.max_queued_requests)
+    log.info("orchestrator listening on %s:%d (draft %s, target %s; %d generations and %d KV tokens at once, "
+             "%d more requests in line)", cfg.host, port, draft_info.model, target_info.model, slots, kv_tokens,
+             cfg.max_queued_requests)
     return server, port, health_servicer, servicer
 
 

@@ -80,8 +80,8 @@ class OrchestratorMetrics:
         self.draft_fallbacks = Counter("specdec_draft_fallback_rounds_total",
                                        "Rounds decoded by the target alone because the draft was unavailable", registry=r)
         self.active = Gauge("specdec_active_requests", "Requests being generated", registry=r)
-        self.waiting = Gauge("specdec_waiting_requests", "Requests waiting in line for a generation slot "
-                             "(--max-concurrent-requests)", registry=r)
+        self.waiting = Gauge("specdec_waiting_requests", "Requests waiting in line for a KV session and tokens "
+                             "on the model servers (--max-concurrent-requests)", registry=r)
         for p in self.positions:  # expose zeros so rate() works from the first scrape
             self.draft_per_position.labels(p)
             self.accepted_per_position.labels(p)

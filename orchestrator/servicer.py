@@ -114,7 +114,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             spec = self.build_spec(request)
             gen = Generation(spec, uuid.uuid4().hex, self.draft, self.target, self.tokenizer, self.eos_ids,
                              self.max_model_len, m, self.draft_health, self.speculation)
-            await self.admission.enter()  # released once the generation's sessions are freed, below
+            kv_tokens = min(len(spec.prompt_ids) + spec.max_tokens + spec.k, self.max_model_len)
+            await self.admission.enter(kv_tokens)  # given back once the generation's sessions are freed, below
         except ServiceError as e:
             m.request_errors.labels(e.code.name).inc()
             await context.abort(e.code, e.message)
@@ -159,7 +160,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             task = asyncio.ensure_future(gen.release())  # survives the cancellation of this handler
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
-            task.add_done_callback(lambda _: self.admission.leave())  # once both servers freed the sessions
+            task.add_done_callback(lambda _: self.admission.leave(kv_tokens))  # once both servers freed the sessions
 
     async def drain_releases(self) -> None:
         if self._releases:

@@ -130,7 +130,8 @@ class OrchestratorConfig:
     max_request_bytes: int = field(default=1 << 20, metadata={"help": "largest request message"})
     max_concurrent_requests: int = field(default=0, metadata={
         "help": "generations run at once, each holding a KV session on both model servers; 0 = the smaller of "
-                "the two servers' --max-sessions. Further requests wait in line"})
+                "the two servers' --max-sessions. A request also waits until the KV tokens it may hold (prompt + "
+                "max_tokens + K) fit in the servers' --max-tokens beside the running ones'"})
     max_queued_requests: int = field(default=256, metadata={
         "help": "requests that may wait for a free slot; past them a request gets RESOURCE_EXHAUSTED at once"})
     rpc_streams: bool = field(default=True, metadata={"help": "send each generation's ProposeTokens and Verify "

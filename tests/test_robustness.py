@@ -215,6 +215,32 @@ def test_requests_past_the_concurrency_limit_wait_their_turn_and_past_the_line_a
         stop_stack(stack)
 
 
+def test_a_request_waits_until_its_kv_tokens_fit_and_one_larger_than_the_pools_is_refused(
+        event_loop_thread, tokenizer, tiny_draft, target_model):
+    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model,
+                       draft_cfg={"max_tokens": 100}, target_cfg={"max_tokens": 100})
+    try:
+        request = gen_pb.GenerateRequest(prompt="Once upon a time", max_tokens=40, temperature=0.0,
+                                         num_speculative_tokens=2)  # may hold prompt + 40 + 2 tokens: two fit in 100
+        alone = [t for m in stack.stub().Generate(request, timeout=120) for t in m.token_ids]
+        running = [stack.stub().Generate(request, timeout=120) for _ in range(2)]
+        firsts = [list(next(r).token_ids) for r in running]
+        third = stack.stub().Generate(request, timeout=120)
+        deadline = time.monotonic() + 10
+        while stack.metric("specdec_waiting_requests") < 1:
+            assert time.monotonic() < deadline, "the third request did not wait for KV tokens"
+            time.sleep(0.01)
+        outputs = [f + [t for m in r for t in m.token_ids] for f, r in zip(firsts, running)]
+        outputs.append([t for m in third for t in m.token_ids])
+        assert outputs == [alone] * 3
+        with pytest.raises(grpc.RpcError) as e:
+            list(stack.stub().Generate(gen_pb.GenerateRequest(prompt="Once upon a time", max_tokens=97), timeout=120))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-tokens" in e.value.details()
+        assert _pools_drain(stack)
+    finally:
+        stop_stack(stack)
+
+
 def _pools_drain(stack, timeout_s=10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
