@@ -72,8 +72,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Generation:
     def __init__(self, spec: GenerationSpec, session_id: str, draft: ModelClient, target: ModelClient,
                  tokenizer, eos_ids: set[int], max_model_len: int, metrics: OrchestratorMetrics,
-                 draft_health: dict, speculation: Speculation | None = None):
+                 draft_health: dict, speculation: Speculation | None = None, busy=lambda: False):
         self.spec = spec
+        self.busy = busy  # () -> bool: too many generations active for speculation to pay; rounds take K = 0
         self.session_id = session_id
         self.draft = draft
         self.target = target
@@ -106,6 +107,8 @@ class Generation:
             remaining = self.spec.max_tokens - self.stats.completion_tokens
             if not self.spec.speculate_first_round and not self.stats.rounds:
                 wanted = 0  # the first token from the target's prefill alone; the draft prefills in the next round
+            elif self.busy():
+                wanted = 0
             else:
                 wanted = (self.adaptive.next_k(remaining, draft_started=bool(self.draft_mirror)) if self.adaptive
                           else self.spec.k)

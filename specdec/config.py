@@ -118,6 +118,10 @@ class OrchestratorConfig:
     # Off, the first token waits only for the target's prefill, as without speculation: the embedded pair, 12
     # bench prompts x 2, K = 3, two runs each way: time to first token 93-98 -> 74.5 ms, tokens/s unchanged
     # within the noise (decoding 139-140 -> 137-138), since the draft's prefill moves to the second round.
+    speculation_max_active: int = field(default=0, metadata={
+        "help": "speculate only while at most this many generations are active; past it every round runs the "
+                "target alone, which serves more tokens a second under load (0: always speculate). Changes the "
+                "speed, never the output; a seeded sampled request then replays only if the load stays on one side"})
     speculate_first_round: bool = field(default=False, metadata={
         "help": "draft in a request's first round too, so that the first message can carry accepted drafts, "
                 "after the draft's prefill and K steps (false: the first token comes from the target's prefill "
@@ -153,8 +157,9 @@ class OrchestratorConfig:
             raise ConfigError("need --max-tokens >= 1, --temperature >= 0, --top-p in (0, 1], --top-k >= 0")
         if self.rpc_timeout_s <= 0 or self.max_request_bytes < 1024:
             raise ConfigError("--rpc-timeout-s must be > 0 and --max-request-bytes at least 1024")
-        if self.max_concurrent_requests < 0 or self.max_queued_requests < 0:
-            raise ConfigError("--max-concurrent-requests and --max-queued-requests must be >= 0")
+        if self.max_concurrent_requests < 0 or self.max_queued_requests < 0 or self.speculation_max_active < 0:
+            raise ConfigError("--max-concurrent-requests, --max-queued-requests and --speculation-max-active "
+                              "must be >= 0")
 
 
 def _one_of(values) -> str:
