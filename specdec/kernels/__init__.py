@@ -55,8 +55,10 @@ def cpu_kernels():
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         code = [(HERE / name).read_bytes() for name in SOURCES + HEADERS]
-        key = hashlib.sha256(b"\0".join([*code, " ".join(CFLAGS).encode(), torch.__version__.encode(),
-                                          _cpu_signature().encode()])).hexdigest()[:16]
+        # The folder too: torch's ninja file names the sources by path, so two checkouts sharing one cache
+        # would each rebuild over the other's build (45 s) on every switch.
+        key = hashlib.sha256(b"\0".join([*code, " ".join(CFLAGS).encode(), str(HERE).encode(),
+                                          torch.__version__.encode(), _cpu_signature().encode()])).hexdigest()[:16]
         build = cache_dir() / "kernels" / f"cpu-{key}"
         build.mkdir(parents=True, exist_ok=True)
         with FileLock(str(build) + ".lock"):  # the draft and target servers may start together
