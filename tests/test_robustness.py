@@ -148,8 +148,7 @@ def test_a_client_that_leaves_between_two_messages_is_counted_as_cancelled(tiny_
     CancelledError): that request must still count as cancelled, once, and not as finished."""
     cancelled = {"code": "CANCELLED"}
     before = tiny_stack.metric("specdec_request_errors_total", cancelled)
-    finished = sum(s.value for m in tiny_stack.registry.collect() if m.name == "specdec_requests"
-                   for s in m.samples if s.name == "specdec_requests_total")
+    finished = _finished(tiny_stack)
 
     async def leave_after_two_messages():
         stream = tiny_stack.servicer.Generate(
@@ -161,9 +160,8 @@ def test_a_client_that_leaves_between_two_messages_is_counted_as_cancelled(tiny_
 
     tiny_stack.lt.run(leave_after_two_messages())
     assert tiny_stack.metric("specdec_request_errors_total", cancelled) == before + 1
-    assert sum(s.value for m in tiny_stack.registry.collect() if m.name == "specdec_requests"
-               for s in m.samples if s.name == "specdec_requests_total") == finished
-    assert tiny_stack.lt.call(lambda: tiny_stack.servicer.metrics.active._value.get()) == 0
+    assert _finished(tiny_stack) == finished
+    assert tiny_stack.metric("specdec_active_requests") == 0
     assert _pools_drain(tiny_stack)
 
 
@@ -199,10 +197,8 @@ def test_requests_past_the_concurrency_limit_wait_their_turn_and_past_the_line_a
         first = stack.stub().Generate(request, timeout=120)
         first_ids = list(next(first).token_ids)  # running: the one slot is taken
         second = stack.stub().Generate(request, timeout=120)
-        deadline = time.monotonic() + 10
-        while stack.metric("specdec_waiting_requests") < 1:
-            assert time.monotonic() < deadline, "the second request did not wait in line"
-            time.sleep(0.01)
+        assert _eventually(lambda: stack.metric("specdec_waiting_requests") >= 1), \
+            "the second request did not wait in line"
         with pytest.raises(grpc.RpcError) as e:
             list(stack.stub().Generate(request, timeout=120))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queued-requests" in e.value.details()
@@ -226,10 +222,8 @@ def test_a_request_waits_until_its_kv_tokens_fit_and_one_larger_than_the_pools_i
         running = [stack.stub().Generate(request, timeout=120) for _ in range(2)]
         firsts = [list(next(r).token_ids) for r in running]
         third = stack.stub().Generate(request, timeout=120)
-        deadline = time.monotonic() + 10
-        while stack.metric("specdec_waiting_requests") < 1:
-            assert time.monotonic() < deadline, "the third request did not wait for KV tokens"
-            time.sleep(0.01)
+        assert _eventually(lambda: stack.metric("specdec_waiting_requests") >= 1), \
+            "the third request did not wait for KV tokens"
         outputs = [f + [t for m in r for t in m.token_ids] for f, r in zip(firsts, running)]
         outputs.append([t for m in third for t in m.token_ids])
         assert outputs == [alone] * 3
@@ -259,13 +253,23 @@ def test_past_speculation_max_active_rounds_run_the_target_alone_and_the_output_
         stop_stack(stack)
 
 
-def _pools_drain(stack, timeout_s=10.0) -> bool:
+def _eventually(condition, timeout_s=10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if stack.pool_sizes() == (0, 0):
+        if condition():
             return True
-        time.sleep(0.05)
+        time.sleep(0.01)
     return False
+
+
+def _pools_drain(stack, timeout_s=10.0) -> bool:
+    return _eventually(lambda: stack.pool_sizes() == (0, 0), timeout_s)
+
+
+def _finished(stack) -> float:
+    """Requests counted in specdec_requests_total, every finish reason."""
+    return sum(s.value for m in stack.registry.collect() if m.name == "specdec_requests"
+               for s in m.samples if s.name == "specdec_requests_total")
 
 
 class _Recorder:

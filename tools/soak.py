@@ -17,10 +17,10 @@ import random
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from urllib.request import urlopen
 
 import grpc
 
+from bench.metrics import scrape, value
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 
 PROMPTS = ["Explain why the sky is blue.", "Write a short story about a robot.", "List five fruits as JSON.",
@@ -69,14 +69,10 @@ def one(stub, i: int) -> str:
     return ""
 
 
-def counter_sum(url: str, prefix: str) -> float:
-    body = urlopen(url, timeout=5).read().decode()
-    return sum(float(line.split()[-1]) for line in body.splitlines() if line.startswith(prefix + "{"))
-
-
-def gauge(url: str, name: str) -> float:
-    body = urlopen(url, timeout=5).read().decode()
-    return next(float(line.split()[-1]) for line in body.splitlines() if line.startswith(name + " "))
+def ended_requests(url: str) -> float:
+    """Requests the orchestrator counted as finished (by finish reason) or errored (by status code)."""
+    return sum(v for (name, _), v in scrape(url).items()
+               if name in ("specdec_requests_total", "specdec_request_errors_total"))
 
 
 def main() -> int:
@@ -93,9 +89,7 @@ def main() -> int:
     if set(pids) != {"draft", "target", "orchestrator"}:
         raise SystemExit(f"soak: found {sorted(pids)} of the three services; start them with `specdec up`")
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(args.address))
-    counted = lambda: (counter_sum(args.metrics, "specdec_requests_total")
-                       + counter_sum(args.metrics, "specdec_request_errors_total"))
-    before, problems = counted(), []
+    before, problems = ended_requests(args.metrics), []
     with ThreadPoolExecutor(args.concurrency) as pool:
         for w in range(args.waves):
             t = time.monotonic()
@@ -104,8 +98,8 @@ def main() -> int:
                 f"{role} {rss_mb(pid)} MB {len(os.listdir(f'/proc/{pid}/fd'))} fds" for role, pid in sorted(pids.items())),
                 flush=True)
     time.sleep(1)
-    sent, seen = args.waves * args.per_wave, counted() - before
-    sessions = [gauge(url, "specdec_kv_sessions") for url in args.pool_metrics]
+    sent, seen = args.waves * args.per_wave, ended_requests(args.metrics) - before
+    sessions = [value(scrape(url), "specdec_kv_sessions") for url in args.pool_metrics]
     print(f"requests sent {sent}, counted finished or errored {seen:.0f}; unexpected outcomes: {len(problems)}; "
           f"KV sessions left: draft {sessions[0]:.0f}, target {sessions[1]:.0f}")
     for p in problems[:5]:
