@@ -2,6 +2,7 @@
 
     specdec bench [--quick] [--out DIR] [--draft-model M] [--target-model M]
     specdec bench --production [--device cuda]     # Llama 3.2 1B/3B sizes: see bench/production.py
+    specdec bench --concurrency 1,4,8,16 [--llama-server PATH]   # throughput under load: see bench/load.py
 
 Starts the three services on free loopback ports. For each temperature (0, and
 0.7 with top_p 0.9), each repetition and each prompt of bench/prompts.json, it
@@ -373,7 +374,23 @@ def main(argv=None) -> int:
                     help="skip the arm 'auto', whose K a second orchestrator with adaptive speculation chooses")
     ap.add_argument("--draft-confidence", type=float, default=0.0,
                     help="draft_confidence_threshold of every request: rounds stop drafting early below it (default 0: always K)")
+    load = ap.add_argument_group("load (bench/load.py): throughput and latency with N requests at a time")
+    load.add_argument("--concurrency", default=None,
+                      help="comma-separated N, e.g. 1,4,8,16: run the load benchmark instead of the speedup one")
+    load.add_argument("--load-prompts", type=int, default=8, help="chat prompts, round-robin over the families (default 8)")
+    load.add_argument("--load-tokens", type=int, default=96, help="max_tokens of each request (default 96)")
+    load.add_argument("--llama-server", default=None,
+                      help="a llama.cpp llama-server binary: the same load against it on the target's GGUF file")
     args = ap.parse_args(argv)
+    if args.concurrency:
+        from bench.load import main as load_main
+
+        args.reps = args.reps or 3
+        args.out = args.out or f"results/load-{time.strftime('%Y%m%d-%H%M%S')}"
+        report = load_main(args)
+        print(f"specdec bench: wrote {args.out}/load.json, load.md, load.png")
+        print((Path(args.out) / "load.md").read_text())
+        return 0
     if not 0 <= args.draft_confidence < 1:
         ap.error(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
     # The full run's size keeps it within 45 minutes on the 2-core VM at its slowest seen speed (about

@@ -22,7 +22,7 @@ from orchestrator.clients import Duplex, ModelClient, Unary
 from orchestrator.detokenizer import TextStream
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.prompt_lookup import PromptLookup
-from orchestrator.speculation import AdaptiveK, Speculation
+from orchestrator.speculation import AdaptiveK, CallCost, Speculation
 from specdec.errors import ServiceError
 from specdec.sampling import SamplingParams
 from specdec.v1 import draft_pb2, generation_pb2 as gen_pb, model_server_pb2 as ms_pb, target_pb2
@@ -55,11 +55,13 @@ class RoundTrace:
     bytes: int = 0
     draft_s: float = 0.0
     draft_wall_s: float = 0.0  # the draft call's wall time, draft_s included
-    draft_fed: int = 0  # tokens the draft call fed the draft before drafting
     draft_built: bool = False  # the draft call built the draft's session (the prompt's prefill, or a rebuild)
     verify_s: float = 0.0
+    queue_s: float = 0.0  # waiting for the servers' passes
     rpc_s: float = 0.0
     built: bool = False  # a call (re)built a session from the history: the prompt's prefill, or a rebuild
+    draft_cost: CallCost | None = None  # the draft's and the target's calls, for adaptive speculation
+    target_cost: CallCost | None = None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -72,9 +74,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Generation:
     def __init__(self, spec: GenerationSpec, session_id: str, draft: ModelClient, target: ModelClient,
                  tokenizer, eos_ids: set[int], max_model_len: int, metrics: OrchestratorMetrics,
-                 draft_health: dict, speculation: Speculation | None = None, busy=lambda: False):
+                 draft_health: dict, speculation: Speculation | None = None):
         self.spec = spec
-        self.busy = busy  # () -> bool: too many generations active for speculation to pay; rounds take K = 0
         self.session_id = session_id
         self.draft = draft
         self.target = target
@@ -107,8 +108,6 @@ class Generation:
             remaining = self.spec.max_tokens - self.stats.completion_tokens
             if not self.spec.speculate_first_round and not self.stats.rounds:
                 wanted = 0  # the first token from the target's prefill alone; the draft prefills in the next round
-            elif self.busy():
-                wanted = 0
             else:
                 wanted = (self.adaptive.next_k(remaining, draft_started=bool(self.draft_mirror)) if self.adaptive
                           else self.spec.k)
@@ -153,8 +152,9 @@ class Generation:
                     self.metrics.draft_fallbacks.inc()
                     return None
                 raise _upstream("draft", e) from None
-            trace.draft_wall_s, trace.draft_fed = time.perf_counter() - t, len(req.cursor.tokens)
+            trace.draft_wall_s = time.perf_counter() - t
             trace.draft_built = req.cursor.expected_length == 0
+            trace.draft_cost = CallCost.of(trace.draft_wall_s, resp)
             self._trace(trace, req, resp, trace.draft_wall_s, "draft_s")
             self.draft_mirror = self.history + list(resp.token_ids[:-1])  # the last drafted token is not fed
             return resp
@@ -174,7 +174,9 @@ class Generation:
                     self.target_mirror = []
                     continue
                 raise _upstream("target", e) from None
-            self._trace(trace, req, resp, time.perf_counter() - t, "verify_s")
+            wall = time.perf_counter() - t
+            trace.target_cost = CallCost.of(wall, resp)
+            self._trace(trace, req, resp, wall, "verify_s")
             self.target_mirror = self.history + drafts
             return resp
         raise ServiceError(grpc.StatusCode.INTERNAL, "target session lost twice in one round")
@@ -224,10 +226,12 @@ class Generation:
         trace.rpcs += 1
         trace.bytes += req.ByteSize() + resp.ByteSize()
         compute = getattr(resp, "compute_seconds", 0.0) if compute_field else 0.0
+        queued = resp.batch.queue_seconds if compute_field else 0.0
         if compute_field:
             setattr(trace, compute_field, getattr(trace, compute_field) + compute)
+            trace.queue_s += queued
             trace.built = trace.built or req.cursor.expected_length == 0
-        trace.rpc_s += max(wall_s - compute, 0.0)
+        trace.rpc_s += max(wall_s - compute - queued, 0.0)
 
     def _apply_stops(self, emitted: list[int]) -> tuple[list[int], int | None]:
         """Tokens to keep, and why generation ends (None: it goes on). Only accepted tokens get here."""
@@ -282,12 +286,13 @@ class Generation:
             m.phase_seconds.labels("draft").observe(trace.draft_s)
             m.phase_seconds.labels("verify").observe(trace.verify_s)
             m.phase_seconds.labels("rpc").observe(trace.rpc_s)
+            m.phase_seconds.labels("queue").observe(trace.queue_s)
             m.phase_seconds.labels("accept").observe(now - t_accept)
             m.round_seconds.observe(now - t0)
             m.speculative_tokens.observe(k)
-            if self.speculation:
-                self.speculation.observe(self.spec.sampling.greedy, k, n, now - t0, trace.draft_wall_s, trace.draft_s,
-                                         trace.draft_fed)
+            if self.speculation and trace.target_cost is not None:
+                self.speculation.observe(self.spec.sampling.greedy, k, n, now - t0, trace.target_cost,
+                                         trace.draft_cost)
             if self.adaptive and trace.draft_wall_s:
                 self.adaptive.observe(k, n)
         m.wire_bytes.observe(trace.bytes)

@@ -52,8 +52,9 @@ class OrchestratorMetrics:
         self.requests = Counter("specdec_requests_total", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.request_errors = Counter("specdec_request_errors_total", "Requests ended by an error status", ["code"], registry=r)
         self.phase_seconds = Histogram("specdec_round_phase_seconds",
-                                       "Time of one decoding round by phase: draft and verify compute on the servers, "
-                                       "accept on the orchestrator, and rpc (network, serialization, queueing); "
+                                       "Time of one decoding round by phase: draft and verify compute on the servers "
+                                       "(the batched passes the calls ran in), queue (waiting for a pass), accept on "
+                                       "the orchestrator, and rpc (network, serialization, the servers' Python); "
                                        "rounds that build a session are in specdec_prefill_round_seconds instead",
                                        ["phase"], buckets=_SECONDS, registry=r)
         self.round_seconds = Histogram("specdec_round_seconds", "Wall time of one decoding round (as above)",
@@ -85,5 +86,5 @@ class OrchestratorMetrics:
         for p in self.positions:  # expose zeros so rate() works from the first scrape
             self.draft_per_position.labels(p)
             self.accepted_per_position.labels(p)
-        for phase in ("draft", "verify", "accept", "rpc"):
+        for phase in ("draft", "verify", "queue", "accept", "rpc"):
             self.phase_seconds.labels(phase)

@@ -41,13 +41,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.admission = admission
         metrics.waiting.set_function(lambda: admission.waiting)
 
-    def _busy(self) -> bool:
-        """More generations active than --speculation-max-active: their rounds take the target alone. The model
-        servers serve one call at a time, so under load a drafted token costs the other requests its draft step
-        and verify row, and on shared cores the draft's work slows the target's passes too."""
-        limit = self.cfg.speculation_max_active
-        return bool(limit) and self.admission.running > limit
-
     def build_spec(self, req: gen_pb.GenerateRequest) -> GenerationSpec:
         """The request checked field by field; raises INVALID_ARGUMENT or OUT_OF_RANGE."""
         cfg = self.cfg
@@ -120,7 +113,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             spec = self.build_spec(request)
             gen = Generation(spec, uuid.uuid4().hex, self.draft, self.target, self.tokenizer, self.eos_ids,
-                             self.max_model_len, m, self.draft_health, self.speculation, self._busy)
+                             self.max_model_len, m, self.draft_health, self.speculation)
             kv_tokens = min(len(spec.prompt_ids) + spec.max_tokens + spec.k, self.max_model_len)
             await self.admission.enter(kv_tokens)  # given back once the generation's sessions are freed, below
         except ServiceError as e:

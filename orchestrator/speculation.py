@@ -1,26 +1,31 @@
-"""Adaptive speculation: each round drafts the K with the most expected tokens per second.
+"""Adaptive speculation: each round drafts the K with the most expected tokens per second of the servers' time.
 
 A round with K drafts yields (1 - alpha^(K+1)) / (1 - alpha) tokens on average (Leviathan et al.) and costs
-what this process's rounds at that K have cost. Both move: alpha with the text (code and lists are easy for a
-draft, stories are not), the costs with the machine and its load (a drafted token, the draft's step and its
-verify row, cost a quarter of a target step on the Xeon this project was measured on, and a third on the
-Zen 5 after it). So the orchestrator measures both as it goes: the costs process-wide from
-every decoding round, alpha per request, starting from the process's recent alpha. Then each round drafts
-argmax_K tokens(alpha, K) / seconds(K) over K = 0..cap. K = 0 is the target alone. A request starts the
-draft (whose first call prefills the prompt) only when the time it expects to save over its remaining tokens
-is more than that prefill costs. So that alpha and the costs keep being measured where the target alone wins,
-a request that settles at K = 0 still drafts one token every PROBE_EVERY rounds, and every PROBE_EVERY-th
+the target's pass over K + 1 rows, K draft steps and the calls around them. Both move: alpha with the text
+(code and lists are easy for a draft, stories are not), the costs with the machine and its load. So the
+orchestrator measures both as it goes: alpha per request, starting from the process's recent alpha, and the
+costs from what the model servers report of their batched passes (RoundCosts: a pass's fixed part, shared by
+the sessions in it, and what a row adds). Then each round drafts argmax_K tokens(alpha, K) / seconds(K) over
+K = 0..cap; K = 0 is the target alone. Alone on a CPU a verify row costs a fraction of a step and K > 0 wins;
+with 16 sessions in a pass the step is shared 16 ways, a row costs its multiply-adds in full, and K falls to 0
+by itself; on a GPU rows stay nearly free and speculation stays on under load. A request starts the draft
+(whose first call prefills the prompt) only when the time it expects to save over its remaining tokens is more
+than that prefill costs. So that alpha and the costs keep being measured where the target alone wins, a
+request that settles at K = 0 still drafts one token every PROBE_EVERY rounds, and every PROBE_EVERY-th
 request starts the draft regardless.
 
 Which K a round drafts changes the speed, never the output: the choice depends only on rounds already
 finished, so greedy output stays the target's and sampled output is distributed as the target's. A seeded
-sampled request replays token for token only at a fixed K, since timing moves the K it gets here.
+sampled request replays token for token only at a fixed K (num_speculative_tokens set), since load and timing
+move the K it gets here; at a fixed K it replays whatever else runs beside it (the batched passes give a session
+the logits it gets alone).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
 
 DEFAULT_ALPHA = 0.6  # before any round was measured
 PRIOR_ROUNDS = 4.0  # the weight of the process's alpha in a request's estimate, in rounds
@@ -28,10 +33,8 @@ REQUEST_DECAY = 0.9  # a request's alpha weighs its last ~10 rounds most
 PROCESS_DECAY = 0.99  # the process's alpha, its last ~100 rounds
 PROCESS_PRIOR_ROUNDS = 20.0
 COST_RATE = 0.05  # the costs, their last ~20 observations
-ROW_PRIOR = 0.1  # a verify row's cost as a share of the round, until two K have been measured
 PROBE_EVERY = 8
 START_WINDOW = 9
-STEADY_FEED = 2  # tokens a draft call feeds in steady state: the last round's target token, and at most one more
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -51,18 +54,76 @@ def _ewma(old: float | None, x: float, rate: float) -> float:
     return x if old is None else old + rate * (x - old)
 
 
-class RoundCosts:
-    """Seconds of a decoding round at each K, learned from the rounds this process ran.
+@dataclass(frozen=True)
+class CallCost:
+    """One call to a model server as the orchestrator saw it (wall_s) and the server reported it (BatchInfo and
+    compute_seconds): its wait in the queue, the passes it took part in, and the last pass's sessions, rows,
+    seconds and the seconds one more row adds there."""
 
-    A round is the draft's call (a fixed part per call, and a part per drafted token) and the rest: the
-    target's verify of K drafts, its RPC and the accept step, learned per K. A K not measured yet is priced
-    on the line through the ones that were (one alone: ROW_PRIOR of its cost per row)."""
+    wall_s: float
+    compute_s: float = 0.0
+    queue_s: float = 0.0
+    sessions: int = 1
+    rows: int = 1
+    pass_s: float = 0.0
+    row_s: float = 0.0
+
+    @classmethod
+    def of(cls, wall_s: float, response) -> "CallCost":
+        b = response.batch
+        return cls(wall_s, response.compute_seconds, b.queue_seconds, max(b.sessions, 1), max(b.rows, 1),
+                   b.pass_seconds, b.row_seconds)
+
+    @property
+    def overhead_s(self) -> float:
+        """The call's time outside the queue and its passes: RPC and the servers' Python."""
+        return max(self.wall_s - self.queue_s - self.compute_s, 0.0)
+
+
+@dataclass
+class Load:
+    """A model server's passes as the calls to it report them, smoothed: sessions per pass, the seconds of a
+    pass that do not grow with its rows (reading the weights, launching the work) and what a row adds."""
+
+    rate: float = COST_RATE
+    sessions: float | None = None
+    fixed_s: float = 0.0
+    row_s: float = 0.0
+
+    def observe(self, c: CallCost) -> None:
+        fixed = max(c.pass_s - c.row_s * c.rows, 0.0)
+        if self.sessions is None:
+            self.sessions, self.fixed_s, self.row_s = float(c.sessions), fixed, c.row_s
+            return
+        self.sessions = _ewma(self.sessions, c.sessions, self.rate)
+        self.fixed_s = _ewma(self.fixed_s, fixed, self.rate)
+        self.row_s = _ewma(self.row_s, c.row_s, self.rate)
+
+    def share(self, rows: int) -> float:
+        """The seconds of a pass that a session's `rows` rows account for: its share of the fixed part, which
+        the sessions in the pass split, and its own rows."""
+        return self.fixed_s / max(self.sessions or 1.0, 1.0) + rows * self.row_s
+
+
+class RoundCosts:
+    """What a decoding round at each K costs, in the servers' and the orchestrator's time this generation takes.
+
+    A round is the target's pass over its K + 1 rows, K draft steps when K > 0, and the calls' RPC and
+    accept work. Each model server reports what its passes cost at their current width (specdec/engine.py):
+    a fixed part, shared by the sessions in the pass, and a part per row. A generation alone pays the whole
+    pass, so its cost is its round's wall time and drafting pays where a verify row costs a fraction of a
+    step. Under load the fixed parts are split across the batch and the rows are what remain: where rows are
+    dear (a CPU's multiply-adds) a drafted token no longer pays for itself and K falls to 0, where they are
+    nearly free (a GPU's memory-bound pass) speculation stays on. Each generation pricing its rounds this
+    way, rather than by its own round's wall time, keeps one from lengthening everyone's passes for a
+    speedup of its own."""
 
     def __init__(self, rate: float = COST_RATE):
         self.rate = rate
-        self.rest: dict[int, float] = {}
-        self.draft_call: float | None = None
-        self.draft_token: float | None = None
+        self.target = Load(rate)
+        self.draft = Load(rate)
+        self.round_overhead: float | None = None  # a round's time outside the target's queue and passes and the draft's call
+        self.draft_call: float | None = None  # the draft call's time outside its queue and passes
         self._starts: list[float] = []  # the last START_WINDOW measures of a request's first draft call
         self._first_start_seen = False
 
@@ -73,7 +134,7 @@ class RoundCosts:
         if not self._first_start_seen:
             self._first_start_seen = True
             return
-        steady = (self.draft_call or 0.0) + k * (self.draft_token or 0.0)
+        steady = (self.draft_call or 0.0) + k * (self.draft.share(1) if self.draft.sessions is not None else 0.0)
         self._starts = (self._starts + [max(draft_wall_s - steady, 0.0)])[-START_WINDOW:]
 
     @property
@@ -82,36 +143,28 @@ class RoundCosts:
         0 before any."""
         return statistics.median(self._starts) if self._starts else 0.0
 
-    def observe(self, k: int, rest_s: float, draft_wall_s: float = 0.0, draft_compute_s: float = 0.0,
-                draft_fed: int = 1) -> None:
-        """One decoding round with k drafts; draft_wall_s > 0 when they came from a draft call, which fed
-        the draft draft_fed tokens it had not seen. A call that caught up on more than a round's worth
-        (after rounds of the target alone) says little of a round's cost: its draft time is left out."""
-        self.rest[k] = _ewma(self.rest.get(k), rest_s, self.rate)
-        if k and draft_wall_s > 0 and draft_fed <= STEADY_FEED:
-            self.draft_token = _ewma(self.draft_token, draft_compute_s / k, self.rate)
-            self.draft_call = _ewma(self.draft_call, max(draft_wall_s - draft_compute_s, 0.0), self.rate)
+    def observe(self, round_s: float, target: CallCost, draft: CallCost | None = None) -> None:
+        """One decoding round: its wall time, the target's call and, when the draft proposed, the draft's.
+
+        The time outside the servers' passes (RPC, the accept step, Python) is learned from calls whose pass
+        served their session alone: under load it also holds the wait for event loops busy with the other
+        sessions, which is theirs to share, not a cost of this round's K."""
+        self.target.observe(target)
+        outside = round_s - target.queue_s - target.compute_s - (draft.wall_s if draft else 0.0)
+        if self.round_overhead is None or target.sessions == 1:
+            self.round_overhead = _ewma(self.round_overhead, max(outside, 0.0), self.rate)
+        if draft is not None:
+            self.draft.observe(draft)
+            if self.draft_call is None or draft.sessions == 1:
+                self.draft_call = _ewma(self.draft_call, draft.overhead_s, self.rate)
 
     def round_s(self, cap: int) -> list[float] | None:
         """Predicted seconds of a round at K = 0..cap; None until a drafted round was measured."""
-        if self.draft_token is None or not self.rest:
+        if self.draft_call is None or self.target.sessions is None:
             return None
-        ks = sorted(self.rest)
-        if len(ks) == 1:
-            slope = ROW_PRIOR * self.rest[ks[0]]
-            base = self.rest[ks[0]] - slope * ks[0]
-        else:
-            mk = sum(ks) / len(ks)
-            mr = sum(self.rest[k] for k in ks) / len(ks)
-            slope = sum((k - mk) * (self.rest[k] - mr) for k in ks) / sum((k - mk) ** 2 for k in ks)
-            slope = max(slope, 0.0)
-            base = mr - slope * mk
-        floor = min(self.rest.values()) / 2  # an extrapolation never prices a round near zero
-        out = []
-        for k in range(cap + 1):
-            rest = self.rest[k] if k in self.rest else max(base + slope * k, floor)
-            out.append(rest + (self.draft_call + k * self.draft_token if k else 0.0))
-        return out
+        step = self.draft.share(1)
+        return [self.round_overhead + self.target.share(k + 1) + (self.draft_call + k * step if k else 0.0)
+                for k in range(cap + 1)]
 
 
 class Acceptance:
@@ -153,12 +206,12 @@ class Speculation:
     def observe_start(self, k: int, draft_wall_s: float) -> None:
         self.costs.observe_start(k, draft_wall_s)
 
-    def observe(self, greedy: bool, k: int, accepted: int, round_s: float, draft_wall_s: float = 0.0,
-                draft_compute_s: float = 0.0, draft_fed: int = 1) -> None:
-        """A decoding round with k proposed tokens; draft_wall_s > 0 when the draft proposed them (else they
-        came from prompt lookup, or there were none)."""
-        self.costs.observe(k, round_s - draft_wall_s, draft_wall_s, draft_compute_s, draft_fed)
-        if draft_wall_s > 0:
+    def observe(self, greedy: bool, k: int, accepted: int, round_s: float, target: CallCost,
+                draft: CallCost | None = None) -> None:
+        """A decoding round with k proposed tokens; draft is the draft's call when the draft proposed them (else
+        they came from prompt lookup, or there were none)."""
+        self.costs.observe(round_s, target, draft)
+        if draft is not None:
             self.alpha[greedy].observe(k, accepted)
 
     def new_request(self, greedy: bool) -> bool:

@@ -59,9 +59,9 @@ class ModelServerConfig:
     prefill_threads: int = field(default=0, metadata={"help": "torch CPU threads for a pass of more than 32 tokens "
                                                               "(a prefill, a rebuild), which is compute-bound where a "
                                                               "step is not; 0 = torch's default (the cores)"})
-    prefill_chunk: int = field(default=0, metadata={"help": "tokens per pass of a long feed (a prefill, a rebuild), "
-                                                            "the event loop free between passes; 0 = 256 on CPU, "
-                                                            "512 on an accelerator"})
+    max_batch_tokens: int = field(default=0, metadata={
+        "help": "most rows (new tokens of every session) in one batched forward pass; a long prompt is fed in "
+                "pieces beside the other sessions' steps; 0 = 64 on CPU, 2048 on an accelerator"})
 
     def validate(self) -> None:
         if self.role not in ("draft", "target"):
@@ -80,10 +80,13 @@ class ModelServerConfig:
         for name in ("max_sessions", "max_tokens", "max_draft_tokens", "max_sparse_support"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        if (min(self.max_model_len, self.threads, self.prefill_threads, self.prefill_chunk) < 0
+        if (min(self.max_model_len, self.threads, self.prefill_threads, self.max_batch_tokens) < 0
                 or self.idle_ttl_s <= 0 or self.grace_s < 0):
-            raise ConfigError("--max-model-len, --threads, --prefill-threads, --prefill-chunk must be >= 0; "
+            raise ConfigError("--max-model-len, --threads, --prefill-threads, --max-batch-tokens must be >= 0; "
                               "--idle-ttl-s > 0; --grace-s >= 0")
+        if 0 < self.max_batch_tokens <= self.max_draft_tokens:
+            raise ConfigError(f"--max-batch-tokens must exceed --max-draft-tokens ({self.max_draft_tokens}): a verify "
+                              "pass's rows must fit one pass")
 
 
 @dataclass
@@ -98,16 +101,18 @@ class OrchestratorConfig:
     tokenizer: str = field(default=DEFAULT_TARGET, metadata={"help": "the target's tokenizer: hub id, folder or embedded:NAME"})
     # 3 for the embedded pair on a 2-core CPU (specdec bench, int8 draft: K = 1, 2, 3, 4 gave 1.49x, 1.35x,
     # 1.51x, 1.30x greedy and 1.48x, 1.35x, 1.41x, 1.17x at T = 0.7, K = 1 to 3 within each other's spread;
-    # the Leviathan bound at the measured alpha and c peaks at K = 3 greedy, 2-3 sampled), and K = 3 gains
-    # more as the draft's alpha rises. docker-compose.yml sets 4 for the Llama 3.2 pair on a GPU, where a
-    # verify pass costs about one step, and 3 for its CPU profile.
-    num_speculative_tokens: int = field(default=3, metadata={"help": "default K per request"})
+    # the Leviathan bound at the measured alpha and c peaks at K = 3 greedy, 2-3 sampled). docker-compose.yml
+    # sets 4 for the Llama 3.2 pair on a GPU, where a verify pass costs about one step, and 3 for its CPU profile.
+    num_speculative_tokens: int = field(default=3, metadata={
+        "help": "K of a request that leaves it unset: where adaptive speculation is on, the K it starts from "
+                "until the costs are measured"})
     max_speculative_tokens: int = field(default=8, metadata={"help": "largest K a request may ask"})
-    adaptive_speculation: bool = field(default=False, metadata={
+    adaptive_speculation: bool = field(default=True, metadata={
         "help": "for requests that leave num_speculative_tokens unset, choose K round by round, 0 to "
-                "--max-speculative-tokens, for the most expected tokens per second from the round costs and the "
-                "request's acceptance measured so far (starting at --num-speculative-tokens); the speed changes, "
-                "not the output, but a seeded sampled request replays token for token only at a fixed K"})
+                "--max-speculative-tokens, for the most expected tokens per second of the servers' time, from what "
+                "their batched passes cost and the request's acceptance so far: speculation fades out where a "
+                "verify row is dear (a CPU under load) and stays on where it is nearly free. The speed changes, "
+                "not the output; a seeded sampled request replays token for token only with K set"})
     draft_confidence_threshold: float = field(default=0.0, metadata={
         "help": "default per request: a round drafts fewer than K tokens once the draft's confidence that all "
                 "of them are accepted falls below this (0 = always K)"})
@@ -118,10 +123,6 @@ class OrchestratorConfig:
     # Off, the first token waits only for the target's prefill, as without speculation: the embedded pair, 12
     # bench prompts x 2, K = 3, two runs each way: time to first token 93-98 -> 74.5 ms, tokens/s unchanged
     # within the noise (decoding 139-140 -> 137-138), since the draft's prefill moves to the second round.
-    speculation_max_active: int = field(default=0, metadata={
-        "help": "speculate only while at most this many generations are active; past it every round runs the "
-                "target alone, which serves more tokens a second under load (0: always speculate). Changes the "
-                "speed, never the output; a seeded sampled request then replays only if the load stays on one side"})
     speculate_first_round: bool = field(default=False, metadata={
         "help": "draft in a request's first round too, so that the first message can carry accepted drafts, "
                 "after the draft's prefill and K steps (false: the first token comes from the target's prefill "
@@ -157,9 +158,8 @@ class OrchestratorConfig:
             raise ConfigError("need --max-tokens >= 1, --temperature >= 0, --top-p in (0, 1], --top-k >= 0")
         if self.rpc_timeout_s <= 0 or self.max_request_bytes < 1024:
             raise ConfigError("--rpc-timeout-s must be > 0 and --max-request-bytes at least 1024")
-        if self.max_concurrent_requests < 0 or self.max_queued_requests < 0 or self.speculation_max_active < 0:
-            raise ConfigError("--max-concurrent-requests, --max-queued-requests and --speculation-max-active "
-                              "must be >= 0")
+        if self.max_concurrent_requests < 0 or self.max_queued_requests < 0:
+            raise ConfigError("--max-concurrent-requests and --max-queued-requests must be >= 0")
 
 
 def _one_of(values) -> str:

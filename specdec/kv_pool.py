@@ -27,6 +27,8 @@ class Session:
     probs: Any = None  # [n, vocab] distributions of the last call, for GetDistribution
     probs_start: int = 0  # absolute position of probs[0]
     probs_ids: Any = None  # the token of each column of probs, when it holds only the tokens a draft scores
+    reserved: int = 0  # tokens a call in progress may still add (counted against the pool's limit)
+    busy: bool = False  # a call is using the session
 
     def keep_probs(self, probs, start: int = 0, ids=None) -> None:
         """Keep the last call's distributions (None: none) for GetDistribution."""
@@ -56,6 +58,14 @@ class SessionPool:
     def tokens_in_use(self) -> int:
         return sum(len(s.tokens) for s in self._sessions.values())
 
+    @property
+    def tokens_reserved(self) -> int:
+        return sum(s.reserved for s in self._sessions.values())
+
+    def holds(self, s: Session) -> bool:
+        """Whether s is still this pool's session of its id (not released, expired or replaced)."""
+        return self._sessions.get(s.id) is s
+
     def lookup(self, session_id: str) -> Session:
         s = self._sessions.get(session_id)
         if s is None:
@@ -67,6 +77,9 @@ class SessionPool:
 
     def get(self, session_id: str, expected_length: int) -> Session:
         s = self.lookup(session_id)
+        if s.busy:
+            raise ServiceError(grpc.StatusCode.ABORTED,
+                               f"session {session_id!r} is in use by another call; a session takes one call at a time")
         if len(s.tokens) != expected_length:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"session {session_id!r} holds {len(s.tokens)} tokens, the call expects "
@@ -80,6 +93,9 @@ class SessionPool:
         if keep_length > expected_length:
             raise invalid(f"keep_length {keep_length} exceeds expected_length {expected_length}")
         if expected_length == 0:
+            if (old := self._sessions.get(session_id)) is not None and old.busy:
+                raise ServiceError(grpc.StatusCode.ABORTED, f"session {session_id!r} is in use by another call; "
+                                   "a session takes one call at a time")
             self.release(session_id)
             self.expire_idle()
             if len(self._sessions) >= self.max_sessions:
@@ -93,15 +109,18 @@ class SessionPool:
         return s
 
     def reserve(self, s: Session, n_new: int) -> None:
-        """Check that n_new more tokens fit the session and the pool, before any work is done."""
+        """Check that n_new more tokens fit the session and the pool, before any work is done, and hold them
+        for the call: calls wait for passes side by side, and each must find its tokens still free."""
         if len(s.tokens) + n_new > self.max_model_len:
             raise ServiceError(grpc.StatusCode.OUT_OF_RANGE,
                                f"session would hold {len(s.tokens) + n_new} tokens, beyond the "
                                f"context length {self.max_model_len}")
-        if self.tokens_in_use + n_new > self.max_tokens:
+        held = self.tokens_in_use + self.tokens_reserved - s.reserved
+        if held + n_new > self.max_tokens:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"KV pool full: {self.tokens_in_use} of {self.max_tokens} tokens in use, "
+                               f"KV pool full: {held} of {self.max_tokens} tokens in use or held for calls, "
                                f"{n_new} more asked; retry later")
+        s.reserved = n_new
 
     def truncate(self, s: Session, length: int) -> None:
         if length < len(s.tokens):
@@ -113,7 +132,7 @@ class SessionPool:
 
     def expire_idle(self) -> int:
         cutoff = self._clock() - self.idle_ttl_s
-        stale = [sid for sid, s in self._sessions.items() if s.last_used < cutoff]
+        stale = [sid for sid, s in self._sessions.items() if s.last_used < cutoff and not s.busy]
         for sid in stale:
             del self._sessions[sid]
         return len(stale)

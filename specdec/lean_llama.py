@@ -41,6 +41,9 @@ FORMS = ("linear", "weights-first", "onednn", "fewrow", "gguf")
 MATMUL_FORMS = ("auto", *FORMS)
 TIMED_ROWS = (1, 2, 3, 4, 6, 9, 16, SMALL_PASS_ROWS)  # row counts `auto` times; the ones between take the next up
 QUANTIZE = ("none", "int8")
+# Product forms in specdec's kernel: each output row is summed on its own, in an order that depends on nothing
+# but the row (products.cpp), so a row's result is the one it gets alone, whatever the pass's width.
+ROW_INDEPENDENT = ("fewrow", "gguf", "int8")
 
 
 def weights_first(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -147,13 +150,6 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)  # [out]
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return F.pad(q, (0, -w.shape[1] % 16)).contiguous(), scale
-
-
-def dequantized_linear(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x @ (q * scale).T for quantize_rows' form, on a float copy made for this pass: a long pass (a prefill)
-    is compute-bound, where MKL's GEMM beats a few-row kernel's sweeps, and the copy costs a few percent."""
-    q, scale = rows
-    return F.linear(x, q[:, : x.shape[-1]].float()) * scale
 
 
 def pack_int8(w: torch.Tensor):
@@ -314,7 +310,14 @@ class LeanLlamaRunner:
         self.gguf_blocks = None  # what the gguf form reads, once it is set up
         self._add_forms(matmul, gguf)
         self._add_stacks()
-        if matmul != "auto":
+        kernel_form = next((f for f in ("gguf", "fewrow") if f in self.products), None)
+        if matmul in ROW_INDEPENDENT or (matmul == "auto" and kernel_form):
+            # Every pass, of any width and batch, in specdec's kernel: its rows are summed each on its own, so a
+            # session's logits are the same alone, batched with others or fed in other chunks, bit for bit.
+            # (The gguf form reads a fifth of fewrow's bytes for the same values, so auto takes it where it can.)
+            form = kernel_form if matmul == "auto" else matmul
+            self.plan, self.long_pass = (form,) * (SMALL_PASS_ROWS + 1), form
+        elif matmul != "auto":
             self.plan = ("linear",) + (matmul,) * SMALL_PASS_ROWS
         elif self.device.type != "cpu":
             self.plan = ("linear",) * (SMALL_PASS_ROWS + 1)
@@ -325,7 +328,7 @@ class LeanLlamaRunner:
             log.info("lean runner: product forms (best whole passes, ms: %s) -> %s",
                      {name: {n: round(t, 1) for n, t in by_rows.items()} for name, by_rows in self.matmul_timings_ms.items()},
                      describe_plan(self.plan))
-        for unused in set(self.products) - set(self.plan) - {"linear"}:  # long passes take linear
+        for unused in set(self.products) - set(self.plan) - {self.long_pass}:
             del self.products[unused]  # a packed copy nothing uses: give its memory back
             self.stacks.pop(unused, None)
 
@@ -348,11 +351,14 @@ class LeanLlamaRunner:
             self.stacks[form] = kernels.LayerStack(norms, weights, forms, self.n_heads, self.eps)
 
     def _quantize_int8(self) -> None:
-        """Every product on int8 weights, one scale per output row. With specdec's kernels: steps and verifies
-        in few_rows_int8, longer passes in F.linear on a float copy made per pass; x stays float32 in both, so
-        a row's result depends on that row alone. Without them, fbgemm's int8 GEMM at every width."""
+        """Every product on int8 weights, one scale per output row. With specdec's kernels: every pass in
+        few_rows_int8, x float32, so a row's result depends on that row alone. Without them, fbgemm's int8 GEMM
+        at every width."""
         if (kernels := kernels_for(self.lm_head)) is not None:
-            pack, few_rows, long = quantize_rows, lambda x, rows: kernels.few_rows_int8(x, *rows), dequantized_linear
+            # Long passes too: rows summed each on its own (see ROW_INDEPENDENT), and on the 2-core Zen 4 VM the
+            # kernel's tiles of 8 rows beat a float copy in MKL's GEMM at a prefill's width anyway.
+            pack = quantize_rows
+            few_rows = long = lambda x, rows: kernels.few_rows_int8(x, *rows)
             self.int8_products = "specdec's kernel"
         else:
             pack, few_rows, long = pack_int8, int8_linear, int8_linear
@@ -445,7 +451,21 @@ class LeanLlamaRunner:
         if self.quantize == "int8":
             return f"lean forward{layer}; products on int8 weights in {self.int8_products}"
         blocks = f" (gguf: the file's {self.gguf_blocks})" if "gguf" in self.plan else ""
+        if self.batch_invariant:
+            return f"lean forward{layer}; products: every pass {self.long_pass}{blocks}"
         return f"lean forward{layer}; products: {describe_plan(self.plan)}{blocks}, longer passes: {self.long_pass}"
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a session's logits are the same bit for bit whatever it is batched with and however its tokens
+        are split into passes: every product in a ROW_INDEPENDENT form, attention in specdec's kernel (each
+        query's arithmetic its own). torch's GEMMs and attention choose kernels by shape, so elsewhere logits
+        move with the batch by float rounding: the output's distribution stays exact, greedy ties can break
+        either way."""
+        forms = {*self.plan[1:], self.long_pass}
+        if self.quantize == "int8":
+            forms = {"int8"} if self.int8_products == "specdec's kernel" else {"fbgemm"}
+        return self.layer_ops is not TorchLayerOps and forms <= set(ROW_INDEPENDENT)
 
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device)
@@ -454,34 +474,71 @@ class LeanLlamaRunner:
     def crop(cache: LeanCache, length: int) -> None:
         cache.length = min(cache.length, length)
 
-    @torch.inference_mode()
     def forward(self, cache: LeanCache, token_ids, num_logits: int, scored_only: bool = False) -> torch.Tensor:
         """Append token_ids (a list, or a 1-D tensor on the device); logits of the last num_logits positions:
         [num_logits, vocab] float32, or with scored_only [num_logits, len(scored_ids)], the columns of the
         tokens the model scores (a restricted draft's kept tokens, without widening them to the vocabulary)."""
-        n, start = len(token_ids), cache.length
-        if start + n > self.max_len:
-            raise ValueError(f"sequence of {start + n} tokens exceeds {self.max_len}")
-        cache.reserve(n)
-        h = self.n_heads
-        form = self.plan[n] if n <= SMALL_PASS_ROWS else self.long_pass
+        return self.forward_batch([cache], [token_ids], [num_logits], scored_only)[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, caches: list[LeanCache], token_ids: list, num_logits: list[int],
+                      scored_only: bool = False) -> list[torch.Tensor]:
+        """One pass over several sessions: session i appends token_ids[i] to caches[i] and gets the logits of
+        its last num_logits[i] positions, as ``forward`` gives them. The products run once over every session's
+        rows (the weights are read once); attention runs per session, over its own cache and positions."""
+        ns, starts = [len(t) for t in token_ids], [c.length for c in caches]
+        for c, n, start in zip(caches, ns, starts):
+            if start + n > self.max_len:
+                raise ValueError(f"sequence of {start + n} tokens exceeds {self.max_len}")
+        for c, n in zip(caches, ns):
+            c.reserve(n)
+        rows, h = sum(ns), self.n_heads
+        form = self.plan[rows] if rows <= SMALL_PASS_ROWS else self.long_pass
         linear, layers, lm_head = self.products[form]
-        if not isinstance(token_ids, torch.Tensor):  # a tensor on the device can be a CUDA graph's static input
-            token_ids = torch.tensor(token_ids, device=self.device)
-        x = self.embed[token_ids]  # [n, hidden]
-        cos, sin = self.cos[start:start + n], self.sin[start:start + n]
+        if len(caches) == 1:
+            ids = token_ids[0]
+            if not isinstance(ids, torch.Tensor):  # a tensor on the device can be a CUDA graph's static input
+                ids = torch.tensor(ids, device=self.device)
+            cos, sin = self.cos[starts[0]:starts[0] + rows], self.sin[starts[0]:starts[0] + rows]
+        else:
+            ids = torch.tensor([t for ts in token_ids for t in ts], device=self.device)
+            positions = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, ns)]).to(self.device)
+            cos, sin = self.cos[positions], self.sin[positions]
+        x = self.embed[ids]  # [rows, hidden]
         ops, eps = self.layer_ops, self.eps
         if (stack := self.stacks.get(form)) is not None:
-            x = stack.forward(x, cache.k, cache.v, cos, sin, start)
+            x = stack.forward_batch(x, [c.k for c in caches], [c.v for c in caches], cos, sin, starts, ns)
         else:
             for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(layers):
-                att = ops.attend(linear(ops.rms_norm(x, ln1, eps), wqkv), cache.k[i], cache.v[i], cos, sin, start, h)
+                att = self._attend(linear(ops.rms_norm(x, ln1, eps), wqkv), caches, i, cos, sin, starts, ns)
                 x = x + linear(att, wo)
                 x = x + linear(ops.silu_mul(linear(ops.rms_norm(x, ln2, eps), wgu)), wd)
-        cache.length = start + n
-        x = ops.rms_norm(x[n - num_logits:], self.norm, eps)
-        logits = linear(x, lm_head).float()  # [num_logits, vocab or kept]
+        for c, start, n in zip(caches, starts, ns):
+            c.length = start + n
+        if len(caches) == 1:
+            x = x[rows - num_logits[0]:]
+        else:
+            ends = torch.tensor(ns).cumsum(0)
+            x = x[torch.cat([torch.arange(end - k, end) for end, k in zip(ends.tolist(), num_logits)]).to(self.device)]
+        logits = linear(ops.rms_norm(x, self.norm, eps), lm_head).float()  # [sum num_logits, vocab or kept]
+        out = list(logits.split(num_logits)) if len(caches) > 1 else [logits]
         if self.kept is None or scored_only:
-            return logits
-        full = torch.full((num_logits, self.vocab_size), float("-inf"), device=logits.device)
-        return full.index_copy_(1, self.kept.to(logits.device), logits)  # [num_logits, vocab]
+            return out
+        kept = self.kept.to(logits.device)
+        return [torch.full((k, self.vocab_size), float("-inf"), device=logits.device).index_copy_(1, kept, part)
+                for k, part in zip(num_logits, out)]  # [num_logits, vocab] each
+
+    def _attend(self, qkv, caches, layer, cos, sin, starts, ns):
+        """Layer `layer`'s attention of every session's rows over its own cache: [rows, heads * head_dim]."""
+        ops, h = self.layer_ops, self.n_heads
+        if len(caches) == 1:
+            return ops.attend(qkv, caches[0].k[layer], caches[0].v[layer], cos, sin, starts[0], h)
+        if ops is not TorchLayerOps:  # specdec's kernel: all sessions in one parallel region
+            return ops.attend_batch(qkv, [c.k[layer] for c in caches], [c.v[layer] for c in caches], cos, sin,
+                                    starts, ns, h)
+        parts, row = [], 0
+        for c, start, n in zip(caches, starts, ns):
+            parts.append(ops.attend(qkv[row:row + n], c.k[layer], c.v[layer], cos[row:row + n], sin[row:row + n],
+                                    start, h))
+            row += n
+        return torch.cat(parts)

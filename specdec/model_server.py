@@ -1,26 +1,26 @@
-"""What the draft and target servers share: a model, its session pool, and the session RPCs.
+"""What the draft and target servers share: a model, its session pool, its batching engine, the session RPCs.
 
-All model and pool work runs on the server's event loop thread, one call at a
-time, with no hand-off. A hand-off to a worker thread and back costs two thread
-wake-ups, measured at 0.6-1.0 ms per call on the 2-core CPU machine, and a
-round makes two calls. One thread also keeps one OpenMP team per process: a
-second thread that runs one parallel op starts a second team, libgomp then
-counts more threads than cores and stops spinning at its barriers, and every
-forward pass became 1.6-1.8x slower here for good (a 1-token target step:
-26 -> 41 ms with the lean forward, 31 -> 55 ms with the stock one). So the
-model loads on the loop thread too.
+All model and pool work runs on the server's event loop thread, with no hand-off. A hand-off to a worker
+thread and back costs two thread wake-ups, measured at 0.6-1.0 ms per call on the 2-core CPU machine, and a
+round makes two calls. One thread also keeps one OpenMP team per process: a second thread that runs one
+parallel op starts a second team, libgomp then counts more threads than cores and stops spinning at its
+barriers, and every forward pass became 1.6-1.8x slower here for good (a 1-token target step: 26 -> 41 ms
+with the lean forward, 31 -> 55 ms with the stock one). So the model loads on the loop thread too.
 
-A long feed (a prefill, a session rebuild) runs in chunks of ``prefill_chunk``
-tokens with the loop free between them: health checks answer within a chunk's
-time, and the rounds of other generations go on between the chunks of a long
-prompt instead of waiting for all of it.
+The calls do not run forward passes themselves: they queue their tokens with the engine (specdec/engine.py),
+which runs each pass over the rows of every call waiting, and await their logits. So the server's throughput
+grows with the number of sessions, and the loop is free between passes: health checks answer, cancelled
+calls leave the queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from specdec import models
 from specdec.config import ModelServerConfig
+from specdec.engine import MAX_BATCH_TOKENS, Engine, Feed
 from specdec.errors import ServiceError, invalid
 from specdec.kv_pool import Session, SessionPool
 from specdec.runner import make_runner, resolve_quantize
@@ -37,19 +38,11 @@ from specdec.v1 import model_server_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# Tokens per pass of a long feed when --prefill-chunk is 0. The embedded target on the 2-core CPU, prefill of
-# 512 / 1024 tokens: one pass 1.16 / 2.79 s; chunks of 256, +5% (passes of 0.6-0.7 s); of 128, +18-24%
-# (0.34-0.43 s); of 64, +38-48%. An accelerator takes 512 tokens in a few tens of ms.
-PREFILL_CHUNK = {"cpu": 256, "accelerator": 512}
-
-# A pass longer than this is compute-bound on CPU and runs on --prefill-threads (the lean runner's long passes
-# start at the same width). A step or a verify stays on --threads: the draft's are chains of small ops that a
-# second thread only synchronises, and its spinning would take the core the target's verify needs. Its prefill
-# is 2 GFLOP for 150 tokens: one thread 23-24 ms, two 13-14 ms (embedded draft, Xeon).
-LONG_PASS_TOKENS = 32
 _TORCH_THREADS = torch.get_num_threads()  # torch's default, before any server sets its own
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
+_ROWS_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024, 2048, 4096)
+_SESSIONS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 
 
 class ModelServerMetrics:
@@ -65,11 +58,26 @@ class ModelServerMetrics:
         self.rpc_errors = Counter("specdec_server_rpc_errors_total", "RPCs answered with an error status",
                                   ["method", "code"], registry=registry)
         self.sessions_expired = Counter("specdec_kv_sessions_expired_total", "Idle sessions freed", registry=registry)
+        self.batch_rows = Histogram("specdec_batch_rows", "Rows (new tokens of every session) of one forward pass",
+                                    buckets=_ROWS_BUCKETS, registry=registry)
+        self.batch_sessions = Histogram("specdec_batch_sessions", "Sessions in one forward pass",
+                                        buckets=_SESSIONS_BUCKETS, registry=registry)
+        self.queue_wait = Histogram("specdec_queue_wait_seconds", "Time a call waited for its first forward pass",
+                                    buckets=_LATENCY_BUCKETS, registry=registry)
+        self.forward_tokens = Counter("specdec_forward_tokens_total", "Tokens fed through forward passes (rows)",
+                                      registry=registry)
+        self.queued = Gauge("specdec_queued_calls", "Calls waiting for a forward pass", registry=registry)
         # Each width's series exists from the start at zero, so that rate() counts a series' first passes: one
         # created by its first observation, between two scrapes, starts at that value and rate() never sees it
         # (on a fast CPU a short request's passes all fell between two scrapes, and the dashboard showed no data).
         for width in _TOKENS_BUCKETS:
             self.forward_seconds.labels(width)
+
+    def observe_pass(self, rows: int, sessions: int, seconds: float) -> None:
+        self.forward_seconds.labels(_tokens_bucket(rows)).observe(seconds)
+        self.batch_rows.observe(rows)
+        self.batch_sessions.observe(sessions)
+        self.forward_tokens.inc(rows)
 
 
 _TOKENS_BUCKETS = ("1", "2-8", "9-64", "65+")
@@ -106,9 +114,12 @@ class ModelServer:
         self.metrics.tokens_capacity.set(cfg.max_tokens)
         self.threads = torch.get_num_threads()  # ModelServer.load set cfg.threads
         on_cpu = self.runner.device.type == "cpu"
-        self.prefill_threads = (cfg.prefill_threads or _TORCH_THREADS) if on_cpu else self.threads
-        self.prefill_chunk = cfg.prefill_chunk or PREFILL_CHUNK[
-            "cpu" if self.runner.device.type == "cpu" else "accelerator"]
+        prefill_threads = (cfg.prefill_threads or _TORCH_THREADS) if on_cpu else self.threads
+        self.engine = Engine(self.runner, self.pool,
+                             cfg.max_batch_tokens or MAX_BATCH_TOKENS["cpu" if on_cpu else "accelerator"],
+                             self.metrics, self.threads, prefill_threads)
+        self.metrics.queued.set_function(lambda: self.engine.waiting)
+        self.engine.measure()  # what a row costs at each width, before the first call asks
         self._stopping: asyncio.Future | None = None  # set by begin_shutdown; ends idle streams
 
     @classmethod
@@ -124,20 +135,12 @@ class ModelServer:
 
     # -- plumbing ------------------------------------------------------------
     async def call(self, method: str, fn, request, context: grpc.aio.ServicerContext):
-        """Run fn(request) on the loop, after feeding a long cursor ahead in chunks; a ServiceError
-        becomes its status."""
+        """Serve fn(request), a function or a coroutine function; a ServiceError becomes its status."""
         start = time.perf_counter()
         try:
-            fed_s = await self._feed_ahead(request)
-            t = time.perf_counter()
-            try:
-                response = fn(request)
-            except BaseException:
-                if fed_s is not None:  # the call failed after feeding ahead: do not keep half its work
-                    self.pool.release(request.cursor.session_id)
-                raise
-            if hasattr(response, "compute_seconds"):
-                response.compute_seconds = (fed_s or 0.0) + time.perf_counter() - t
+            response = fn(request)
+            if inspect.isawaitable(response):
+                response = await response
             return response
         except ServiceError as e:
             self.metrics.rpc_errors.labels(method, e.code.name).inc()
@@ -149,37 +152,6 @@ class ModelServer:
         finally:
             self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - start)
             self._update_pool_metrics()
-
-    async def _feed_ahead(self, request) -> float | None:
-        """Feed all but the last prefill_chunk of a request's unseen tokens in chunks, yielding the loop
-        between them, and move its cursor past them; fn then feeds the rest in one pass as before.
-        Seconds spent computing, or None when the request needed no feeding ahead."""
-        cursor = getattr(request, "cursor", None)
-        if cursor is None or len(cursor.tokens) <= self.prefill_chunk:
-            return None
-        ahead = len(cursor.tokens) - self.prefill_chunk
-        ids = self.check_tokens(cursor.tokens[:ahead])
-        s = self.open(cursor, len(cursor.tokens))
-        spent = 0.0
-        try:
-            for i in range(0, ahead, self.prefill_chunk):
-                if i:
-                    # Health checks and other generations' calls run here. A call takes a few loop steps, each
-                    # waiting on gRPC's poller thread, so the loop gets a pause, not one step: 2% of a pass, at most 2 ms.
-                    await asyncio.sleep(min(pass_s / 50, 0.002))
-                    s = self.pool.get(s.id, length)  # NOT_FOUND if released meanwhile: the client resends
-                    self.pool.reserve(s, len(cursor.tokens) - i)
-                t = time.perf_counter()
-                self.forward(s, ids[i: i + self.prefill_chunk], 1)
-                pass_s = time.perf_counter() - t
-                spent += pass_s
-                length = len(s.tokens)
-        except BaseException:  # an error, or the client cancelled: a partial prefill serves no one
-            self.pool.release(s.id)
-            raise
-        cursor.expected_length = cursor.keep_length = length
-        del cursor.tokens[:ahead]
-        return spent
 
     async def stream(self, method: str, fn, requests, context: grpc.aio.ServicerContext):
         """Serve a stream of requests in order, each as ``call`` serves one; an error ends the stream.
@@ -233,7 +205,11 @@ class ModelServer:
             raise invalid(f"token id {bad[0]} is outside the vocabulary of {self.vocab_size}")
         return ids
 
-    def open(self, cursor: pb.SessionCursor, n_new: int) -> Session:
+    @contextlib.contextmanager
+    def session(self, cursor: pb.SessionCursor, n_new: int):
+        """The cursor's session, positioned and holding room for n_new tokens, for one call: another call on it
+        meanwhile is ABORTED. If the call fails or is cancelled after feeding part of its tokens, the session
+        is dropped (the client resends the history): a partial feed serves no one."""
         s = self.pool.open(cursor.session_id, cursor.expected_length, cursor.keep_length)
         try:
             self.pool.reserve(s, n_new)
@@ -241,26 +217,23 @@ class ModelServer:
             if cursor.expected_length == 0:  # do not keep an empty session the call just created
                 self.pool.release(s.id)
             raise
-        return s
-
-    def forward(self, s: Session, token_ids: list[int], num_logits: int, scored_only: bool = False) -> torch.Tensor:
-        """Feed tokens to the session; [num_logits, vocab] logits, or [num_logits, len(runner.scored_ids)]
-        with scored_only (see the runners). A failure drops the session."""
-        start = time.perf_counter()
-        widen = len(token_ids) > LONG_PASS_TOKENS and self.prefill_threads != self.threads
-        if widen:
-            torch.set_num_threads(self.prefill_threads)  # the loop thread's OpenMP team grows; no second team
+        length, s.busy = len(s.tokens), True
         try:
-            logits = self.runner.forward(s.cache, token_ids, num_logits, scored_only)
-        except Exception:
-            self.pool.release(s.id)
+            yield s
+        except BaseException:
+            if len(s.tokens) != length:
+                self.pool.release(s.id)
             raise
         finally:
-            if widen:
-                torch.set_num_threads(self.threads)
-        s.tokens.extend(token_ids)
-        self.metrics.forward_seconds.labels(_tokens_bucket(len(token_ids))).observe(time.perf_counter() - start)
-        return logits
+            s.busy, s.reserved = False, 0
+
+    async def forward(self, s: Session, token_ids: list[int], num_logits: int, stats: "CallStats",
+                      scored_only: bool = False) -> torch.Tensor:
+        """Feed tokens to the session in the engine's next passes; [num_logits, vocab] logits, or
+        [num_logits, len(runner.scored_ids)] with scored_only (see the runners). A failed pass drops the session."""
+        feed = await self.engine.forward(s, token_ids, num_logits, scored_only)
+        stats.add(feed)
+        return feed.logits
 
     def sparse(self, found: tuple[np.ndarray, np.ndarray]) -> pb.SparseDistribution:
         """A distribution's support (sampling.support) on the wire, or complete=False past max_sparse_support."""
@@ -293,6 +266,30 @@ class ModelServer:
 
     def model_info(self, req) -> pb.ModelInfo:
         return self.info
+
+
+@dataclass
+class CallStats:
+    """What a call's feeds cost, for its response: compute_seconds and BatchInfo."""
+
+    engine: Engine
+    compute_s: float = 0.0
+    queue_s: float | None = None
+    last: Feed | None = None
+
+    def add(self, feed: Feed) -> None:
+        self.compute_s += feed.compute_s
+        if self.queue_s is None:
+            self.queue_s = (feed.started_at or feed.queued_at) - feed.queued_at
+        self.last = feed
+
+    def fill(self, response) -> None:
+        response.compute_seconds = self.compute_s
+        if self.last is not None:
+            pass_s, row_s = self.engine.costs.at(self.last.last_rows)
+            response.batch.CopyFrom(pb.BatchInfo(queue_seconds=self.queue_s, rows=self.last.last_rows,
+                                                 sessions=self.last.last_sessions, pass_seconds=pass_s,
+                                                 row_seconds=row_s))
 
 
 def _consume(task: asyncio.Task) -> None:
@@ -341,5 +338,6 @@ async def run_model_server(cfg: ModelServerConfig, make_services) -> None:
 
     async def on_stop():
         expiry.cancel()
+        await core.engine.stop()
 
     await serve(server, health_servicer, cfg.grace_s, on_stop, on_draining=core.begin_shutdown)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class CausalLMRunner:
@@ -15,6 +16,7 @@ class CausalLMRunner:
         self.model = model
         self.vocab_size = vocab_size
         self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
         kept = output_token_ids(model)
         self.scored_ids = kept  # the tokens the model scores, ascending; None: all of them
         self._outside = None
@@ -42,12 +44,57 @@ class CausalLMRunner:
         or with scored_only [num_logits, len(scored_ids)], the columns of the tokens the model scores."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=num_logits)
-        logits = out.logits[0, :, : self.vocab_size].float().cpu()  # [num_logits, vocab]
+        return self._columns(out.logits[0, :, : self.vocab_size].float().cpu(), scored_only)  # [num_logits, vocab]
+
+    @torch.inference_mode()
+    def forward_batch(self, caches: list, token_ids: list[list[int]], num_logits: list[int],
+                      scored_only: bool = False) -> list[torch.Tensor]:
+        """One padded pass over several sessions, each as ``forward`` runs it alone: session i's cached keys and
+        values left-padded to the longest cache, its new tokens right-padded to the longest feed, its own
+        positions, and a mask that lets each row see only its session's cache and the new tokens before it.
+        The new keys and values are then appended to each session's own cache. The batch's shapes choose the
+        GEMMs, so logits match the lone pass to float rounding, not bit for bit."""
+        if len(caches) == 1:
+            return [self.forward(caches[0], token_ids[0], num_logits[0], scored_only)]
+        from transformers import DynamicCache
+
+        lens, ns = [c.get_seq_length() for c in caches], [len(t) for t in token_ids]
+        past, new, dev = max(lens), max(ns), self.device
+        ids = torch.zeros(len(caches), new, dtype=torch.long, device=dev)
+        for i, t in enumerate(token_ids):
+            ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        positions = torch.tensor(lens, device=dev)[:, None] + torch.arange(new, device=dev)[None]  # [B, new]
+        mask = torch.zeros(len(caches), 1, new, past + new, dtype=torch.bool, device=dev)
+        for i, n in enumerate(lens):
+            mask[i, 0, :, past - n: past] = True  # the session's own cache, left-padded
+        mask[:, 0, :, past:] = torch.ones(new, new, dtype=torch.bool, device=dev).tril()  # causal over the new rows
+        batch = DynamicCache(config=self.model.config)
+        if past:
+            shape = next(c.layers[0].keys.shape for c, n in zip(caches, lens) if n)
+            for layer in range(len(next(c for c, n in zip(caches, lens) if n).layers)):
+                pad = lambda c, n, kind: (F.pad(getattr(c.layers[layer], kind), (0, 0, past - n, 0)) if n else
+                                          torch.zeros(1, shape[1], past, shape[3], dtype=self.dtype, device=dev))
+                batch.update(torch.cat([pad(c, n, "keys") for c, n in zip(caches, lens)]),
+                             torch.cat([pad(c, n, "values") for c, n in zip(caches, lens)]), layer)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=batch,
+                         use_cache=True)
+        for layer, cached in enumerate(batch.layers):
+            for i, (c, n) in enumerate(zip(caches, ns)):
+                c.update(cached.keys[i: i + 1, :, past: past + n], cached.values[i: i + 1, :, past: past + n], layer)
+        logits = out.logits[..., : self.vocab_size].float().cpu()
+        return [self._columns(logits[i, n - k: n], scored_only) for i, (n, k) in enumerate(zip(ns, num_logits))]
+
+    def _columns(self, logits: torch.Tensor, scored_only: bool) -> torch.Tensor:
         if scored_only and self.scored_ids is not None:
             return logits[:, self.scored_ids]
         if self._outside is not None:
             logits.masked_fill_(self._outside, float("-inf"))
         return logits
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Padded batches take other GEMMs than a lone pass (see forward_batch): no."""
+        return False
 
 
 def output_token_ids(model) -> torch.Tensor | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specdec.errors import invalid
-from specdec.model_server import ModelServer, SessionRpcs
+from specdec.model_server import CallStats, ModelServer, SessionRpcs
 from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, support, uniform
 from specdec.v1 import target_pb2, target_pb2_grpc
 
@@ -19,7 +19,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         async for response in self.core.stream("Verify", self._verify, request_iterator, context):
             yield response
 
-    def _verify(self, req: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+    async def _verify(self, req: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         core = self.core
         params = core.sampling(req.sampling)
         drafts = core.check_tokens(req.draft_tokens)
@@ -28,9 +28,11 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         unseen = core.check_tokens(req.cursor.tokens)
         if not unseen:
             raise invalid("tokens is empty: send at least the last token of the sequence")
-        s = core.open(req.cursor, len(unseen) + len(drafts))
-        logits = core.forward(s, unseen + drafts, len(drafts) + 1)  # [K+1, vocab]
+        stats = CallStats(core.engine)
+        with core.session(req.cursor, len(unseen) + len(drafts)) as s:
+            logits = await core.forward(s, unseen + drafts, len(drafts) + 1, stats)  # [K+1, vocab]
         resp = target_pb2.VerifyResponse(length=len(s.tokens))
+        stats.fill(resp)
         if params.greedy:
             s.keep_probs(None)
             resp.argmax_token_ids.extend(argmax_rows(logits))

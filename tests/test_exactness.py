@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from conftest import can_run, make_stack, stop_stack
@@ -105,7 +107,9 @@ def test_greedy_output_equals_target_alone_with_every_product_form(event_loop_th
         kernels = cpu_kernels() is not None
         layer = lambda form: ((" with specdec's CPU layer kernels" if kernels else "")
                               + (f" (the layers' loop in C++ for {form})" if kernels and form in ("fewrow", "gguf") else ""))
-        said = lambda form, blocks="": (f"lean forward{layer(form)}; products: 1-32 rows: {form}{blocks}, "
+        said = lambda form, blocks="": (f"lean forward{layer(form)}; products: every pass {form}{blocks}"
+                                        if form in ("fewrow", "gguf") else
+                                        f"lean forward{layer(form)}; products: 1-32 rows: {form}{blocks}, "
                                         "longer passes: linear")
         blocks = " (gguf: the file's Q4_1 layers, Q8_0 head, 111 MB)" if matmul == "gguf" else ""
         assert forwards(stack.draft_address, stack.target_address) == {"draft": said(draft_form),
@@ -228,7 +232,8 @@ def test_a_restricted_draft_proposes_from_its_whole_vocabulary_distribution(toke
     for i, (temperature, top_p) in enumerate([(0.0, 1.0), (0.8, 0.9), (1.0, 1.0)]):
         sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, seed=7)
         cursor = pb.SessionCursor(session_id=f"s{i}", tokens=prompt)
-        resp = servicer._propose(draft_pb2.ProposeTokensRequest(cursor=cursor, num_tokens=4, sampling=sampling))
+        resp = asyncio.run(servicer._propose(draft_pb2.ProposeTokensRequest(cursor=cursor, num_tokens=4,
+                                                                            sampling=sampling)))
         cache, feed = core.runner.new_cache(), list(prompt)
         for j, x in enumerate(resp.token_ids):
             full = core.runner.forward(cache, feed, 1)  # [1, vocab], -inf outside the kept tokens

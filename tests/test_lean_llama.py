@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import specdec.lean_llama as lean_llama
 from conftest import built_kernels, can_run
-from specdec.lean_llama import (FORMS, SMALL_PASS_ROWS, LeanLlamaRunner, TorchLayerOps, dequantized_linear, describe_plan,
+from specdec.lean_llama import (FORMS, SMALL_PASS_ROWS, LeanLlamaRunner, TorchLayerOps, describe_plan,
                                 onednn_linear, pack_onednn, plan_products, quantize_rows, time_passes, weights_first)
 from specdec import models
 from specdec.runner import CausalLMRunner, make_runner, resolve_quantize
@@ -140,7 +140,7 @@ def test_one_held_up_pass_does_not_take_the_fastest_form_out_of_the_race():
     assert plan_products(timings, max_rows=4)[1:] == ("gguf",) * 4
 
 
-def test_auto_times_whole_passes_in_each_form_and_leaves_the_session_state_alone(tiny_draft, tokenizer):
+def test_auto_times_whole_passes_in_each_form_and_leaves_the_session_state_alone(tiny_draft, tokenizer, no_kernel):
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=512, matmul="linear")
     run_pass = runner._scratch_pass()
     seen = []
@@ -219,12 +219,20 @@ def test_auto_leaves_out_the_packed_copy_when_memory_is_short(tiny_draft, tokeni
     assert timed[-1] == {"linear", "weights-first", "onednn"}
 
 
-def test_auto_times_the_kernel_where_it_builds_and_needs_no_packed_copy(tiny_draft, tokenizer, monkeypatch, kernel):
-    timed = []
-    monkeypatch.setattr(lean_llama, "time_passes", lambda forms, **_: timed.append(set(forms)) or
-                        {name: {1: 20.0, SMALL_PASS_ROWS: 20.0} for name in forms})
-    LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="auto")
-    assert timed == [{"linear", "weights-first", "fewrow"}]
+def test_auto_runs_every_pass_in_the_kernel_where_it_builds_and_times_nothing(tiny_draft, tiny_gguf, tokenizer,
+                                                                              monkeypatch, kernel):
+    """Where specdec's kernel builds, every pass of any width runs in it: its rows are summed each on its own,
+    which is what makes a session's logits independent of the batch (see test_batching.py)."""
+    monkeypatch.setattr(lean_llama, "time_passes", lambda *a, **k: pytest.fail("auto timed forms"))
+    runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="auto")
+    assert set(runner.plan) == {"fewrow"} and runner.long_pass == "fewrow" and runner.batch_invariant
+    assert set(runner.products) == {"fewrow"}
+    model, gguf = tiny_gguf
+    runner = LeanLlamaRunner(model, len(tokenizer), max_len=64, matmul="auto", gguf=gguf)
+    assert set(runner.plan) == {"gguf"} and runner.long_pass == "gguf" and runner.batch_invariant
+    assert runner.describe().endswith("products: every pass gguf (gguf: the file's Q4_1 layers, Q8_0 head, 4 MB)")
+    assert LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, quantize="int8").batch_invariant
+    assert not LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="linear").batch_invariant
 
 
 def test_the_kernel_is_the_same_product_as_linear_at_any_shape(kernel):
@@ -327,7 +335,6 @@ def test_the_int8_kernel_is_the_product_with_the_dequantized_weights(layer_kerne
         x, (q, scale) = torch.randn(rows, inner), quantize_rows(torch.randn(out, inner))
         expected = F.linear(x, q[:, :inner].float() * scale[:, None])
         torch.testing.assert_close(layer_kernels.few_rows_int8(x, q, scale), expected, atol=1e-4, rtol=1e-5)
-        torch.testing.assert_close(dequantized_linear(x, (q, scale)), expected, atol=1e-4, rtol=1e-5)
     with pytest.raises(RuntimeError, match="padded to 16"):
         layer_kernels.few_rows_int8(torch.randn(2, 20), q, scale)
     with pytest.raises(RuntimeError, match="int8 w"):

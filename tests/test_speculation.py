@@ -33,49 +33,56 @@ def test_best_k_takes_the_smaller_k_on_a_tie():
     assert sp.best_k(0.5, [2.0, 3.0]) == 0  # 1 token in 2 s against 1.5 tokens in 3 s
 
 
+def _call(wall_s=0.0, compute_s=0.0, queue_s=0.0, sessions=1, rows=1, pass_s=0.0, row_s=0.0) -> sp.CallCost:
+    return sp.CallCost(wall_s, compute_s, queue_s, sessions, rows, pass_s, row_s)
+
+
 def test_round_costs_are_unknown_until_a_drafted_round_was_measured():
     c = sp.RoundCosts()
     assert c.round_s(4) is None
-    c.observe(0, 0.010)  # the draft down: a round of the target alone
+    c.observe(0.010, _call(0.009, 0.008, pass_s=0.008))  # the draft down: a round of the target alone
     assert c.round_s(4) is None
-    c.observe(2, 0.012, draft_wall_s=0.003, draft_compute_s=0.002)
+    c.observe(0.012, _call(0.009, 0.008, rows=3, pass_s=0.008, row_s=0.001), _call(0.003, 0.002, pass_s=0.0007))
     assert c.round_s(4) is not None
 
 
-def test_round_costs_price_unmeasured_k_on_the_line_through_measured_ones():
+def test_alone_a_round_costs_its_wall_time_the_step_plus_its_rows_and_its_draft_steps():
     c = sp.RoundCosts(rate=1.0)  # each observation replaces the last: exact values
-    for k in (2, 4):
-        c.observe(k, 0.005 + 0.0005 * k + 0.001, draft_wall_s=0.001, draft_compute_s=0.0)
-        c.observe(k, 0.005 + 0.0005 * k, draft_wall_s=0.0005 + 0.0008 * k, draft_compute_s=0.0008 * k)
-    got = c.round_s(6)
-    want = [0.005 + 0.0005 * k + (0.0005 + 0.0008 * k if k else 0.0) for k in range(7)]
-    assert got == pytest.approx(want)
-
-
-def test_round_costs_with_one_measured_k_charge_each_row_the_prior_share():
-    c = sp.RoundCosts(rate=1.0)
-    c.observe(3, 0.010, draft_wall_s=0.002, draft_compute_s=0.0015)
+    target = _call(wall_s=0.0100, compute_s=0.0090, rows=3, pass_s=0.0090, row_s=0.0010)  # 6 ms + 1 ms a row
+    draft = _call(wall_s=0.0030, compute_s=0.0024, pass_s=0.0008)  # two steps of 0.8 ms (+ a feed), 0.6 ms RPC
+    c.observe(0.0135, target, draft)
+    assert c.round_overhead == pytest.approx(0.0135 - 0.0090 - 0.0030)
+    assert c.draft_call == pytest.approx(0.0006)
     got = c.round_s(4)
-    slope = sp.ROW_PRIOR * 0.010
-    assert got[3] == pytest.approx(0.010 + 0.0005 + 3 * 0.0005)
-    assert got[0] == pytest.approx(0.010 - 3 * slope)
-    assert got[4] == pytest.approx(0.010 + slope + 0.0005 + 4 * 0.0005)
+    assert got[0] == pytest.approx(0.0015 + 0.0060 + 0.0010)
+    assert got[2] == pytest.approx(0.0015 + 0.0060 + 3 * 0.0010 + 0.0006 + 2 * 0.0008)
+    assert sp.best_k(0.7, got) > 0  # alone on a CPU a verify row is a sixth of a step: drafting pays
+
+
+def test_under_load_the_pass_is_shared_and_dear_rows_take_speculation_to_the_target_alone():
+    """16 sessions in a pass split its fixed 6 ms; what remains of a round is its rows, 2 ms each where the
+    cores' multiply-adds bound the pass: a drafted token costs more than the alpha of a good draft returns."""
+    c = sp.RoundCosts(rate=1.0)
+    c.observe(0.0105, _call(0.0075, 0.0067, rows=1, pass_s=0.0067, row_s=0.0007),  # alone: 0.8 ms of RPC a call
+              _call(0.0021, 0.0013, pass_s=0.0013, row_s=0.0001))
+    target = _call(wall_s=0.050, compute_s=0.038, queue_s=0.010, sessions=16, rows=16, pass_s=0.038, row_s=0.002)
+    draft = _call(wall_s=0.012, compute_s=0.010, sessions=16, rows=16, pass_s=0.003, row_s=0.0001)
+    c.observe(0.065, target, draft)  # its 5 ms outside the passes are mostly waits for busy event loops
+    assert c.round_overhead == pytest.approx(0.0105 - 0.0067 - 0.0021) and c.draft_call == pytest.approx(0.0008)
+    assert c.target.share(1) == pytest.approx(0.006 / 16 + 0.002)
+    assert sp.best_k(0.7, c.round_s(8)) == 0
+    # the same load where a row costs almost nothing (a GPU's memory-bound pass): speculation stays on
+    c.observe(0.065, _call(0.050, 0.038, 0.010, 16, 16, 0.038, 0.00002),
+              _call(0.012, 0.010, 0.0, 16, 16, 0.003, 0.00001))
+    assert sp.best_k(0.7, c.round_s(8)) > 0
 
 
 def test_prompt_lookup_rounds_price_the_verify_but_not_the_draft():
     c = sp.RoundCosts(rate=1.0)
-    c.observe(2, 0.008, draft_wall_s=0.002, draft_compute_s=0.0016)
-    c.observe(2, 0.006)  # copied tokens: no draft call, the round's time is all verify
-    assert c.round_s(2)[2] == pytest.approx(0.006 + 0.0004 + 2 * 0.0008)
-
-
-def test_a_draft_call_that_catches_up_after_rounds_of_the_target_alone_does_not_price_a_drafted_token():
-    """After rounds at K = 0 the next draft call first feeds the tokens the draft missed: its time is a
-    catch-up, and taken as a round's cost it would make drafting look dearer the more a request rests at 0."""
-    c = sp.RoundCosts(rate=1.0)
-    c.observe(1, 0.005, draft_wall_s=0.0012, draft_compute_s=0.0008, draft_fed=2)
-    c.observe(1, 0.005, draft_wall_s=0.0040, draft_compute_s=0.0035, draft_fed=9)
-    assert c.round_s(1)[1] == pytest.approx(0.005 + 0.0004 + 0.0008)
+    c.observe(0.010, _call(0.008, 0.007, rows=3, pass_s=0.007, row_s=0.0005), _call(0.002, 0.0016, pass_s=0.0008))
+    c.observe(0.006, _call(0.0055, 0.005, rows=3, pass_s=0.005, row_s=0.0005))  # copied tokens: no draft call
+    assert c.draft_call == pytest.approx(0.0004)
+    assert c.round_s(2)[2] == pytest.approx(0.0010 + 0.0035 + 3 * 0.0005 + 0.0004 + 2 * 0.0008)
 
 
 def test_acceptance_estimate_starts_at_its_prior_and_converges_to_the_rounds_alpha():
@@ -101,12 +108,14 @@ def test_a_requests_alpha_follows_its_recent_rounds():
 
 
 def _shared(round_s_per_k: float, step_s: float = 0.010, draft_call_s: float = 0.0005) -> sp.Speculation:
-    """A process whose measured rounds cost step_s + round_s_per_k * k (plus the draft's call)."""
+    """A process alone on its servers whose rounds cost step_s + round_s_per_k * k (plus the draft's call): a
+    tenth of a drafted token's cost is its verify row, the rest the draft's step."""
     s = sp.Speculation()
     s.costs = sp.RoundCosts(rate=1.0)
-    for k in (1, 3):  # a tenth of a drafted token's cost is its verify row, the rest the draft's step
-        s.costs.observe(k, step_s + 0.1 * round_s_per_k * k, draft_wall_s=draft_call_s + 0.9 * round_s_per_k * k,
-                        draft_compute_s=0.9 * round_s_per_k * k)
+    row = 0.1 * round_s_per_k
+    s.costs.observe(step_s + row + draft_call_s + 0.9 * round_s_per_k,
+                    _call(step_s + row, step_s + row, rows=2, pass_s=step_s + row, row_s=row),
+                    _call(draft_call_s + 0.9 * round_s_per_k, 0.9 * round_s_per_k, pass_s=0.9 * round_s_per_k))
     return s
 
 
@@ -135,10 +144,11 @@ def test_adaptive_k_drafts_more_for_a_request_the_draft_gets_right():
 
 def test_a_new_request_starts_from_the_alpha_of_its_kind():
     shared = _shared(round_s_per_k=0.0015)
+    target, draft = _call(0.014, 0.013, rows=5, pass_s=0.013, row_s=0.0006), _call(0.006, 0.005, pass_s=0.0012)
     for _ in range(50):
-        shared.observe(True, 4, 4, 0.02, draft_wall_s=0.006, draft_compute_s=0.005)  # greedy: all accepted
-        shared.observe(False, 4, 0, 0.02, draft_wall_s=0.006, draft_compute_s=0.005)  # sampled: none
-        shared.observe(False, 4, 4, 0.02)  # prompt lookup's rounds do not count towards alpha
+        shared.observe(True, 4, 4, 0.02, target, draft)  # greedy: all accepted
+        shared.observe(False, 4, 0, 0.02, target, draft)  # sampled: none
+        shared.observe(False, 4, 4, 0.02, target)  # prompt lookup's rounds do not count towards alpha
     assert sp.AdaptiveK(shared, greedy=True, cap=8, start_k=3).acceptance.alpha > 0.9
     assert sp.AdaptiveK(shared, greedy=False, cap=8, start_k=3).acceptance.alpha < 0.25
 
@@ -148,7 +158,7 @@ def test_one_short_request_that_missed_everything_does_not_set_the_process_alpha
     request measures alpha again but the explorers."""
     shared = sp.Speculation()
     for _ in range(3):
-        shared.observe(True, 3, 0, 0.01, draft_wall_s=0.003, draft_compute_s=0.002)
+        shared.observe(True, 3, 0, 0.01, _call(0.007, 0.006, pass_s=0.006), _call(0.003, 0.002, pass_s=0.0007))
     assert shared.prior_alpha(True) > 0.45
 
 
@@ -179,7 +189,8 @@ def test_every_few_requests_one_starts_the_draft_where_the_estimates_say_the_tar
     estimate would never be revised."""
     shared = _shared(round_s_per_k=0.008)  # drafting does not pay at any alpha below about 0.8
     for _ in range(200):
-        shared.observe(True, 4, 0, 0.045, draft_wall_s=0.03, draft_compute_s=0.029)
+        shared.observe(True, 4, 0, 0.045, _call(0.014, 0.013, rows=5, pass_s=0.013, row_s=0.0008),
+                       _call(0.03, 0.029, pass_s=0.0072))
     starts = []
     for _ in range(3 * sp.PROBE_EVERY):
         ak = sp.AdaptiveK(shared, greedy=True, cap=8, start_k=3)

@@ -76,6 +76,8 @@ def test_streamed_calls_answer_exactly_as_unary_calls_in_order(stubs, sampling):
     assert [r.length for r in streamed] == [r.length for r in unary] == [6, 8, 7]
     for a, b in zip(unary, streamed):
         a.compute_seconds = b.compute_seconds = 0.0
+        a.ClearField("batch")  # timings
+        b.ClearField("batch")
         assert a == b
 
     proposals = [draft_pb2.ProposeTokensRequest(cursor=cursor(sid, 0, 0, [1, 2, 3]), num_tokens=3, sampling=sampling)
@@ -158,14 +160,14 @@ def test_shutdown_ends_idle_streams_at_once_with_unavailable(event_loop_thread, 
 
 
 def _record_forwards(core: ModelServer) -> list[tuple[int, str]]:
-    """(tokens fed, thread) of every forward pass the core runs from now on."""
-    calls, forward = [], core.runner.forward
+    """(rows, thread) of every forward pass the core runs from now on."""
+    calls, forward_batch = [], core.runner.forward_batch
 
-    def recording_forward(cache, token_ids, num_logits, scored_only=False):
-        calls.append((len(token_ids), threading.current_thread().name))
-        return forward(cache, token_ids, num_logits, scored_only)
+    def recording_forward_batch(caches, token_ids, num_logits, scored_only=False):
+        calls.append((sum(map(len, token_ids)), threading.current_thread().name))
+        return forward_batch(caches, token_ids, num_logits, scored_only)
 
-    core.runner.forward = recording_forward
+    core.runner.forward_batch = recording_forward_batch
     return calls
 
 
@@ -183,7 +185,8 @@ def test_a_multithreaded_cpu_server_loads_and_computes_on_its_event_loop_thread_
         return load_model(*args, **kwargs)
 
     monkeypatch.setattr(models, "load_model", recording_load_model)
-    cfg = ModelServerConfig(role="target", model=str(tmp_path), port=0, metrics_port=0, threads=2, prefill_chunk=8)
+    cfg = ModelServerConfig(role="target", model=str(tmp_path), port=0, metrics_port=0, threads=2, max_batch_tokens=8,
+                            max_draft_tokens=4)
 
     async def start():
         core = ModelServer.load(cfg)
@@ -202,56 +205,65 @@ def test_a_multithreaded_cpu_server_loads_and_computes_on_its_event_loop_thread_
         expiry.cancel()
         event_loop_thread.run(server.stop(None))
     assert loaded_on == [event_loop_thread.thread.name]
-    assert [n for n, _ in forwards] == [8, 8, 5, 8 + 1, 2, 2, 2]  # 29 prompt tokens: 21 fed ahead, then 8 + a draft
+    assert [n for n, _ in forwards] == [8, 8, 8, 6, 2, 2, 2]  # 29 prompt tokens + a draft in passes of at most 8
     assert {name for _, name in forwards} == {event_loop_thread.thread.name}
 
 
 def test_a_long_pass_runs_on_the_prefill_threads_and_a_step_on_the_servers_own(tokenizer, tiny_draft):
     """A prefill is compute-bound and takes --prefill-threads; steps and verifies stay on --threads, and the
-    count comes back after a long pass, a failed one included."""
+    count comes back after a long pass, a failed one included (which fails its call alone, INTERNAL)."""
     import torch
 
-    from specdec.model_server import LONG_PASS_TOKENS
+    from specdec.engine import LONG_PASS_TOKENS
+    from specdec.errors import ServiceError
+    from specdec.model_server import CallStats
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # as ModelServer.load sets --threads 1 for the draft
     try:
         core = ModelServer(ModelServerConfig(role="draft", model="test-draft", metrics_port=0, prefill_threads=2),
                            tiny_draft, tokenizer)
-        seen, forward = [], core.runner.forward
+        seen, forward_batch = [], core.runner.forward_batch
 
-        def recording_forward(cache, token_ids, num_logits, scored_only=False):
-            seen.append((len(token_ids), torch.get_num_threads()))
-            if token_ids[0] == 0:
+        def recording_forward_batch(caches, token_ids, num_logits, scored_only=False):
+            seen.append((sum(map(len, token_ids)), torch.get_num_threads()))
+            if token_ids[0][0] == 0:
                 raise RuntimeError("a pass that fails")
-            return forward(cache, token_ids, num_logits, scored_only)
+            return forward_batch(caches, token_ids, num_logits, scored_only)
 
-        core.runner.forward = recording_forward
-        s = core.open(cursor("s", 0, 0, []), 200)
-        long_feed = list(range(1, LONG_PASS_TOKENS + 2))
-        core.forward(s, long_feed, 1)
-        core.forward(s, [5], 1)
-        core.forward(s, list(range(1, LONG_PASS_TOKENS + 1)), 4)  # at the limit: still a short pass
-        with pytest.raises(RuntimeError):
-            core.forward(s, [0] * (LONG_PASS_TOKENS + 1), 1)
+        core.runner.forward_batch = recording_forward_batch
+
+        async def feed(n_logits, *feeds):
+            with core.session(cursor("s", 0, 0, []), 200) as s:
+                for tokens in feeds:
+                    await core.forward(s, tokens, n_logits, CallStats(core.engine))
+
+        asyncio.run(feed(1, list(range(1, LONG_PASS_TOKENS + 2)), [5]))
+        asyncio.run(feed(4, list(range(1, LONG_PASS_TOKENS + 1))))  # at the limit: still a short pass
+        with pytest.raises(ServiceError) as err:
+            asyncio.run(feed(1, [0] * (LONG_PASS_TOKENS + 1)))
+        assert err.value.code == grpc.StatusCode.INTERNAL
         assert seen == [(LONG_PASS_TOKENS + 1, 2), (1, 1), (LONG_PASS_TOKENS, 1), (LONG_PASS_TOKENS + 1, 2)]
         assert torch.get_num_threads() == 1
+        assert "s" not in core.pool  # the failed pass dropped its session
     finally:
         torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_a_prompt_fed_in_chunks_verifies_as_if_fed_in_one_pass(event_loop_thread, tokenizer, target_model, sampling):
+def test_a_prompt_fed_in_pieces_verifies_as_if_fed_in_one_pass(event_loop_thread, tokenizer, target_model, sampling):
+    """A long feed is cut to the pass's token budget; with specdec's kernels every row is summed on its own,
+    so the pieces give the one pass's answer bit for bit (elsewhere, to float rounding)."""
     prompt = tokenizer("The lighthouse keeper wrote in his log every night: the weather, the ships that "
                        "passed, the state of the lamp and of the stairs, and now and then a line about the "
                        "gulls, the seals on the rocks, the supply boat that came on Thursdays, and the long "
                        "winter evenings when the sea was too rough for anyone to land.")["input_ids"]
     assert len(prompt) > 3 * 16
     answers, widths = [], []
-    for chunk in (16, 4096):
-        async def start(chunk=chunk):
-            return ModelServer(ModelServerConfig(role="target", model="t", port=0, metrics_port=0, prefill_chunk=chunk),
-                               target_model, tokenizer)
+    for budget in (16, 4096):
+        async def start(budget=budget):
+            return ModelServer(ModelServerConfig(role="target", model="t", port=0, metrics_port=0, max_draft_tokens=8,
+                                                 max_batch_tokens=budget), target_model, tokenizer)
 
         core = event_loop_thread.run(start())
         forwards = _record_forwards(core)
@@ -260,13 +272,15 @@ def test_a_prompt_fed_in_chunks_verifies_as_if_fed_in_one_pass(event_loop_thread
                                            sampling=sampling)
         answers.append(event_loop_thread.run(servicer.Verify(request, context=None)))
         widths.append([n for n, _ in forwards])
-    chunked, whole = answers
-    ahead = len(prompt) - 16
-    assert widths[0] == [16] * (ahead // 16) + [ahead % 16] * (ahead % 16 > 0) + [16 + 3]
-    assert widths[1] == [len(prompt) + 3]
-    assert chunked.length == whole.length == len(prompt) + 3
-    assert list(chunked.argmax_token_ids) == list(whole.argmax_token_ids)
-    assert chunked.draft_token_probs == pytest.approx(whole.draft_token_probs, rel=1e-4, abs=1e-6)
+    pieces, whole = answers
+    fed = len(prompt) + 3
+    assert widths[0] == [16] * (fed // 16) + [fed % 16] * (fed % 16 > 0)
+    assert widths[1] == [fed]
+    assert pieces.length == whole.length == fed
+    assert list(pieces.argmax_token_ids) == list(whole.argmax_token_ids)
+    if core.runner.batch_invariant:
+        assert pieces.draft_token_probs == whole.draft_token_probs
+    assert pieces.draft_token_probs == pytest.approx(whole.draft_token_probs, rel=1e-4, abs=1e-6)
 
 
 class SlowTarget(TargetServicer):

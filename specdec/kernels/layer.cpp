@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <array>
 #include <cstring>
 #include <vector>
 
@@ -176,77 +177,163 @@ static void attend_row_any(const float* q, const float* K, const float* V, int64
   for (int64_t c = 0; c < d; c++) out[c] /= sum;
 }
 
+// One session's rows in a pass: rows row .. row + n - 1 of qkv, its cache layer (k, v: [kv, cap, d]) holding
+// `start` tokens.
+struct Segment {
+  int64_t row, n, start, cap;
+  float *k, *v;
+};
+
+// The attention of every segment's rows over its own cache, after writing their keys (rotated) and values there.
+// x: qkv [rows, (h + 2 kv) d]; cos, sin [rows, d]; out [rows, h d]. One parallel region for all segments, so a
+// batched pass pays one fork and join a layer, not one per session. Each query's arithmetic is its own, in the
+// same order whatever the segments around it and however the tasks split: a session's rows get in a batched
+// pass exactly what they get alone, and a verify row exactly the step at its position.
+static void attend_segments(const float* x, const float* cp, const float* sp, const std::vector<Segment>& segs,
+                            int64_t h, int64_t kv, int64_t d, float* op) {
+  const int64_t group = h / kv, width = (h + 2 * kv) * d;
+  int64_t work = 0;
+  for (const auto& g : segs) {
+    TORCH_CHECK(g.start >= 0 && g.start + g.n <= g.cap, "attend: ", g.start + g.n,
+                " tokens exceed the cache's capacity of ", g.cap);
+    for (int64_t j = 0; j < g.n; j++) {
+      const int64_t r = g.row + j;
+      for (int64_t b = 0; b < kv; b++) {
+        rope(x + r * width + (h + b) * d, cp + r * d, sp + r * d, g.k + (b * g.cap + g.start + j) * d, d);
+        std::memcpy(g.v + (b * g.cap + g.start + j) * d, x + r * width + (h + kv + b) * d, d * sizeof(float));
+      }
+    }
+    work += h * g.n * (g.start + g.n) * d;
+  }
+  const float scale = 1.0f / std::sqrt((float)d);
+  // A short context is a few microseconds of work: waking the other threads would cost more.
+  const bool serial = work < (1 << 16);
+  const int64_t threads = serial ? 1 : at::get_num_threads();
+  if (d % 16 || d / 16 > 8) {  // no vector path: each (segment, head, row) on its own
+    std::vector<std::array<int64_t, 3>> tasks;
+    for (int64_t g = 0; g < (int64_t)segs.size(); g++)
+      for (int64_t a = 0; a < h; a++)
+        for (int64_t j = 0; j < segs[g].n; j++) tasks.push_back({g, a, j});
+    auto run = [&](int64_t lo, int64_t hi) {
+      std::vector<float> q(d), s;
+      for (int64_t t = lo; t < hi; t++) {
+        const auto [gi, a, j] = tasks[t];
+        const Segment& g = segs[gi];
+        const int64_t r = g.row + j, b = a / group, len = g.start + j + 1;
+        s.resize(len);
+        rope(x + r * width + a * d, cp + r * d, sp + r * d, q.data(), d);
+        attend_row_any(q.data(), g.k + b * g.cap * d, g.v + b * g.cap * d, len, d, scale, s.data(), op + r * h * d + a * d);
+      }
+    };
+    if (serial) run(0, tasks.size());
+    else at::parallel_for(0, tasks.size(), 1, run);
+    return;
+  }
+  // Tasks: a KV head's queries of one segment (group heads x its rows, row-major), in runs enough for every
+  // thread to have work where there are fewer (segment, KV head) pairs than threads. The split changes no
+  // query's arithmetic.
+  struct Task { int64_t seg, b, q0, q1; };
+  std::vector<Task> tasks;
+  const int64_t pairs = (int64_t)segs.size() * kv;
+  for (int64_t gi = 0; gi < (int64_t)segs.size(); gi++) {
+    const int64_t queries = group * segs[gi].n;
+    const int64_t chunks = std::min<int64_t>(queries, std::max<int64_t>(1, (2 * threads + pairs - 1) / pairs));
+    const int64_t per = (queries + chunks - 1) / chunks;
+    for (int64_t b = 0; b < kv; b++)
+      for (int64_t q0 = 0; q0 < queries; q0 += per) tasks.push_back({gi, b, q0, std::min(q0 + per, queries)});
+  }
+  auto run = [&](int64_t lo, int64_t hi) {
+    std::vector<float> qs, s;
+    for (int64_t t = lo; t < hi; t++) {
+      const auto [gi, b, q0, q1] = tasks[t];
+      const Segment& g = segs[gi];
+      const int64_t stride = (g.start + g.n + 15) / 16 * 16;
+      qs.resize((q1 - q0) * d);
+      s.resize((q1 - q0) * stride);
+      for (int64_t i = q0; i < q1; i++) {  // query i: row i / group, head b * group + i % group
+        const int64_t r = g.row + i / group, a = b * group + i % group;
+        float* q = qs.data() + (i - q0) * d;
+        rope(x + r * width + a * d, cp + r * d, sp + r * d, q, d);
+        for (int64_t c = 0; c < d; c++) q[c] *= scale;
+      }
+      auto to = [&](int64_t i) { return op + (g.row + i / group) * h * d + (b * group + i % group) * d; };
+      const float *K = g.k + b * g.cap * d, *V = g.v + b * g.cap * d;
+      switch (d / 16) {
+#define DV(c) case c: attend_queries<c>(qs.data(), K, V, g.cap, g.start, group, q0, q1, s.data(), stride, to); break;
+        DV(1) DV(2) DV(3) DV(4) DV(5) DV(6) DV(7) DV(8)
+#undef DV
+      }
+    }
+  };
+  if (serial) run(0, tasks.size());
+  else at::parallel_for(0, tasks.size(), 1, run);
+}
+
+static void check_rows(torch::Tensor& qkv, torch::Tensor& cos, torch::Tensor& sin) {
+  qkv = qkv.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  for (auto [t, name] : {std::pair{&qkv, "attend: qkv"}, {&cos, "attend: cos"}, {&sin, "attend: sin"}})
+    check_cpu_float(*t, name);
+}
+
 // qkv [n, (h + 2 kv) d]: the new tokens' projections; k, v [kv, capacity, d]: one layer of the cache,
 // holding `start` tokens; cos, sin [n, d]: the new positions' rotary tables. Writes the new keys
 // (rotated) and values at start .. start + n - 1 and returns the attention of the rotated queries,
 // each new token seeing every earlier one and itself: [n, h d]. Query head a reads KV head a / (h / kv).
 torch::Tensor attend(torch::Tensor qkv, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                      int64_t start, int64_t h) {
-  qkv = qkv.contiguous();
-  cos = cos.contiguous();
-  sin = sin.contiguous();
-  for (auto [t, name] : {std::pair{&qkv, "attend: qkv"}, {&k, "attend: k"}, {&v, "attend: v"},
-                         {&cos, "attend: cos"}, {&sin, "attend: sin"}})
-    check_cpu_float(*t, name);
+  check_rows(qkv, cos, sin);
+  check_cpu_float(k, "attend: k");
+  check_cpu_float(v, "attend: v");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "attend: k and v [kv, capacity, d]");
-  const int64_t n = qkv.size(0), kv = k.size(0), cap = k.size(1), d = k.size(2), end = start + n;
+  const int64_t n = qkv.size(0), kv = k.size(0), d = k.size(2);
   TORCH_CHECK(h % kv == 0 && qkv.size(1) == (h + 2 * kv) * d && cos.size(0) == n && cos.size(1) == d &&
               sin.sizes() == cos.sizes() && d % 2 == 0, "attend: shapes do not match");
-  TORCH_CHECK(start >= 0 && end <= cap, "attend: ", end, " tokens exceed the cache's capacity of ", cap);
-  const int64_t group = h / kv, width = (h + 2 * kv) * d;
-  const float *x = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  for (int64_t j = 0; j < n; j++)
-    for (int64_t b = 0; b < kv; b++) {
-      float* row = kp + (b * cap + start + j) * d;
-      rope(x + j * width + (h + b) * d, cp + j * d, sp + j * d, row, d);
-      std::memcpy(vp + (b * cap + start + j) * d, x + j * width + (h + kv + b) * d, d * sizeof(float));
-    }
   auto out = torch::empty({n, h * d}, qkv.options());
-  float* op = out.data_ptr<float>();
-  const float scale = 1.0f / std::sqrt((float)d);
-  // A short context is a few microseconds of work: waking the other threads would cost more.
-  const bool serial = h * n * end * d < (1 << 16);
-  if (d % 16 || d / 16 > 8) {  // no vector path: each (head, row) on its own
-    auto work = [&](int64_t lo, int64_t hi) {
-      std::vector<float> q(d), s(end);
-      for (int64_t t = lo; t < hi; t++) {
-        const int64_t a = t / n, j = t % n, b = a / group, len = start + j + 1;
-        rope(x + j * width + a * d, cp + j * d, sp + j * d, q.data(), d);
-        attend_row_any(q.data(), kp + b * cap * d, vp + b * cap * d, len, d, scale, s.data(), op + j * h * d + a * d);
-      }
-    };
-    if (serial) work(0, h * n);
-    else at::parallel_for(0, h * n, 1, work);
-    return out;
+  attend_segments(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                  {Segment{0, n, start, k.size(1), k.data_ptr<float>(), v.data_ptr<float>()}}, h, kv, d,
+                  out.data_ptr<float>());
+  return out;
+}
+
+// The segments of a batched pass: session i holds rows rows_before + 0 .. ns[i] - 1, its cache ks[i], vs[i]
+// ([layers, kv, capacity, d], or [kv, capacity, d] for a single layer) at `starts[i]` tokens.
+static std::vector<Segment> segments(const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
+                                     const std::vector<int64_t>& starts, const std::vector<int64_t>& ns, int64_t rows,
+                                     int64_t layer) {
+  TORCH_CHECK(ks.size() == vs.size() && ks.size() == starts.size() && ks.size() == ns.size(),
+              "attend: one cache, start and row count per segment");
+  std::vector<Segment> segs;
+  int64_t row = 0;
+  for (size_t i = 0; i < ks.size(); i++) {
+    const auto& k = ks[i];
+    check_cpu_float(k, "attend: k");
+    check_cpu_float(vs[i], "attend: v");
+    TORCH_CHECK(vs[i].sizes() == k.sizes() && ns[i] >= 1, "attend: k and v of a segment differ, or it has no rows");
+    const int64_t cap = k.size(-2), per_layer = k.size(-3) * cap * k.size(-1);
+    segs.push_back({row, ns[i], starts[i], cap, k.data_ptr<float>() + layer * per_layer,
+                    vs[i].data_ptr<float>() + layer * per_layer});
+    row += ns[i];
   }
-  // Tasks: a KV head's queries (group heads x n rows, row-major), in `chunks` runs each, enough runs for every
-  // thread to have work where there are fewer KV heads than threads. The split changes no query's arithmetic.
-  const int64_t queries = group * n, threads = serial ? 1 : at::get_num_threads();
-  const int64_t chunks = std::min<int64_t>(queries, (2 * threads + kv - 1) / kv), per = (queries + chunks - 1) / chunks;
-  const int64_t stride = (end + 15) / 16 * 16;
-  auto work = [&](int64_t lo, int64_t hi) {
-    std::vector<float> qs(per * d), s(per * stride);
-    for (int64_t t = lo; t < hi; t++) {
-      const int64_t b = t / chunks, q0 = t % chunks * per, q1 = std::min(q0 + per, queries);
-      if (q0 >= q1) continue;
-      for (int64_t i = q0; i < q1; i++) {  // query i: row i / group, head b * group + i % group
-        const int64_t j = i / group, a = b * group + i % group;
-        float* q = qs.data() + (i - q0) * d;
-        rope(x + j * width + a * d, cp + j * d, sp + j * d, q, d);
-        for (int64_t c = 0; c < d; c++) q[c] *= scale;
-      }
-      auto to = [&](int64_t i) { return op + (i / group) * h * d + (b * group + i % group) * d; };
-      const float *K = kp + b * cap * d, *V = vp + b * cap * d;
-      switch (d / 16) {
-#define DV(c) case c: attend_queries<c>(qs.data(), K, V, cap, start, group, q0, q1, s.data(), stride, to); break;
-        DV(1) DV(2) DV(3) DV(4) DV(5) DV(6) DV(7) DV(8)
-#undef DV
-      }
-    }
-  };
-  if (serial) work(0, kv * chunks);
-  else at::parallel_for(0, kv * chunks, 1, work);
+  TORCH_CHECK(row == rows, "attend: the segments hold ", row, " rows, the pass ", rows);
+  return segs;
+}
+
+// attend for several sessions' rows in one call: qkv [rows, ...], the segments as `segments` reads them (single
+// layers). Returns [rows, h d], each session's rows what attend gives them alone.
+torch::Tensor attend_batch(torch::Tensor qkv, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
+                           torch::Tensor cos, torch::Tensor sin, std::vector<int64_t> starts, std::vector<int64_t> ns,
+                           int64_t h) {
+  check_rows(qkv, cos, sin);
+  TORCH_CHECK(!ks.empty() && ks[0].dim() == 3, "attend_batch: k and v [kv, capacity, d] per segment");
+  const int64_t kv = ks[0].size(0), d = ks[0].size(2);
+  for (const auto& k : ks) TORCH_CHECK(k.dim() == 3 && k.size(0) == kv && k.size(2) == d, "attend_batch: caches differ in shape");
+  TORCH_CHECK(h % kv == 0 && qkv.size(1) == (h + 2 * kv) * d && cos.size(0) == qkv.size(0) && cos.size(1) == d &&
+              sin.sizes() == cos.sizes() && d % 2 == 0, "attend_batch: shapes do not match");
+  auto out = torch::empty({qkv.size(0), h * d}, qkv.options());
+  attend_segments(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                  segments(ks, vs, starts, ns, qkv.size(0), 0), h, kv, d, out.data_ptr<float>());
   return out;
 }
 
@@ -293,12 +380,30 @@ torch::Tensor LayerStack::product(const torch::Tensor& x, size_t i) const {
 // `start` tokens, written at start .. start + n - 1; cos, sin [n, d]. Returns the last layer's output [n, hidden].
 torch::Tensor LayerStack::forward(torch::Tensor x, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
                                   torch::Tensor sin, int64_t start) const {
+  return forward_batch(x, {k}, {v}, cos, sin, {start}, {x.size(0)});
+}
+
+// Several sessions' rows in one pass: x [rows, hidden], session i's rows following session i - 1's, ns[i] of them,
+// its cache ks[i], vs[i] [layers, kv, capacity, d] holding starts[i] tokens; cos, sin [rows, d] at each row's own
+// position. The products read each weight once for all rows; attention runs per session over its own cache.
+torch::Tensor LayerStack::forward_batch(torch::Tensor x, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
+                                        torch::Tensor cos, torch::Tensor sin, std::vector<int64_t> starts,
+                                        std::vector<int64_t> ns) const {
   const size_t layers = norms_.size() / 2;
-  TORCH_CHECK(k.dim() == 4 && k.size(0) == (int64_t)layers && v.sizes() == k.sizes(),
-              "LayerStack: k and v [layers, kv, capacity, d]");
+  for (size_t i = 0; i < ks.size(); i++)
+    TORCH_CHECK(ks[i].dim() == 4 && ks[i].size(0) == (int64_t)layers && vs[i].sizes() == ks[i].sizes() &&
+                ks[i].size(1) == ks[0].size(1) && ks[i].size(3) == ks[0].size(3),
+                "LayerStack: k and v [layers, kv, capacity, d], the same kv and d for every session");
+  TORCH_CHECK(!ks.empty(), "LayerStack: a pass needs a session");
+  check_rows(x, cos, sin);
+  const int64_t rows = x.size(0), kv = ks[0].size(1), d = ks[0].size(3);
+  TORCH_CHECK(cos.size(0) == rows && cos.size(1) == d && sin.sizes() == cos.sizes(), "LayerStack: cos and sin [rows, d]");
   for (size_t i = 0; i < layers; i++) {
-    auto att = attend(product(rms_norm(x, norms_[2 * i], eps_), 4 * i), k.select(0, i), v.select(0, i), cos, sin,
-                      start, heads_);
+    auto qkv = product(rms_norm(x, norms_[2 * i], eps_), 4 * i);
+    TORCH_CHECK(qkv.size(1) == (heads_ + 2 * kv) * d, "LayerStack: the QKV product does not match the cache");
+    auto att = torch::empty({rows, heads_ * d}, x.options());
+    attend_segments(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                    segments(ks, vs, starts, ns, rows, i), heads_, kv, d, att.data_ptr<float>());
     x = x + product(att, 4 * i + 1);
     x = x + product(silu_mul(product(rms_norm(x, norms_[2 * i + 1], eps_), 4 * i + 2)), 4 * i + 3);
   }

@@ -11,6 +11,9 @@ class LayerStack {
              std::vector<std::string> forms, int64_t heads, double eps);
   torch::Tensor forward(torch::Tensor x, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                         int64_t start) const;
+  torch::Tensor forward_batch(torch::Tensor x, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
+                              torch::Tensor cos, torch::Tensor sin, std::vector<int64_t> starts,
+                              std::vector<int64_t> ns) const;
 
  private:
   torch::Tensor product(const torch::Tensor& x, size_t i) const;

@@ -11,6 +11,9 @@ torch::Tensor few_rows_gguf(torch::Tensor x, torch::Tensor q, torch::Tensor scal
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor attend(torch::Tensor qkv, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                      int64_t start, int64_t h);
+torch::Tensor attend_batch(torch::Tensor qkv, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
+                           torch::Tensor cos, torch::Tensor sin, std::vector<int64_t> starts, std::vector<int64_t> ns,
+                           int64_t h);
 torch::Tensor silu_mul(torch::Tensor gu);
 torch::Tensor sampling_probs(torch::Tensor logits, double temperature, int64_t top_k, double top_p);
 torch::Tensor argmax_rows(torch::Tensor logits);
@@ -21,11 +24,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_rows_gguf", &few_rows_gguf, "x @ w^T for a few rows of x, w a GGUF tensor's Q4_1 or Q8_0 blocks (split_blocks)");
   m.def("rms_norm", &rms_norm, "RMS norm of each row of x, times w");
   m.def("attend", &attend, "rotary embedding, KV-cache write and causal attention of a few new tokens");
+  m.def("attend_batch", &attend_batch, "attend for several sessions' rows, each over its own cache, in one call");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of side-by-side gate and up projections");
   m.def("sampling_probs", &sampling_probs, "temperature, top-k, top-p and softmax of each row of logits");
   m.def("argmax_rows", &argmax_rows, "the index of each row's largest value, the first of ties");
   py::class_<LayerStack>(m, "LayerStack", "all the layers of a Llama pass in one call, products in these kernels")
       .def(py::init<std::vector<torch::Tensor>, std::vector<std::vector<torch::Tensor>>, std::vector<std::string>,
                     int64_t, double>())
-      .def("forward", &LayerStack::forward, "x [n, hidden] through every layer, writing the cache at start");
+      .def("forward", &LayerStack::forward, "x [n, hidden] through every layer, writing the cache at start")
+      .def("forward_batch", &LayerStack::forward_batch,
+           "several sessions' rows through every layer, each session's attention over its own cache");
 }

@@ -40,6 +40,20 @@ class SessionCursor(_message.Message):
     tokens: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, session_id: _Optional[str] = ..., expected_length: _Optional[int] = ..., keep_length: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class BatchInfo(_message.Message):
+    __slots__ = ("queue_seconds", "rows", "sessions", "pass_seconds", "row_seconds")
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PASS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    queue_seconds: float
+    rows: int
+    sessions: int
+    pass_seconds: float
+    row_seconds: float
+    def __init__(self, queue_seconds: _Optional[float] = ..., rows: _Optional[int] = ..., sessions: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., row_seconds: _Optional[float] = ...) -> None: ...
+
 class TruncateRequest(_message.Message):
     __slots__ = ("session_id", "expected_length", "length")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -18,17 +18,19 @@ class VerifyRequest(_message.Message):
     def __init__(self, cursor: _Optional[_Union[_model_server_pb2.SessionCursor, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_model_server_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("argmax_token_ids", "draft_token_probs", "distributions", "length", "compute_seconds", "bonus_token_id")
+    __slots__ = ("argmax_token_ids", "draft_token_probs", "distributions", "length", "compute_seconds", "bonus_token_id", "batch")
     ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_token_probs: _containers.RepeatedScalarFieldContainer[float]
     distributions: _containers.RepeatedCompositeFieldContainer[_model_server_pb2.SparseDistribution]
     length: int
     compute_seconds: float
     bonus_token_id: int
-    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_model_server_pb2.SparseDistribution, _Mapping]]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., bonus_token_id: _Optional[int] = ...) -> None: ...
+    batch: _model_server_pb2.BatchInfo
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_model_server_pb2.SparseDistribution, _Mapping]]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., bonus_token_id: _Optional[int] = ..., batch: _Optional[_Union[_model_server_pb2.BatchInfo, _Mapping]] = ...) -> None: ...

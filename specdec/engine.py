@@ -1,0 +1,311 @@
+"""The batching engine of a model server: each forward pass runs the rows of every call waiting for one.
+
+Calls from all sessions (unary RPCs and stream messages alike) ask for their tokens to be fed
+(``Engine.forward``) and wait. Whenever the model is free, the engine takes what is waiting and runs it as
+ONE forward pass over a flattened batch of rows: the products read each weight once for all of them, and
+attention runs per session over its own cache and positions (the runners' ``forward_batch``). There is no
+waiting window: what queued during a pass forms the next one. A token budget bounds a pass
+(``max_batch_tokens``): steps and verifies go first, and a long feed (a prompt's prefill, a session rebuild)
+is cut into pieces that fill what the budget leaves, so that one user's long prompt shares passes with
+everyone's rounds instead of stalling them.
+
+Where the runner is batch-invariant (specdec's CPU kernels: every row summed on its own), a session's logits
+are bit for bit what it gets alone, whatever it is batched with and however its feed is cut: greedy output
+does not change with load, and a seeded request replays.
+
+All of it runs on the server's event loop thread, as the model work did before: the pass is a plain call that
+holds the loop, and the loop is free between passes (health checks, cancellations, new calls). A call that is
+cancelled leaves the queue; a session released while its call waits fails that call alone with NOT_FOUND; a
+pass that fails is run again session by session, so that a defect fails only the call that causes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from specdec.errors import ServiceError
+from specdec.kv_pool import Session, SessionPool
+
+log = logging.getLogger(__name__)
+
+# A pass of more than this many rows is compute-bound on CPU and runs on --prefill-threads, where a step's
+# or a verify's few rows run on --threads: the draft's are chains of small ops that a second thread only
+# synchronises, and its spinning would take the core the target's verify needs.
+LONG_PASS_TOKENS = 32
+
+# Rows per pass when --max-batch-tokens is 0. On the 2-core Zen 4 VM a row of the embedded target costs about
+# 2 ms once a pass is compute-bound, so 64 rows hold a pass near 130 ms while a prompt's prefill goes on beside
+# 16 sessions' steps; an accelerator takes thousands of rows in a few tens of ms.
+MAX_BATCH_TOKENS = {"cpu": 64, "accelerator": 2048}
+
+# After a pass, the loop runs until a step brings no new call, at most this many steps: a draft's next step
+# is queued at once, while a gRPC message that arrived during the pass takes a few steps to reach a handler.
+GATHER_STEPS = 8
+
+
+@dataclass(eq=False)
+class Feed:
+    """One call's tokens for one session, fed in one or more passes; the logits of its last num_logits."""
+
+    session: Session
+    tokens: list[int]
+    num_logits: int
+    scored_only: bool
+    future: asyncio.Future
+    queued_at: float
+    done: int = 0  # tokens fed so far
+    started_at: float | None = None  # when its first piece ran
+    compute_s: float = 0.0  # seconds of the passes it took part in
+    last_rows: int = 0  # rows and sessions of the last pass it took part in
+    last_sessions: int = 0
+    logits: torch.Tensor | None = None  # once fed
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.done
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of a feed one pass runs: n tokens from feed.done; ends the feed when it reaches its end."""
+
+    feed: Feed
+    n: int
+
+    @property
+    def last(self) -> bool:
+        return self.n == self.feed.remaining
+
+
+def plan_pass(feeds: list[Feed], budget: int) -> list[Piece]:
+    """What the next pass runs: feeds of at most LONG_PASS_TOKENS tokens first (steps and verifies, whose
+    sessions wait on them a round at a time), then longer ones, each in arrival order, as much of each as the
+    budget leaves. A feed cut short keeps at least its num_logits tokens for the piece that ends it."""
+    pieces, left = [], budget
+    for feed in sorted(feeds, key=lambda f: len(f.tokens) > LONG_PASS_TOKENS):  # stable: arrival order within
+        if left <= 0:
+            break
+        n = min(feed.remaining, left)
+        if n < feed.remaining:
+            n = min(n, feed.remaining - feed.num_logits)
+        if n > 0:
+            pieces.append(Piece(feed, n))
+            left -= n
+    return pieces
+
+
+# Pass widths the cost table keeps apart; a pass counts in the first at or above its rows.
+WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
+          3072, 4096, 6144, 8192)
+COST_RATE = 0.1  # each width's estimate weighs its last ~10 passes most
+
+
+@dataclass
+class PassCosts:
+    """Seconds of a pass by its width, learned from the passes the server runs (a moving average per width).
+
+    What a row costs depends on the width: a few rows cost little more than one while the weights' bytes
+    bound the pass, and each costs its arithmetic once the cores' (or the GPU's) multiply-adds do. ``at(rows)``
+    gives the pass's seconds at a width and what one more row adds there, the slope between the measured
+    widths around it; the orchestrator prices a drafted token from it (orchestrator/speculation.py)."""
+
+    rate: float = COST_RATE
+    seconds: dict = field(default_factory=dict)  # width bucket -> (mean rows, mean seconds)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        key = WIDTHS[min(bisect.bisect_left(WIDTHS, rows), len(WIDTHS) - 1)]
+        old = self.seconds.get(key)
+        self.seconds[key] = (rows, seconds) if old is None else (
+            old[0] + self.rate * (rows - old[0]), old[1] + self.rate * (seconds - old[1]))
+
+    def at(self, rows: int) -> tuple[float, float]:
+        """(seconds of a pass of `rows` rows, seconds one more row adds there); (0, 0) before any pass."""
+        points = sorted(self.seconds.values())
+        if not points:
+            return 0.0, 0.0
+        if len(points) == 1:
+            (r, s), = points
+            return s, 0.0
+        i = min(max(bisect.bisect_left([r for r, _ in points], rows), 1), len(points) - 1)
+        (r0, s0), (r1, s1) = points[i - 1], points[i]
+        slope = max((s1 - s0) / (r1 - r0), 0.0) if r1 > r0 else 0.0
+        return max(s0 + slope * (rows - r0), 0.0), slope
+
+
+class Engine:
+    """Feeds the calls of every session to the runner in batched passes (see the module)."""
+
+    def __init__(self, runner, pool: SessionPool, max_batch_tokens: int, metrics=None,
+                 threads: int | None = None, long_pass_threads: int | None = None):
+        self.runner = runner
+        self.pool = pool
+        self.max_batch_tokens = max_batch_tokens
+        self.metrics = metrics
+        self.threads = threads
+        self.long_pass_threads = long_pass_threads
+        self.costs = PassCosts()
+        self._queue: list[Feed] = []
+        self._task: asyncio.Task | None = None
+        self.passes = 0
+
+    def measure(self, widths=(1, 2, 4, 8, 16), context: int = 8) -> None:
+        """Seed the cost table with passes of each width, one row for each of that many scratch sessions of
+        `context` tokens, so that the first calls already report what a row costs; then it learns online."""
+        width = max(widths)
+        caches = [self.runner.new_cache() for _ in range(width)]
+        self.runner.forward_batch(caches, [[(i + j) % 7 + 1 for j in range(context)] for i in range(width)],
+                                  [1] * width)
+        for w in widths:
+            best = float("inf")
+            for _ in range(2):
+                start = time.perf_counter()
+                self.runner.forward_batch(caches[:w], [[1]] * w, [1] * w)
+                best = min(best, time.perf_counter() - start)
+                for c in caches[:w]:
+                    self.runner.crop(c, context)
+            self.costs.seconds[WIDTHS[bisect.bisect_left(WIDTHS, w)]] = (w, best)
+
+    # -- what the calls use --------------------------------------------------------
+    async def forward(self, s: Session, tokens: list[int], num_logits: int, scored_only: bool = False) -> Feed:
+        """Feed tokens to the session in the next passes; the feed, whose logits are those of its last
+        num_logits positions as the runner's forward gives them. Cancelling the caller takes it out of the queue."""
+        if not tokens or not 1 <= num_logits <= len(tokens):
+            raise ValueError(f"a feed of {len(tokens)} tokens cannot give {num_logits} logits")
+        self._start()
+        feed = Feed(s, list(tokens), num_logits, scored_only, asyncio.get_running_loop().create_future(),
+                    time.perf_counter())
+        self._queue.append(feed)
+        feed.logits = await feed.future
+        return feed
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="specdec-engine")
+
+    async def stop(self) -> None:
+        """Fail what still waits with UNAVAILABLE and stop (after the server's grace period)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for feed in self._queue:
+            if not feed.future.done():
+                feed.future.set_exception(ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down"))
+        self._queue.clear()
+
+    # -- the loop ---------------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a defect in the engine itself: fail what waits rather than leave it hanging
+            log.exception("the batching engine failed")
+            for feed in self._queue:
+                if not feed.future.done():
+                    feed.future.set_exception(_internal())
+            self._queue.clear()
+            raise
+
+    async def _loop(self) -> None:
+        """Pass after pass while calls wait; the task ends when none does, and the next call starts another."""
+        while self._queue:
+            self._queue = [f for f in self._queue if not f.future.done()]  # cancelled callers
+            pieces = plan_pass(self._queue, self.max_batch_tokens)
+            pieces = [p for p in pieces if p.feed.scored_only == pieces[0].feed.scored_only]  # one kind a pass
+            if pieces:
+                self._pass(pieces)
+                self._queue = [f for f in self._queue if not f.future.done()]
+            for _ in range(GATHER_STEPS):  # let continuations and calls that arrived during the pass join the next
+                n = len(self._queue)
+                await asyncio.sleep(0)
+                if len(self._queue) == n and n:
+                    break
+
+    def _pass(self, pieces: list[Piece]) -> None:
+        live = []
+        for p in pieces:
+            s = p.feed.session
+            if not self.pool.holds(s):
+                self._fail(p.feed, ServiceError(grpc.StatusCode.NOT_FOUND,
+                                                f"session {s.id!r} was released while its call waited; "
+                                                "resend the history with expected_length 0"))
+            else:
+                live.append(p)
+        if not live:
+            return
+        try:
+            self._run_pieces(live)
+        except Exception:
+            if len(live) == 1:
+                self._fail(live[0].feed, _internal())
+                return
+            log.exception("a batched pass of %d sessions failed; running them one by one", len(live))
+            starts = [len(p.feed.session.tokens) for p in live]
+            for p, start in zip(live, starts):
+                self.runner.crop(p.feed.session.cache, start)
+            for p in live:
+                try:
+                    self._run_pieces([p])
+                except Exception:
+                    log.exception("the pass of session %s failed", p.feed.session.id)
+                    self._fail(p.feed, _internal())
+
+    def _run_pieces(self, pieces: list[Piece]) -> None:
+        rows = sum(p.n for p in pieces)
+        widen = (rows > LONG_PASS_TOKENS and self.long_pass_threads and self.long_pass_threads != self.threads)
+        if widen:
+            torch.set_num_threads(self.long_pass_threads)  # the loop thread's OpenMP team grows; no second team
+        start = time.perf_counter()
+        try:
+            logits = self.runner.forward_batch(
+                [p.feed.session.cache for p in pieces],
+                [p.feed.tokens[p.feed.done: p.feed.done + p.n] for p in pieces],
+                [p.feed.num_logits if p.last else 1 for p in pieces],
+                pieces[0].feed.scored_only)
+        finally:
+            if widen:
+                torch.set_num_threads(self.threads)
+        seconds = time.perf_counter() - start
+        self.passes += 1
+        self.costs.observe(rows, seconds)
+        if self.metrics is not None:
+            self.metrics.observe_pass(rows, len(pieces), seconds)
+        for p, last, out in zip(pieces, [p.last for p in pieces], logits):
+            f = p.feed
+            f.session.tokens.extend(f.tokens[f.done: f.done + p.n])
+            f.session.reserved = max(f.session.reserved - p.n, 0)
+            if f.started_at is None:
+                f.started_at = start
+                if self.metrics is not None:
+                    self.metrics.queue_wait.observe(start - f.queued_at)
+            f.done += p.n
+            f.compute_s += seconds
+            f.last_rows, f.last_sessions = rows, len(pieces)
+            if last and not f.future.done():
+                f.future.set_result(out)
+
+    def _fail(self, feed: Feed, error: Exception) -> None:
+        """The call fails alone; its session, fed part of the way or not, is dropped (the client resends)."""
+        self.pool.release(feed.session.id)
+        if not feed.future.done():
+            feed.future.set_exception(error)
+        if feed in self._queue:
+            self._queue.remove(feed)
+
+
+def _internal() -> ServiceError:
+    return ServiceError(grpc.StatusCode.INTERNAL, "the forward pass failed on this server; see its log")
