@@ -99,10 +99,12 @@ class Load:
         self.fixed_s = _ewma(self.fixed_s, fixed, self.rate)
         self.row_s = _ewma(self.row_s, c.row_s, self.rate)
 
-    def share(self, rows: int) -> float:
+    def share(self, rows: int, overhead_s: float = 0.0) -> float:
         """The seconds of a pass that a session's `rows` rows account for: its share of the fixed part, which
-        the sessions in the pass split, and its own rows."""
-        return self.fixed_s / max(self.sessions or 1.0, 1.0) + rows * self.row_s
+        the sessions in the pass split, and its own rows. overhead_s, a call's time outside the passes (RPC,
+        Python), is split the same way: alone it is the round's latency, under load the other sessions' passes
+        run while it is spent."""
+        return (self.fixed_s + overhead_s) / max(self.sessions or 1.0, 1.0) + rows * self.row_s
 
 
 class RoundCosts:
@@ -111,12 +113,12 @@ class RoundCosts:
     A round is the target's pass over its K + 1 rows, K draft steps when K > 0, and the calls' RPC and
     accept work. Each model server reports what its passes cost at their current width (specdec/engine.py):
     a fixed part, shared by the sessions in the pass, and a part per row. A generation alone pays the whole
-    pass, so its cost is its round's wall time and drafting pays where a verify row costs a fraction of a
-    step. Under load the fixed parts are split across the batch and the rows are what remain: where rows are
-    dear (a CPU's multiply-adds) a drafted token no longer pays for itself and K falls to 0, where they are
-    nearly free (a GPU's memory-bound pass) speculation stays on. Each generation pricing its rounds this
-    way, rather than by its own round's wall time, keeps one from lengthening everyone's passes for a
-    speedup of its own."""
+    pass and waits out its RPCs, so its cost is its round's wall time and drafting pays where a verify row
+    costs a fraction of a step. Under load the fixed parts and the RPC waits are split across the batch (the
+    other sessions' passes run meanwhile) and the rows are what remain: where rows are dear (a CPU's
+    multiply-adds) a drafted token no longer pays for itself and K falls to 0, where they are nearly free (a
+    GPU's memory-bound pass) speculation stays on. Each generation pricing its rounds this way, rather than by
+    its own round's wall time, keeps one from lengthening everyone's passes for a speedup of its own."""
 
     def __init__(self, rate: float = COST_RATE):
         self.rate = rate
@@ -163,7 +165,8 @@ class RoundCosts:
         if self.draft_call is None or self.target.sessions is None:
             return None
         step = self.draft.share(1)
-        return [self.round_overhead + self.target.share(k + 1) + (self.draft_call + k * step if k else 0.0)
+        call = self.draft_call / max(self.draft.sessions or 1.0, 1.0)  # shared under load, as in Load.share
+        return [self.target.share(k + 1, self.round_overhead) + (call + k * step if k else 0.0)
                 for k in range(cap + 1)]
 
 

@@ -251,6 +251,7 @@ class ModelServer:
         return pb.TruncateResponse(length=len(s.tokens))
 
     def release(self, req: pb.ReleaseSessionRequest) -> pb.ReleaseSessionResponse:
+        self.engine.forget(req.session_id)
         return pb.ReleaseSessionResponse(released=self.pool.release(req.session_id))
 
     def get_distribution(self, req: pb.GetDistributionRequest) -> pb.GetDistributionResponse:

@@ -18,20 +18,25 @@ torch::Tensor silu_mul(torch::Tensor gu);
 torch::Tensor sampling_probs(torch::Tensor logits, double temperature, int64_t top_k, double top_p);
 torch::Tensor argmax_rows(torch::Tensor logits);
 
+// The products, attention and a pass's layers work on tensors alone and let go of the GIL while they run: the
+// server's other threads (gRPC's poller among them) read the requests that arrive meanwhile, and those join
+// the next pass. The small calls keep it: taking it back can wait on another thread.
+using nogil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("few_rows", &few_rows, "x @ w^T for a few rows of x (float32, CPU)");
-  m.def("few_rows_int8", &few_rows_int8, "x @ (w * scale)^T for a few rows of x, w int8 with a scale per row");
-  m.def("few_rows_gguf", &few_rows_gguf, "x @ w^T for a few rows of x, w a GGUF tensor's Q4_1 or Q8_0 blocks (split_blocks)");
+  m.def("few_rows", &few_rows, "x @ w^T for a few rows of x (float32, CPU)", nogil());
+  m.def("few_rows_int8", &few_rows_int8, "x @ (w * scale)^T for a few rows of x, w int8 with a scale per row", nogil());
+  m.def("few_rows_gguf", &few_rows_gguf, "x @ w^T for a few rows of x, w a GGUF tensor's Q4_1 or Q8_0 blocks (split_blocks)", nogil());
   m.def("rms_norm", &rms_norm, "RMS norm of each row of x, times w");
-  m.def("attend", &attend, "rotary embedding, KV-cache write and causal attention of a few new tokens");
-  m.def("attend_batch", &attend_batch, "attend for several sessions' rows, each over its own cache, in one call");
+  m.def("attend", &attend, "rotary embedding, KV-cache write and causal attention of a few new tokens", nogil());
+  m.def("attend_batch", &attend_batch, "attend for several sessions' rows, each over its own cache, in one call", nogil());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of side-by-side gate and up projections");
   m.def("sampling_probs", &sampling_probs, "temperature, top-k, top-p and softmax of each row of logits");
   m.def("argmax_rows", &argmax_rows, "the index of each row's largest value, the first of ties");
   py::class_<LayerStack>(m, "LayerStack", "all the layers of a Llama pass in one call, products in these kernels")
       .def(py::init<std::vector<torch::Tensor>, std::vector<std::vector<torch::Tensor>>, std::vector<std::string>,
                     int64_t, double>())
-      .def("forward", &LayerStack::forward, "x [n, hidden] through every layer, writing the cache at start")
+      .def("forward", &LayerStack::forward, "x [n, hidden] through every layer, writing the cache at start", nogil())
       .def("forward_batch", &LayerStack::forward_batch,
-           "several sessions' rows through every layer, each session's attention over its own cache");
+           "several sessions' rows through every layer, each session's attention over its own cache", nogil());
 }
