@@ -326,3 +326,35 @@ def test_a_session_takes_one_call_at_a_time_and_waiting_calls_hold_their_kv_toke
 
     assert asyncio.run(main()) == (grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
     assert list(core.pool._sessions) == ["a"]
+
+
+def test_the_draft_runs_step_i_of_every_pending_proposal_in_one_pass_and_a_shorter_one_leaves_early(tokenizer,
+                                                                                                     tiny_draft):
+    from draft_service.servicer import DraftServicer
+    from specdec.config import ModelServerConfig
+    from specdec.model_server import ModelServer
+    from specdec.v1 import draft_pb2, model_server_pb2 as ms
+
+    core = ModelServer(ModelServerConfig(role="draft", model="d", metrics_port=0), tiny_draft, tokenizer)
+    servicer = DraftServicer(core)
+    widths, forward_batch = [], core.runner.forward_batch
+
+    def recording(caches, token_ids, num_logits, scored_only=False):
+        widths.append(len(caches))
+        return forward_batch(caches, token_ids, num_logits, scored_only)
+
+    core.runner.forward_batch = recording
+    greedy = ms.SamplingParams(temperature=0.0, top_p=1.0)
+
+    def propose(sid, k):
+        cursor = ms.SessionCursor(session_id=sid, tokens=[5, 6, 7])
+        return servicer._propose(draft_pb2.ProposeTokensRequest(cursor=cursor, num_tokens=k, sampling=greedy))
+
+    async def main():
+        return await asyncio.gather(propose("a", 4), propose("b", 2), propose("c", 4))
+
+    answers = asyncio.run(main())
+    assert [len(a.token_ids) for a in answers] == [4, 2, 4]
+    assert widths == [3, 3, 2, 2]  # steps 1-2 of all three together, then "b" is done
+    alone = [asyncio.run(propose(f"{sid}-alone", k)) for sid, k in (("a", 4), ("b", 2))]
+    assert [list(a.token_ids) for a in alone] == [list(answers[0].token_ids), list(answers[1].token_ids)]
