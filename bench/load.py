@@ -19,7 +19,8 @@ compared with the same request's output at N = 1, and the report counts those th
 
 Given a llama.cpp `llama-server` binary, the same runs go to it on the same GGUF file as the embedded
 target (`-np` parallel slots, continuous batching), through its /completion endpoint with the same token ids,
-as the peer. It is optional and never needed by the tests.
+as the peer; both reuse the prompt prefixes they hold (llama-server's cache_prompt, its default; specdec's
+prefix cache, --prefix-cache-tokens). It is optional and never needed by the tests.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class LlamaServer:
         """send(token ids) for run_jobs: a streamed /completion of the same prompt tokens, greedy."""
         def send(ids: list[int]) -> dict:
             body = json.dumps({"prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
-                               "stream": True, "cache_prompt": False, "return_tokens": True})
+                               "stream": True, "cache_prompt": True, "return_tokens": True})
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=900)
             start, messages, out = time.perf_counter(), [], []
             conn.request("POST", "/completion", body, {"Content-Type": "application/json"})

@@ -62,6 +62,9 @@ class ModelServerConfig:
     max_batch_tokens: int = field(default=0, metadata={
         "help": "most rows (new tokens of every session) in one batched forward pass; a long prompt is fed in "
                 "pieces beside the other sessions' steps; 0 = 64 on CPU, 2048 on an accelerator"})
+    prefix_cache_tokens: int = field(default=2048, metadata={
+        "help": "KV tokens kept of prompt prefixes that new sessions share (a chat template's opening, a rebuilt "
+                "session's history), where the runner is batch-invariant; 0 turns it off"})
 
     def validate(self) -> None:
         if self.role not in ("draft", "target"):
@@ -80,9 +83,10 @@ class ModelServerConfig:
         for name in ("max_sessions", "max_tokens", "max_draft_tokens", "max_sparse_support"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        if (min(self.max_model_len, self.threads, self.prefill_threads, self.max_batch_tokens) < 0
+        if (min(self.max_model_len, self.threads, self.prefill_threads, self.max_batch_tokens, self.prefix_cache_tokens) < 0
                 or self.idle_ttl_s <= 0 or self.grace_s < 0):
-            raise ConfigError("--max-model-len, --threads, --prefill-threads, --max-batch-tokens must be >= 0; "
+            raise ConfigError("--max-model-len, --threads, --prefill-threads, --max-batch-tokens, --prefix-cache-tokens "
+                              "must be >= 0; "
                               "--idle-ttl-s > 0; --grace-s >= 0")
         if 0 < self.max_batch_tokens <= self.max_draft_tokens:
             raise ConfigError(f"--max-batch-tokens must exceed --max-draft-tokens ({self.max_draft_tokens}): a verify "

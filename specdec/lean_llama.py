@@ -474,6 +474,22 @@ class LeanLlamaRunner:
     def crop(cache: LeanCache, length: int) -> None:
         cache.length = min(cache.length, length)
 
+    @staticmethod
+    def read_kv(cache: LeanCache, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values of positions start .. start + n - 1 (specdec/prefix_cache.py)."""
+        return cache.k[:, :, start:start + n].clone(), cache.v[:, :, start:start + n].clone()
+
+    @staticmethod
+    def write_kv(cache: LeanCache, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put read_kv's keys and values at positions start .. of a cache holding `start` tokens."""
+        n = k.shape[2]
+        if start != cache.length:
+            raise ValueError(f"a cache of {cache.length} tokens takes positions from {cache.length}, not {start}")
+        cache.reserve(n)
+        cache.k[:, :, start:start + n] = k
+        cache.v[:, :, start:start + n] = v
+        cache.length = start + n
+
     def forward(self, cache: LeanCache, token_ids, num_logits: int, scored_only: bool = False) -> torch.Tensor:
         """Append token_ids (a list, or a 1-D tensor on the device); logits of the last num_logits positions:
         [num_logits, vocab] float32, or with scored_only [num_logits, len(scored_ids)], the columns of the

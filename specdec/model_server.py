@@ -32,6 +32,7 @@ from specdec.config import ModelServerConfig
 from specdec.engine import MAX_BATCH_TOKENS, Engine, Feed
 from specdec.errors import ServiceError, invalid
 from specdec.kv_pool import Session, SessionPool
+from specdec.prefix_cache import PrefixCache
 from specdec.runner import make_runner, resolve_quantize
 from specdec.sampling import SamplingParams
 from specdec.v1 import model_server_pb2 as pb
@@ -67,6 +68,10 @@ class ModelServerMetrics:
         self.forward_tokens = Counter("specdec_forward_tokens_total", "Tokens fed through forward passes (rows)",
                                       registry=registry)
         self.queued = Gauge("specdec_queued_calls", "Calls waiting for a forward pass", registry=registry)
+        self.prefix_hits = Counter("specdec_prefix_cache_hit_tokens_total",
+                                   "Tokens a new session took from the prefix cache instead of computing them",
+                                   registry=registry)
+        self.prefix_tokens = Gauge("specdec_prefix_cache_tokens", "Tokens held in the prefix cache", registry=registry)
         # Each width's series exists from the start at zero, so that rate() counts a series' first passes: one
         # created by its first observation, between two scrapes, starts at that value and rate() never sees it
         # (on a fast CPU a short request's passes all fell between two scrapes, and the dashboard showed no data).
@@ -119,6 +124,9 @@ class ModelServer:
                              cfg.max_batch_tokens or MAX_BATCH_TOKENS["cpu" if on_cpu else "accelerator"],
                              self.metrics, self.threads, prefill_threads)
         self.metrics.queued.set_function(lambda: self.engine.waiting)
+        self.prefix = (PrefixCache(self.runner, cfg.prefix_cache_tokens)
+                       if cfg.prefix_cache_tokens and getattr(self.runner, "batch_invariant", False) else None)
+        self.metrics.prefix_tokens.set_function(lambda: len(self.prefix) if self.prefix is not None else 0)
         self.engine.measure()  # what a row costs at each width, before the first call asks
         self._stopping: asyncio.Future | None = None  # set by begin_shutdown; ends idle streams
 
@@ -230,9 +238,19 @@ class ModelServer:
     async def forward(self, s: Session, token_ids: list[int], num_logits: int, stats: "CallStats",
                       scored_only: bool = False) -> torch.Tensor:
         """Feed tokens to the session in the engine's next passes; [num_logits, vocab] logits, or
-        [num_logits, len(runner.scored_ids)] with scored_only (see the runners). A failed pass drops the session."""
+        [num_logits, len(runner.scored_ids)] with scored_only (see the runners). A new session first takes the
+        longest prefix of its tokens the prefix cache holds, and leaves its own blocks there. A failed pass
+        drops the session."""
+        fresh = not s.tokens and self.prefix is not None
+        if fresh and (n := self.prefix.attach(s.cache, token_ids, len(token_ids) - num_logits)):
+            s.tokens.extend(token_ids[:n])
+            s.reserved = max(s.reserved - n, 0)
+            token_ids = token_ids[n:]
+            self.metrics.prefix_hits.inc(n)
         feed = await self.engine.forward(s, token_ids, num_logits, scored_only)
         stats.add(feed)
+        if fresh:
+            self.prefix.store(s.cache, s.tokens)
         return feed.logits
 
     def sparse(self, found: tuple[np.ndarray, np.ndarray]) -> pb.SparseDistribution:

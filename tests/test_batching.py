@@ -358,3 +358,62 @@ def test_the_draft_runs_step_i_of_every_pending_proposal_in_one_pass_and_a_short
     assert widths == [3, 3, 2, 2]  # steps 1-2 of all three together, then "b" is done
     alone = [asyncio.run(propose(f"{sid}-alone", k)) for sid, k in (("a", 4), ("b", 2))]
     assert [list(a.token_ids) for a in alone] == [list(answers[0].token_ids), list(answers[1].token_ids)]
+
+
+# -- the prefix cache -----------------------------------------------------------------------------------------------
+def test_a_new_session_takes_the_longest_cached_prefix_and_gets_the_logits_it_computes_alone(tiny_draft, tokenizer):
+    from specdec.config import ModelServerConfig
+    from specdec.model_server import CallStats, ModelServer
+    from specdec.prefix_cache import BLOCK
+    from specdec.v1 import model_server_pb2 as ms
+
+    built_kernels()
+    core = ModelServer(ModelServerConfig(role="target", model="t", metrics_port=0), tiny_draft, tokenizer)
+    alone = ModelServer(ModelServerConfig(role="target", model="t", metrics_port=0, prefix_cache_tokens=0), tiny_draft,
+                        tokenizer)
+    assert core.prefix is not None and alone.prefix is None
+    fed = []
+    forward_batch = core.runner.forward_batch
+    core.runner.forward_batch = lambda c, t, n, s=False: fed.append(sum(map(len, t))) or forward_batch(c, t, n, s)
+    opening = list(range(100, 100 + 3 * BLOCK + 2))  # 3 blocks and 2 tokens
+
+    async def verify(server, sid, tokens, k=3):
+        with server.session(ms.SessionCursor(session_id=sid, tokens=tokens), len(tokens)) as s:
+            return await server.forward(s, tokens, k, CallStats(server.engine))
+
+    async def main():
+        first = await verify(core, "a", opening + [7, 8, 9])
+        again = await verify(core, "b", opening + [5, 6])  # the same opening, then its own tokens
+        whole = await verify(core, "c", opening[:2 * BLOCK], k=2 * BLOCK)  # at most len - k reused: none
+        return first, again, whole, [await verify(alone, sid, t, k) for sid, t, k in
+                                     (("a", opening + [7, 8, 9], 3), ("b", opening + [5, 6], 3),
+                                      ("c", opening[:2 * BLOCK], 2 * BLOCK))]
+
+    *got, expected = asyncio.run(main())
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert fed == [len(opening) + 3, len(opening) + 2 - 3 * BLOCK, 2 * BLOCK]
+    assert core.metrics.prefix_hits._value.get() == 3 * BLOCK
+
+
+def test_the_prefix_cache_reuses_a_block_only_after_the_same_tokens_and_drops_a_chains_end_first(tiny_draft,
+                                                                                                 tokenizer):
+    from specdec.prefix_cache import PrefixCache
+
+    built_kernels()
+    runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=256, matmul="fewrow")
+    prefix = PrefixCache(runner, capacity=3 * 4, block=4)
+
+    def stored(tokens):
+        runner.forward(cache := runner.new_cache(), tokens, 1)
+        prefix.store(cache, tokens)
+
+    stored([1, 2, 3, 4, 5, 6, 7, 8, 9])  # two blocks
+    assert len(prefix) == 8
+    probe = lambda tokens: prefix.attach(runner.new_cache(), tokens, len(tokens) - 1)
+    assert probe([1, 2, 3, 4, 5, 6, 7, 8, 0, 0]) == 8
+    assert probe([9, 2, 3, 4, 5, 6, 7, 8, 0, 0]) == 0  # the second block's tokens, after other ones: not reused
+    assert probe([1, 2, 3, 4, 5, 6, 7, 8]) == 4  # one token must be left to feed
+    stored([1, 2, 3, 4, 10, 11, 12, 13, 14, 15, 16, 17])  # shares the first block; two blocks more: 4 > 3
+    assert len(prefix) == 12
+    assert probe([1, 2, 3, 4, 10, 11, 12, 13, 14, 15, 16, 17, 0]) == 12
+    assert probe([1, 2, 3, 4, 5, 6, 7, 8, 0]) == 4  # the old chain lost its end, not the block both hang on

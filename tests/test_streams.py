@@ -221,8 +221,8 @@ def test_a_long_pass_runs_on_the_prefill_threads_and_a_step_on_the_servers_own(t
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # as ModelServer.load sets --threads 1 for the draft
     try:
-        core = ModelServer(ModelServerConfig(role="draft", model="test-draft", metrics_port=0, prefill_threads=2),
-                           tiny_draft, tokenizer)
+        core = ModelServer(ModelServerConfig(role="draft", model="test-draft", metrics_port=0, prefill_threads=2,
+                                             prefix_cache_tokens=0), tiny_draft, tokenizer)
         seen, forward_batch = [], core.runner.forward_batch
 
         def recording_forward_batch(caches, token_ids, num_logits, scored_only=False):
