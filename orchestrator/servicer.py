@@ -19,9 +19,11 @@ from orchestrator.speculation import Speculation
 from specdec.config import OrchestratorConfig
 from specdec.errors import ServiceError, invalid
 from specdec.sampling import SamplingParams
-from specdec.v1 import generation_pb2 as gen_pb, generation_pb2_grpc
+from specdec.v1 import generation_pb2 as gen_pb, generation_pb2_grpc, model_server_pb2 as ms_pb
 
 log = logging.getLogger(__name__)
+
+COST_REFRESH_S = 1.0  # how often adaptive speculation fetches the servers' pass costs (ModelInfo.pass_costs)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -37,7 +39,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.draft_health: dict = {}
         # round costs and alpha, learned from every request's rounds, where adaptive speculation uses them
         self.speculation = Speculation() if cfg.adaptive_speculation else None
-        self._releases: set[asyncio.Task] = set()
+        self._releases: set[asyncio.Task] = set()  # background calls: sessions' releases, cost fetches
+        self._costs_due = 0.0
         self.admission = admission
         metrics.waiting.set_function(lambda: admission.waiting)
 
@@ -128,6 +131,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finished = False  # counted in specdec_requests_total
         try:
             async for msg in gen.run():
+                self._refresh_costs()
                 now = time.perf_counter()
                 if last is None:
                     gen.stats.time_to_first_token_seconds = now - arrived
@@ -161,6 +165,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
             task.add_done_callback(lambda _: self.admission.leave(kv_tokens))  # once both servers freed the sessions
+
+    def _refresh_costs(self) -> None:
+        """Now and then, fetch what the servers' passes cost by width: adaptive speculation prices rounds with it."""
+        if self.speculation is None or time.monotonic() < self._costs_due:
+            return
+        self._costs_due = time.monotonic() + COST_REFRESH_S
+        self._background(self._fetch_costs())
+
+    async def _fetch_costs(self) -> None:
+        try:
+            target, draft = await asyncio.gather(*(c.stub.GetModelInfo(ms_pb.GetModelInfoRequest(), timeout=COST_REFRESH_S)
+                                                   for c in (self.target, self.draft)))
+        except grpc.aio.AioRpcError:
+            return  # a server down: the last curves stand
+        self.speculation.costs.set_curves([(p.rows, p.seconds) for p in target.pass_costs],
+                                          [(p.rows, p.seconds) for p in draft.pass_costs])
+
+    def _background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)  # survives the cancellation of the handler that started it
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def drain_releases(self) -> None:
         if self._releases:

@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass
+
+from specdec import costs
 
 DEFAULT_ALPHA = 0.6  # before any round was measured
 PRIOR_ROUNDS = 4.0  # the weight of the process's alpha in a request's estimate, in rounds
@@ -34,6 +37,7 @@ PROCESS_DECAY = 0.99  # the process's alpha, its last ~100 rounds
 PROCESS_PRIOR_ROUNDS = 20.0
 COST_RATE = 0.05  # the costs, their last ~20 observations
 PROBE_EVERY = 8
+OVERHEAD_WINDOW = 64  # rounds whose least time outside the passes prices a round's RPC
 START_WINDOW = 9
 
 
@@ -57,22 +61,19 @@ def _ewma(old: float | None, x: float, rate: float) -> float:
 @dataclass(frozen=True)
 class CallCost:
     """One call to a model server as the orchestrator saw it (wall_s) and the server reported it (BatchInfo and
-    compute_seconds): its wait in the queue, the passes it took part in, and the last pass's sessions, rows,
-    seconds and the seconds one more row adds there."""
+    compute_seconds): its wait in the queue, the passes it took part in, the sessions in the last of them, and
+    the sessions calling the server."""
 
     wall_s: float
     compute_s: float = 0.0
     queue_s: float = 0.0
     sessions: int = 1
-    rows: int = 1
-    pass_s: float = 0.0
-    row_s: float = 0.0
+    active: int = 1
 
     @classmethod
     def of(cls, wall_s: float, response) -> "CallCost":
         b = response.batch
-        return cls(wall_s, response.compute_seconds, b.queue_seconds, max(b.sessions, 1), max(b.rows, 1),
-                   b.pass_seconds, b.row_seconds)
+        return cls(wall_s, response.compute_seconds, b.queue_seconds, max(b.sessions, 1), max(b.active_sessions, 1))
 
     @property
     def overhead_s(self) -> float:
@@ -80,54 +81,43 @@ class CallCost:
         return max(self.wall_s - self.queue_s - self.compute_s, 0.0)
 
 
-@dataclass
-class Load:
-    """A model server's passes as the calls to it report them, smoothed: sessions per pass, the seconds of a
-    pass that do not grow with its rows (reading the weights, launching the work) and what a row adds."""
-
-    rate: float = COST_RATE
-    sessions: float | None = None
-    fixed_s: float = 0.0
-    row_s: float = 0.0
-
-    def observe(self, c: CallCost) -> None:
-        fixed = max(c.pass_s - c.row_s * c.rows, 0.0)
-        if self.sessions is None:
-            self.sessions, self.fixed_s, self.row_s = float(c.sessions), fixed, c.row_s
-            return
-        self.sessions = _ewma(self.sessions, c.sessions, self.rate)
-        self.fixed_s = _ewma(self.fixed_s, fixed, self.rate)
-        self.row_s = _ewma(self.row_s, c.row_s, self.rate)
-
-    def share(self, rows: int, overhead_s: float = 0.0) -> float:
-        """The seconds of a pass that a session's `rows` rows account for: its share of the fixed part, which
-        the sessions in the pass split, and its own rows. overhead_s, a call's time outside the passes (RPC,
-        Python), is split the same way: alone it is the round's latency, under load the other sessions' passes
-        run while it is spent."""
-        return (self.fixed_s + overhead_s) / max(self.sessions or 1.0, 1.0) + rows * self.row_s
-
-
 class RoundCosts:
     """What a decoding round at each K costs, in the servers' and the orchestrator's time this generation takes.
 
-    A round is the target's pass over its K + 1 rows, K draft steps when K > 0, and the calls' RPC and
-    accept work. Each model server reports what its passes cost at their current width (specdec/engine.py):
-    a fixed part, shared by the sessions in the pass, and a part per row. A generation alone pays the whole
-    pass and waits out its RPCs, so its cost is its round's wall time and drafting pays where a verify row
-    costs a fraction of a step. Under load the fixed parts and the RPC waits are split across the batch (the
-    other sessions' passes run meanwhile) and the rows are what remain: where rows are dear (a CPU's
-    multiply-adds) a drafted token no longer pays for itself and K falls to 0, where they are nearly free (a
-    GPU's memory-bound pass) speculation stays on. Each generation pricing its rounds this way, rather than by
-    its own round's wall time, keeps one from lengthening everyone's passes for a speedup of its own."""
+    A round is the target's pass over its K + 1 rows, K draft steps when K > 0, and the calls' RPC and accept
+    work. Each model server publishes what a batched pass costs by its width (ModelInfo.pass_costs: the curves
+    here) and reports how many sessions call it. With S of them each feeding one row, a pass holds S rows and
+    each session accounts for 1/S of it and of the RPC time (the other sessions' passes run while a call is on
+    the wire). Drafting K, a session's rows are K + 1, and the sessions meet less: while some draft, others
+    verify, so a pass holds fewer of them (measured: the sessions in the target passes and the draft steps of
+    drafted rounds). Alone (S = 1) a round's cost is its wall time, and drafting pays where a verify row costs a
+    fraction of a step. Under load the passes' fixed parts are shared, the rows are what remain, and drafting
+    splits the batch: where rows are dear (a CPU's multiply-adds) a drafted token no longer pays for itself and
+    K falls to 0; where they are nearly free (a GPU's memory-bound pass) speculation stays on. Pricing rounds
+    this way, rather than by its own round's wall time, keeps one generation from lengthening everyone's passes
+    for a speedup of its own."""
 
     def __init__(self, rate: float = COST_RATE):
         self.rate = rate
-        self.target = Load(rate)
-        self.draft = Load(rate)
-        self.round_overhead: float | None = None  # a round's time outside the target's queue and passes and the draft's call
-        self.draft_call: float | None = None  # the draft call's time outside its queue and passes
+        self.target_curve: list[tuple[float, float]] = []  # (rows, seconds) of a pass, ascending
+        self.draft_curve: list[tuple[float, float]] = []
+        self.active: float | None = None  # sessions calling the target
+        self.met: float | None = None  # sessions in the target passes of drafted rounds
+        self.draft_met: float | None = None  # sessions in the draft's steps
+        self._outside: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # rounds' time outside the passes and the draft call
+        self._draft_calls: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # draft calls' time outside their passes
         self._starts: list[float] = []  # the last START_WINDOW measures of a request's first draft call
         self._first_start_seen = False
+
+    def set_curves(self, target: list[tuple[float, float]], draft: list[tuple[float, float]]) -> None:
+        """The servers' published pass costs (ModelInfo.pass_costs); an empty one keeps the last."""
+        self.target_curve = sorted(target) or self.target_curve
+        self.draft_curve = sorted(draft) or self.draft_curve
+
+    def _step(self) -> float:
+        """A draft step's seconds for one session: its share of a step pass with the sessions it meets there."""
+        met = max(self.draft_met or self.met or self.active or 1.0, 1.0)
+        return costs.at(self.draft_curve, met)[0] / met
 
     def observe_start(self, k: int, draft_wall_s: float) -> None:
         """The call that built a request's draft session (its prompt's prefill) and drafted k tokens. The
@@ -136,7 +126,7 @@ class RoundCosts:
         if not self._first_start_seen:
             self._first_start_seen = True
             return
-        steady = (self.draft_call or 0.0) + k * (self.draft.share(1) if self.draft.sessions is not None else 0.0)
+        steady = (self.draft_call or 0.0) + k * (self._step() if self.draft_curve else 0.0)
         self._starts = (self._starts + [max(draft_wall_s - steady, 0.0)])[-START_WINDOW:]
 
     @property
@@ -146,28 +136,40 @@ class RoundCosts:
         return statistics.median(self._starts) if self._starts else 0.0
 
     def observe(self, round_s: float, target: CallCost, draft: CallCost | None = None) -> None:
-        """One decoding round: its wall time, the target's call and, when the draft proposed, the draft's.
-
-        The time outside the servers' passes (RPC, the accept step, Python) is learned from calls whose pass
-        served their session alone: under load it also holds the wait for event loops busy with the other
-        sessions, which is theirs to share, not a cost of this round's K."""
-        self.target.observe(target)
+        """One decoding round: its wall time, the target's call and, when the draft proposed, the draft's."""
+        self.active = _ewma(self.active, target.active, self.rate)
         outside = round_s - target.queue_s - target.compute_s - (draft.wall_s if draft else 0.0)
-        if self.round_overhead is None or target.sessions == 1:
-            self.round_overhead = _ewma(self.round_overhead, max(outside, 0.0), self.rate)
+        self._outside.append(max(outside, 0.0))
         if draft is not None:
-            self.draft.observe(draft)
-            if self.draft_call is None or draft.sessions == 1:
-                self.draft_call = _ewma(self.draft_call, draft.overhead_s, self.rate)
+            self.met = _ewma(self.met, target.sessions, self.rate)
+            self.draft_met = _ewma(self.draft_met, draft.sessions, self.rate)
+            self._draft_calls.append(draft.overhead_s)
+
+    @property
+    def round_overhead(self) -> float | None:
+        """A round's time outside the target's queue and passes and the draft's call: the least of recent rounds.
+        Most rounds under load also wait for event loops busy with the other sessions, which is theirs to share,
+        not a cost of this round's K; the quickest shows what the calls themselves take."""
+        return min(self._outside) if self._outside else None
+
+    @property
+    def draft_call(self) -> float | None:
+        """The draft call's time outside its queue and passes, the least of recent calls (as round_overhead)."""
+        return min(self._draft_calls) if self._draft_calls else None
 
     def round_s(self, cap: int) -> list[float] | None:
-        """Predicted seconds of a round at K = 0..cap; None until a drafted round was measured."""
-        if self.draft_call is None or self.target.sessions is None:
+        """Predicted seconds of a round at K = 0..cap, this generation's share; None until both servers' curves
+        are known and a drafted round was measured."""
+        if self.draft_call is None or not self.target_curve or not self.draft_curve:
             return None
-        step = self.draft.share(1)
-        call = self.draft_call / max(self.draft.sessions or 1.0, 1.0)  # shared under load, as in Load.share
-        return [self.target.share(k + 1, self.round_overhead) + (call + k * step if k else 0.0)
-                for k in range(cap + 1)]
+        active = max(self.active, 1.0)
+        met = max(self.met, 1.0)
+        out = [(costs.at(self.target_curve, active)[0] + self.round_overhead) / active]
+        step = self._step()
+        for k in range(1, cap + 1):
+            out.append((costs.at(self.target_curve, met * (k + 1))[0] + self.round_overhead + self.draft_call) / met
+                       + k * step)
+        return out
 
 
 class Acceptance:
@@ -250,6 +252,11 @@ class AdaptiveK:
             return self.start_k
         alpha = self.acceptance.alpha
         k = best_k(alpha, costs)
+        if k and (self.shared.costs.active or 1.0) > 1.5 and not best_k(self.shared.prior_alpha(self.greedy), costs):
+            # Others are calling and, at the acceptance of requests of this kind, drafting does not pay: they stay
+            # at K = 0, and this one drafting would only split their batches (its drafted rounds would meet them
+            # in other passes than its own, each paying a pass's fixed part). So it stays with them.
+            k = 0
         if not draft_started and self.explorer:
             return min(max(k, 1), self.cap)
         if k and not draft_started and remaining is not None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from specdec import costs
 from specdec.errors import ServiceError
 from specdec.kv_pool import Session, SessionPool
 
@@ -49,8 +50,8 @@ MAX_BATCH_TOKENS = {"cpu": 64, "accelerator": 2048}
 GATHER_STEPS = 32
 # The engine waits for the sessions it just served while they come back within this share of a pass
 # (Engine._await_returning); TURNAROUND_RATE weighs the measured turnaround's last ~10 calls most.
-RETURN_SHARE = 0.25
 TURNAROUND_RATE = 0.1
+ACTIVE_WINDOW_S = 1.0  # a session that called within this long counts as active (Engine.active_sessions)
 
 
 @dataclass(eq=False)
@@ -128,18 +129,13 @@ class PassCosts:
         self.seconds[key] = (rows, seconds) if old is None else (
             old[0] + self.rate * (rows - old[0]), old[1] + self.rate * (seconds - old[1]))
 
+    def curve(self) -> list[tuple[float, float]]:
+        """(mean rows, mean seconds) of each width measured, ascending."""
+        return sorted(self.seconds.values())
+
     def at(self, rows: int) -> tuple[float, float]:
         """(seconds of a pass of `rows` rows, seconds one more row adds there); (0, 0) before any pass."""
-        points = sorted(self.seconds.values())
-        if not points:
-            return 0.0, 0.0
-        if len(points) == 1:
-            (r, s), = points
-            return s, 0.0
-        i = min(max(bisect.bisect_left([r for r, _ in points], rows), 1), len(points) - 1)
-        (r0, s0), (r1, s1) = points[i - 1], points[i]
-        slope = max((s1 - s0) / (r1 - r0), 0.0) if r1 > r0 else 0.0
-        return max(s0 + slope * (rows - r0), 0.0), slope
+        return costs.at(self.curve(), rows)
 
 
 class Engine:
@@ -163,6 +159,7 @@ class Engine:
         self._expected: set[str] = set()
         self._back: asyncio.Event | None = None
         self.turnaround_s: float | None = None  # how long a session takes to call again after its feed is done
+        self._seen: dict[str, float] = {}  # session -> when it last called
 
     def measure(self, widths=(1, 2, 4, 8, 16), context: int = 8) -> None:
         """Seed the cost table with passes of each width, one row for each of that many scratch sessions of
@@ -242,14 +239,22 @@ class Engine:
             await self._gather()
             await self._await_returning()
 
+    def active_sessions(self, window_s: float = ACTIVE_WINDOW_S) -> int:
+        """Sessions that called within window_s and were not released since."""
+        cutoff = time.perf_counter() - window_s
+        self._seen = {sid: t for sid, t in self._seen.items() if t >= cutoff}
+        return len(self._seen)
+
     def forget(self, session_id: str) -> None:
         """The session was released: it will not call again."""
+        self._seen.pop(session_id, None)
         self._served.pop(session_id, None)
         self._expected.discard(session_id)
         if not self._expected and self._back is not None:
             self._back.set()
 
     def _arrived(self, session_id: str, now: float) -> None:
+        self._seen[session_id] = now
         served = self._served.pop(session_id, None)
         if served is not None:
             self.turnaround_s = _ewma(self.turnaround_s, now - served, TURNAROUND_RATE)
@@ -264,9 +269,9 @@ class Engine:
         accept step runs, the next call comes in. Started at once, the next pass would serve only the sessions
         already back, the rest would wait for the one after, and the batch would split into halves that each
         pay a pass's fixed cost (on the 2-core VM, 8 streams at K = 0 ran passes of 4 sessions at 195 tokens/s).
-        So when the calls come back quickly against a pass (their measured turnaround is under
-        RETURN_SHARE of the last pass's time), the engine waits for them, at most that long: a waiting window
-        that follows the measured costs, and none where the calls come back slowly (the draft's sessions,
+        So while the calls come back sooner than splitting the batch would cost (one more pass, less the row it
+        would have added to this one, from the measured costs), the engine waits for them, at most that long: a
+        window that follows the measured costs, and none where the calls come back slowly (the draft's sessions,
         which return only after a target pass). A session alone waits for nothing: its pass starts as it calls."""
         self._expected = {sid for sid in self._served if sid not in {f.session.id for f in self._queue}
                           and sid in self.pool}

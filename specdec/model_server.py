@@ -284,7 +284,10 @@ class ModelServer:
         return pb.GetDistributionResponse(probs=row.tolist())
 
     def model_info(self, req) -> pb.ModelInfo:
-        return self.info
+        info = pb.ModelInfo()
+        info.CopyFrom(self.info)
+        info.pass_costs.extend(pb.PassCost(rows=round(rows), seconds=seconds) for rows, seconds in self.engine.costs.curve())
+        return info
 
 
 @dataclass
@@ -305,10 +308,9 @@ class CallStats:
     def fill(self, response) -> None:
         response.compute_seconds = self.compute_s
         if self.last is not None:
-            pass_s, row_s = self.engine.costs.at(self.last.last_rows)
             response.batch.CopyFrom(pb.BatchInfo(queue_seconds=self.queue_s, rows=self.last.last_rows,
-                                                 sessions=self.last.last_sessions, pass_seconds=pass_s,
-                                                 row_seconds=row_s))
+                                                 sessions=self.last.last_sessions,
+                                                 active_sessions=self.engine.active_sessions()))
 
 
 def _consume(task: asyncio.Task) -> None:

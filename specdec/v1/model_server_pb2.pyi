@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -41,18 +41,16 @@ class SessionCursor(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., expected_length: _Optional[int] = ..., keep_length: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BatchInfo(_message.Message):
-    __slots__ = ("queue_seconds", "rows", "sessions", "pass_seconds", "row_seconds")
+    __slots__ = ("queue_seconds", "rows", "sessions", "active_sessions")
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
-    PASS_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    ROW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     queue_seconds: float
     rows: int
     sessions: int
-    pass_seconds: float
-    row_seconds: float
-    def __init__(self, queue_seconds: _Optional[float] = ..., rows: _Optional[int] = ..., sessions: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., row_seconds: _Optional[float] = ...) -> None: ...
+    active_sessions: int
+    def __init__(self, queue_seconds: _Optional[float] = ..., rows: _Optional[int] = ..., sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ...) -> None: ...
 
 class TruncateRequest(_message.Message):
     __slots__ = ("session_id", "expected_length", "length")
@@ -101,7 +99,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_model_len", "max_sessions", "max_tokens", "max_draft_tokens", "dtype", "device", "forward")
+    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_model_len", "max_sessions", "max_tokens", "max_draft_tokens", "dtype", "device", "forward", "pass_costs")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +111,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     FORWARD_FIELD_NUMBER: _ClassVar[int]
+    PASS_COSTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -124,4 +123,13 @@ class ModelInfo(_message.Message):
     dtype: str
     device: str
     forward: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., forward: _Optional[str] = ...) -> None: ...
+    pass_costs: _containers.RepeatedCompositeFieldContainer[PassCost]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., forward: _Optional[str] = ..., pass_costs: _Optional[_Iterable[_Union[PassCost, _Mapping]]] = ...) -> None: ...
+
+class PassCost(_message.Message):
+    __slots__ = ("rows", "seconds")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    seconds: float
+    def __init__(self, rows: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
