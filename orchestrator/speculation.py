@@ -137,7 +137,7 @@ class RoundCosts:
 
     def observe(self, round_s: float, target: CallCost, draft: CallCost | None = None) -> None:
         """One decoding round: its wall time, the target's call and, when the draft proposed, the draft's."""
-        self.active = _ewma(self.active, target.active, self.rate)
+        self.active = float(target.active)  # the server counts over its last second already
         outside = round_s - target.queue_s - target.compute_s - (draft.wall_s if draft else 0.0)
         self._outside.append(max(outside, 0.0))
         if draft is not None:
@@ -250,13 +250,14 @@ class AdaptiveK:
         costs = self.shared.costs.round_s(self.cap)
         if costs is None or not all(math.isfinite(c) and c > 0 for c in costs):
             return self.start_k
+        if (self.shared.costs.active or 1.0) > 1.5 and not best_k(self.shared.prior_alpha(self.greedy), costs):
+            # Others are calling and, at the acceptance of requests of this kind, drafting does not pay: they stay
+            # at K = 0, and this one drafting, or exploring, would only split their batches (its drafted rounds
+            # would meet them in other passes than its own, each paying a pass's fixed part). So it stays with them.
+            self._idle = 0
+            return 0
         alpha = self.acceptance.alpha
         k = best_k(alpha, costs)
-        if k and (self.shared.costs.active or 1.0) > 1.5 and not best_k(self.shared.prior_alpha(self.greedy), costs):
-            # Others are calling and, at the acceptance of requests of this kind, drafting does not pay: they stay
-            # at K = 0, and this one drafting would only split their batches (its drafted rounds would meet them
-            # in other passes than its own, each paying a pass's fixed part). So it stays with them.
-            k = 0
         if not draft_started and self.explorer:
             return min(max(k, 1), self.cap)
         if k and not draft_started and remaining is not None:

@@ -243,3 +243,19 @@ def test_a_request_the_draft_gets_right_stays_at_k_0_while_others_call_and_draft
     shared.costs.observe(0.020, _call(0.015, 0.0079, sessions=2), _call(0.003, 0.0011, sessions=1, active=2))
     assert sp.best_k(easy.acceptance.alpha, shared.costs.round_s(8)) > 0  # on its own it would draft
     assert easy.next_k() == 0
+
+
+def test_while_others_call_and_drafting_does_not_pay_no_request_explores_or_probes():
+    """An explorer's or a probe's drafted rounds would split the others' batches; alone they are how alpha
+    and the costs stay measured, and they resume then."""
+    shared = sp.Speculation()
+    shared.costs = _costs()
+    shared.costs.observe(0.0100, _call(0.0079, 0.0069), _call(0.0021, 0.0011))
+    shared.costs.observe(0.020, _call(0.015, 0.0109, sessions=4), _call(0.003, 0.0013, sessions=4))
+    explorer = sp.AdaptiveK(shared, greedy=True, cap=8, start_k=3)
+    assert explorer.explorer
+    assert explorer.next_k(remaining=100, draft_started=False) == 0
+    assert [explorer.next_k(remaining=100, draft_started=True) for _ in range(3 * sp.PROBE_EVERY)] == [0] * (
+        3 * sp.PROBE_EVERY)
+    shared.costs.observe(0.0100, _call(0.0079, 0.0069), _call(0.0021, 0.0011))  # alone again
+    assert explorer.next_k(remaining=100, draft_started=False) >= 1
