@@ -86,8 +86,9 @@ def machine() -> dict:
 
 
 def start_services(draft: str, target: str, log_path: Path):
-    o, d, t, om, dm, tm = free_ports(6)
+    o, d, t, om, dm, tm, oh, oh2 = free_ports(8)
     env = dict(os.environ, SPECDEC_ORCHESTRATOR_PORT=str(o), SPECDEC_DRAFT_PORT=str(d), SPECDEC_TARGET_PORT=str(t),
+               SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh),
                SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om), SPECDEC_DRAFT_METRICS_PORT=str(dm),
                SPECDEC_TARGET_METRICS_PORT=str(tm), SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=f"127.0.0.1:{d}",
                SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"127.0.0.1:{t}", SPECDEC_DRAFT_MODEL=draft,
@@ -99,6 +100,7 @@ def start_services(draft: str, target: str, log_path: Path):
     # from the rounds it runs, as it would in service, and not from the fixed-K arms' runs of the same prompt.
     o2, om2 = free_ports(2)
     env2 = dict(env, SPECDEC_ORCHESTRATOR_PORT=str(o2), SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om2),
+                SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh2),
                 SPECDEC_ORCHESTRATOR_ADAPTIVE_SPECULATION="true")
     procs.append(subprocess.Popen([sys.executable, "-m", "specdec.cli", "orchestrator"], env=env2, stdout=log,
                                   stderr=subprocess.STDOUT))

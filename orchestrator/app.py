@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from orchestrator.admission import Admission
 from orchestrator.clients import ModelClient
 from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.openai_api import start_http
 from orchestrator.servicer import GenerationServicer
 from specdec import models
 from specdec.config import ConfigError, OrchestratorConfig
@@ -46,7 +47,8 @@ def check_compatible(cfg: OrchestratorConfig, tokenizer, draft: ms_pb.ModelInfo,
 
 
 async def start_orchestrator(cfg: OrchestratorConfig, registry: CollectorRegistry, tokenizer=None):
-    """Connect, check, bind; returns (server, port, health servicer, servicer)."""
+    """Connect, check, bind; returns (server, port, health servicer, servicer). The OpenAI-compatible API, where
+    --http-port is set, is servicer.http (an aiohttp runner on this loop)."""
     tokenizer = tokenizer or await asyncio.to_thread(models.load_tokenizer, cfg.tokenizer)
     draft = ModelClient("draft", cfg.draft_address, draft_pb2_grpc.DraftServiceStub, cfg)
     target = ModelClient("target", cfg.target_address, target_pb2_grpc.TargetServiceStub, cfg)
@@ -66,6 +68,8 @@ async def start_orchestrator(cfg: OrchestratorConfig, registry: CollectorRegistr
         f"{cfg.host}:{cfg.port}", [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE_NAME)],
         max_receive_bytes=cfg.max_request_bytes)
     await server.start()
+    servicer.http = (await start_http(servicer, target_info.model, cfg.host, cfg.http_port, cfg.api_key)
+                     if cfg.http_port else None)
     await mark_serving(health_servicer, [SERVICE_NAME])
     log.info("orchestrator listening on %s:%d (draft %s, target %s; %d generations and %d KV tokens at once, "
              "%d more requests in line)", cfg.host, port, draft_info.model, target_info.model, slots, kv_tokens,
@@ -79,6 +83,8 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
     server, _, health_servicer, servicer = await start_orchestrator(cfg, registry)
 
     async def on_stop():
+        if servicer.http is not None:
+            await servicer.http.cleanup()  # after the grace period: the HTTP generations in flight had it too
         await servicer.drain_releases()
         await servicer.draft.close()
         await servicer.target.close()

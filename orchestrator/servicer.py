@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import secrets
@@ -41,6 +42,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.speculation = Speculation() if cfg.adaptive_speculation else None
         self._releases: set[asyncio.Task] = set()  # background calls: sessions' releases, cost fetches
         self._costs_due = 0.0
+        self.http = None  # the OpenAI-compatible API's runner, where it is served (orchestrator/app.py)
         self.admission = admission
         metrics.waiting.set_function(lambda: admission.waiting)
 
@@ -111,6 +113,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return list(out["input_ids"])
 
     async def Generate(self, request, context):
+        async with contextlib.aclosing(self.stream(request)) as messages:
+            try:
+                async for msg in messages:
+                    yield msg
+            except ServiceError as e:
+                await context.abort(e.code, e.message)
+
+    async def stream(self, request: gen_pb.GenerateRequest):
+        """One request's generation as the messages its client gets, the last with stats; the gRPC handler and
+        the OpenAI-compatible endpoint (orchestrator/openai_api.py) both serve it. Raises ServiceError with the
+        status the client should see (INTERNAL for a defect, whose traceback goes to the log). Every request is
+        counted once, finished or errored; its sessions are freed on both servers however it ends."""
         arrived = time.perf_counter()
         m = self.metrics
         try:
@@ -121,7 +135,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await self.admission.enter(kv_tokens)  # given back once the generation's sessions are freed, below
         except ServiceError as e:
             m.request_errors.labels(e.code.name).inc()
-            await context.abort(e.code, e.message)
+            raise
         except asyncio.CancelledError:  # the client left, or its deadline passed, while it waited in line
             m.request_errors.labels("CANCELLED").inc()
             raise
@@ -148,13 +162,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 yield msg
         except ServiceError as e:
             m.request_errors.labels(e.code.name).inc()
-            await context.abort(e.code, e.message)
+            raise
         except Exception:  # a defect, not the request's fault: the client gets INTERNAL, the log the traceback
             m.request_errors.labels("INTERNAL").inc()
             log.exception("Generate failed")
-            await context.abort(grpc.StatusCode.INTERNAL, "the generation failed on the orchestrator; see its log")
+            raise ServiceError(grpc.StatusCode.INTERNAL, "the generation failed on the orchestrator; see its log") from None
         except (asyncio.CancelledError, GeneratorExit):
-            # The client went away: grpc.aio cancels the handler at an await, or closes it at a yield
+            # The client went away: its handler is cancelled at an await, or this generator closed at a yield
             # (GeneratorExit) when the client cancels while a message is on its way.
             if not finished:
                 m.request_errors.labels("CANCELLED").inc()

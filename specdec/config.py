@@ -100,6 +100,10 @@ class OrchestratorConfig:
     host: str = field(default="0.0.0.0", metadata={"help": "address to bind"})
     port: int = field(default=50051, metadata={"help": "gRPC port (0 picks a free one)"})
     metrics_port: int = field(default=8001, metadata={"help": "Prometheus port (0 disables)"})
+    http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP API port: /v1/chat/completions, "
+                                                             "/v1/completions, /v1/models (0 disables)"})
+    api_key: str = field(default="", metadata={"help": "bearer token the HTTP API requires (Authorization: Bearer "
+                                                        "KEY); empty: none"})
     draft_address: str = field(default="localhost:50052", metadata={"help": "draft service host:port"})
     target_address: str = field(default="localhost:50053", metadata={"help": "target service host:port"})
     tokenizer: str = field(default=DEFAULT_TARGET, metadata={"help": "the target's tokenizer: hub id, folder or embedded:NAME"})
@@ -151,7 +155,7 @@ class OrchestratorConfig:
     grace_s: float = field(default=30.0, metadata={"help": "seconds in-flight streams get on shutdown"})
 
     def validate(self) -> None:
-        _ports(self.port, self.metrics_port)
+        _ports(self.port, self.metrics_port, self.http_port)
         if not 0 <= self.num_speculative_tokens <= self.max_speculative_tokens:
             raise ConfigError("--num-speculative-tokens must be within [0, --max-speculative-tokens]")
         if not 0 <= self.draft_confidence_threshold < 1:

@@ -200,7 +200,7 @@ def make_stack(lt: _Loop, tokenizer, draft_model, target_model, *, draft_service
         t_srv, t_port, *_ = await start_model_server(
             target, [(target_pb2_grpc.add_TargetServiceServicer_to_server, t_servicer, TARGET_NAME)], "127.0.0.1", 0)
         ocfg = OrchestratorConfig(host="127.0.0.1", port=0, metrics_port=0, draft_address=f"127.0.0.1:{d_port}",
-                                  target_address=f"127.0.0.1:{t_port}", **(orch_cfg or {}))
+                                  target_address=f"127.0.0.1:{t_port}", **{"http_port": 0, **(orch_cfg or {})})
         registry = CollectorRegistry()
         o_srv, o_port, _, servicer = await start_orchestrator(ocfg, registry, tokenizer)
         return Stack(lt, draft, target, f"127.0.0.1:{o_port}", registry, servicer, [o_srv, d_srv, t_srv],
@@ -211,6 +211,8 @@ def make_stack(lt: _Loop, tokenizer, draft_model, target_model, *, draft_service
 
 def stop_stack(stack: Stack) -> None:
     async def stop():
+        if getattr(stack.servicer, "http", None) is not None:
+            await stack.servicer.http.cleanup()
         for s in stack.servers:
             await s.stop(0)
     stack.lt.run(stop())

@@ -21,8 +21,9 @@ def specdec(*args, env=None, timeout=120):
 
 @pytest.fixture(scope="module")
 def services():
-    o, d, t, om, dm, tm = free_ports(6)
+    o, d, t, om, dm, tm, oh = free_ports(7)
     env = dict(os.environ, SPECDEC_ORCHESTRATOR_PORT=str(o), SPECDEC_DRAFT_PORT=str(d), SPECDEC_TARGET_PORT=str(t),
+               SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh),
                SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om), SPECDEC_DRAFT_METRICS_PORT=str(dm),
                SPECDEC_TARGET_METRICS_PORT=str(tm), SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=f"localhost:{d}",
                SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"localhost:{t}", SPECDEC_DRAFT_THREADS="1", SPECDEC_TARGET_THREADS="1")

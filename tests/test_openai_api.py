@@ -1,0 +1,162 @@
+"""The OpenAI-compatible endpoint, driven by the real `openai` client against the real services: the same greedy
+text as gRPC Generate, streaming and not; errors in OpenAI's shape with the right HTTP status; the API key; a
+client that disconnects frees its KV sessions on both model servers."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+
+import openai
+import pytest
+
+from conftest import make_stack, stop_stack
+from specdec.server import free_ports
+from specdec.v1 import generation_pb2 as gen_pb
+
+MESSAGES = [{"role": "user", "content": "Name three colors of the rainbow."}]
+
+
+@pytest.fixture(scope="module")
+def api(event_loop_thread, tokenizer, tiny_draft, target_model):
+    port = free_ports(1)[0]
+    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model,
+                       orch_cfg=dict(http_port=port, max_concurrent_requests=1, max_queued_requests=1))
+    stack.http_port = port
+    yield stack
+    stop_stack(stack)
+
+
+def client(stack, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key=kw.pop("api_key", "none"),
+                         max_retries=0, **kw)
+
+
+def model_id(stack) -> str:
+    return client(stack).models.list().data[0].id
+
+
+def test_models_and_health_describe_the_one_model_served(api):
+    models = client(api).models.list().data
+    assert [m.id for m in models] == [api.target.cfg.model] and models[0].owned_by == "specdec"
+    conn = http.client.HTTPConnection("127.0.0.1", api.http_port, timeout=10)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
+
+
+def test_a_chat_completion_is_the_grpc_generations_text_streamed_or_not(api):
+    _, text, stats = api.generate(messages=[("user", MESSAGES[0]["content"])], max_tokens=16, temperature=0.0,
+                                  num_speculative_tokens=2)
+    c = client(api)
+    whole = c.chat.completions.create(model=model_id(api), messages=MESSAGES, max_tokens=16, temperature=0,
+                                      extra_body={"num_speculative_tokens": 2})
+    assert whole.choices[0].message.content == text and whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason == ("length" if stats.finish_reason == gen_pb.FINISH_REASON_LENGTH else "stop")
+    assert whole.usage.completion_tokens == stats.completion_tokens and whole.usage.prompt_tokens == stats.prompt_tokens
+    assert whole.model_extra["specdec"]["draft_tokens"] == stats.draft_tokens  # the speculative stats ride along
+    chunks = list(c.chat.completions.create(model=model_id(api), messages=MESSAGES, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"num_speculative_tokens": 2}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    finals = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["specdec"]["rounds"] == stats.rounds
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == stats.completion_tokens
+
+
+def test_a_text_completion_is_the_grpc_generations_text(api):
+    _, text, _ = api.generate(prompt="The capital of France is", max_tokens=12, temperature=0.0)
+    c = client(api)
+    assert c.completions.create(model=model_id(api), prompt="The capital of France is", max_tokens=12,
+                                temperature=0).choices[0].text == text
+    streamed = c.completions.create(model=model_id(api), prompt="The capital of France is", max_tokens=12,
+                                    temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == text
+
+
+@pytest.mark.parametrize("fields, error, words, code", [
+    (dict(n=2), openai.BadRequestError, "n must be 1", None),
+    (dict(temperature=-1), openai.BadRequestError, "temperature", "invalid_argument"),
+    (dict(max_tokens=10 ** 6), openai.BadRequestError, "context length", "out_of_range"),
+    (dict(logprobs=True), openai.BadRequestError, "logprobs is not supported", None),
+    (dict(model="gpt-4o"), openai.NotFoundError, "does not exist", "model_not_found"),
+    (dict(extra_body={"num_speculative_tokens": 99}), openai.BadRequestError, "num_speculative_tokens",
+     "invalid_argument"),
+])
+def test_a_bad_request_gets_openais_error_shape_with_the_right_status(api, fields, error, words, code):
+    request = {"model": model_id(api), "messages": MESSAGES, "max_tokens": 4, **fields}
+    with pytest.raises(error) as err:
+        client(api).chat.completions.create(**request)
+    # OpenAI's {"error": {"message", "type", "param", "code"}}
+    assert words in err.value.body["message"] and err.value.body["code"] == code
+    assert err.value.body["type"] == "invalid_request_error"
+
+
+def test_a_full_line_is_429(api, event_loop_thread):
+    """One generation at a time and one in line (the fixture): a third request is refused at once."""
+    import threading
+
+    slow = dict(messages=[("user", "Count slowly from one to fifty.")], max_tokens=200, temperature=0.0)
+    threads = [threading.Thread(target=lambda: api.generate(**slow)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    assert _eventually(lambda: api.metric("specdec_waiting_requests") == 1)
+    with pytest.raises(openai.RateLimitError) as err:
+        client(api).chat.completions.create(model=model_id(api), messages=MESSAGES, max_tokens=4)
+    assert "retry later" in err.value.body["message"] and err.value.body["type"] == "rate_limit_error"
+    for t in threads:
+        t.join()
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_sessions_on_both_servers(api):
+    before = api.metric("specdec_request_errors_total", {"code": "CANCELLED"})
+    conn = http.client.HTTPConnection("127.0.0.1", api.http_port, timeout=30)
+    body = json.dumps({"model": model_id(api), "messages": MESSAGES, "max_tokens": 300, "temperature": 0,
+                       "stream": True})
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    response = response_lines(conn.getresponse())
+    assert next(response).startswith("data: ")  # the stream has started: both servers hold the session
+    assert api.pool_sizes() != (0, 0)
+    conn.close()
+    assert _eventually(lambda: api.pool_sizes() == (0, 0))
+    assert _eventually(lambda: api.metric("specdec_request_errors_total", {"code": "CANCELLED"}) == before + 1)
+
+
+def response_lines(response):
+    for raw in response:
+        line = raw.decode().strip()
+        if line:
+            yield line
+
+
+def test_with_an_api_key_a_request_without_it_is_401_and_with_it_served(event_loop_thread, tokenizer, tiny_draft,
+                                                                          target_model):
+    port = free_ports(1)[0]
+    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model,
+                       orch_cfg=dict(http_port=port, api_key="s3cret"))
+    stack.http_port = port
+    try:
+        with pytest.raises(openai.AuthenticationError) as err:
+            client(stack, api_key="wrong").models.list()
+        assert "API key" in err.value.body["message"]
+        ok = client(stack, api_key="s3cret").chat.completions.create(model=model_id_with(stack, "s3cret"),
+                                                                      messages=MESSAGES, max_tokens=4)
+        assert ok.choices[0].message.content is not None
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/health")  # health answers without the key, for probes
+        assert conn.getresponse().status == 200
+    finally:
+        stop_stack(stack)
+
+
+def model_id_with(stack, key: str) -> str:
+    return client(stack, api_key=key).models.list().data[0].id
+
+
+def _eventually(condition, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
