@@ -8,7 +8,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install system-deps proto clean
+.PHONY: demo test install system-deps proto docs clean
 
 $(STAMP): requirements/cpu.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m specdec.demo
+	$(BIN)/python -m cli.demo
 
 # Prometheus (with promtool) and docker-compose for the observability tests: Debian packages,
 # installed when missing and apt-get can run as root; otherwise those tests skip.
@@ -39,6 +39,9 @@ test: $(STAMP) system-deps
 
 proto: $(STAMP)
 	$(BIN)/python tools/gen_proto.py
+
+docs: $(STAMP)
+	$(BIN)/python tools/gen_config_doc.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

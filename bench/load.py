@@ -232,7 +232,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def main(args, progress=print) -> dict:
     """Run the load benchmark as `specdec bench --concurrency ...` asked; writes load.json, load.md, load.png."""
-    from bench.run import load_prompts, machine, start_services
+    from bench.services import load_prompts, machine, start_services
     from specdec import models
 
     out_dir = Path(args.out)

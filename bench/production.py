@@ -146,7 +146,7 @@ def summarize(timings: dict, overhead_ms: float, max_k: int) -> dict:
 
 def profile(device: str, dtype: str, context: int, reps: int, overhead_ms: float, max_k: int = 8,
             shrink_by: int = 1) -> dict:
-    from specdec.runner import make_runner
+    from specdec.runners import make_runner
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     cfgs = {name: (shrink(cfg, shrink_by) if shrink_by > 1 else cfg) for name, cfg in CONFIGS.items()}

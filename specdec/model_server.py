@@ -33,7 +33,7 @@ from specdec.engine import MAX_BATCH_TOKENS, Engine, Feed
 from specdec.errors import ServiceError, invalid
 from specdec.kv_pool import Session, SessionPool
 from specdec.prefix_cache import PrefixCache
-from specdec.runner import make_runner, resolve_quantize
+from specdec.runners import make_runner, resolve_quantize
 from specdec.sampling import SamplingParams
 from specdec.v1 import model_server_pb2 as pb
 

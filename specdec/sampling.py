@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.kernels import kernels_for
+from specdec.runners.kernels import kernels_for
 
 _MASK64 = (1 << 64) - 1
 

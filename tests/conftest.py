@@ -55,7 +55,7 @@ def write_gguf(model, path, formats=("Q4_1", "Q8_0")):
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize, quantize
 
-    from specdec.gguf_blocks import qk_row_order
+    from specdec.runners.gguf_blocks import qk_row_order
 
     cfg, writer = model.config, GGUFWriter(str(path), "llama")
 
@@ -120,7 +120,7 @@ def event_loop_thread():
 
 def built_kernels():
     """specdec's CPU kernels, built on first use; the calling test skips where no C++ compiler can build them."""
-    from specdec.kernels import cpu_kernels
+    from specdec.runners.kernels import cpu_kernels
 
     kernels = cpu_kernels()
     if kernels is None:

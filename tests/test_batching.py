@@ -7,19 +7,18 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from gguf.quants import quantize
 
 from conftest import built_kernels
-from specdec import gguf_blocks
-from specdec.engine import LONG_PASS_TOKENS, Engine, Feed, PassCosts, plan_pass
+from specdec.runners import gguf_blocks
+from specdec.engine import Engine, Feed, PassCosts, plan_pass
 from specdec.errors import ServiceError
 from specdec.kv_pool import Session, SessionPool
-from specdec.lean_llama import LeanLlamaRunner, TorchLayerOps, quantize_rows
-from specdec.runner import CausalLMRunner
+from specdec.runners.lean_llama import LeanLlamaRunner, TorchLayerOps, quantize_rows
+from specdec.runners import CausalLMRunner
 
 
 # -- the kernels: a row's result does not depend on the rows beside it -----------------------------------------
@@ -112,9 +111,9 @@ def test_a_sessions_logits_do_not_depend_on_how_its_feed_is_cut_into_passes(tiny
 
 
 def test_without_the_kernels_a_batched_pass_matches_the_lone_ones_to_float_rounding(tiny_draft, tokenizer, monkeypatch):
-    import specdec.kernels
+    import specdec.runners.kernels
 
-    monkeypatch.setattr(specdec.kernels, "cpu_kernels", lambda: None)
+    monkeypatch.setattr(specdec.runners.kernels, "cpu_kernels", lambda: None)
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=1024, matmul="linear")
     assert runner.layer_ops is TorchLayerOps and not runner.batch_invariant
     alone, _, batched, caches = _alone_and_batched(runner)

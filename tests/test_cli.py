@@ -15,7 +15,7 @@ from specdec.server import free_ports
 
 
 def specdec(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
 
@@ -27,7 +27,7 @@ def services():
                SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om), SPECDEC_DRAFT_METRICS_PORT=str(dm),
                SPECDEC_TARGET_METRICS_PORT=str(tm), SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=f"localhost:{d}",
                SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"localhost:{t}", SPECDEC_DRAFT_THREADS="1", SPECDEC_TARGET_THREADS="1")
-    up = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up"], env=env, stdout=subprocess.PIPE,
+    up = subprocess.Popen([sys.executable, "-m", "cli.main", "up"], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     address = f"localhost:{o}"
     deadline = time.monotonic() + 180
@@ -71,7 +71,7 @@ def test_each_service_exports_its_metrics(services):
 
 def test_sigterm_finishes_the_generation_in_flight_and_stops_all_three_cleanly(services):
     up, address, env, _ = services
-    gen = subprocess.Popen([sys.executable, "-m", "specdec.cli", "generate", "Once upon a time", "--address", address,
+    gen = subprocess.Popen([sys.executable, "-m", "cli.main", "generate", "Once upon a time", "--address", address,
                             "--max-tokens", "300", "--temperature", "0"],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     gen.stdout.read(8)  # streaming has begun

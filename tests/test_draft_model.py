@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec import models
-from specdec.runner import make_runner
+from specdec.runners import make_runner
 from training.prompts import make_prompts
 
 DRAFT = "embedded:smollm2-135m-draft"

@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import can_run, make_stack, stop_stack
 
-from bench.run import forwards
+from bench.services import forwards
 from orchestrator import generation
 from specdec import models
-from specdec.kernels import cpu_kernels
-from specdec.lean_llama import FORMS
+from specdec.runners.kernels import cpu_kernels
+from specdec.runners.lean_llama import FORMS
 from specdec.v1 import generation_pb2 as gen_pb
 
 PROMPTS = [  # each at least 64 tokens after the chat template; answers run past 64 tokens

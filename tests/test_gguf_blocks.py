@@ -11,8 +11,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from conftest import built_kernels, write_gguf
-from specdec import gguf_blocks, models
-from specdec.lean_llama import LeanLlamaRunner
+from specdec import models
+from specdec.runners import gguf_blocks
+from specdec.runners.lean_llama import LeanLlamaRunner
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])

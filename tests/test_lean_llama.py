@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import specdec.lean_llama as lean_llama
+import specdec.runners.lean_llama as lean_llama
 from conftest import built_kernels, can_run
-from specdec.lean_llama import (FORMS, SMALL_PASS_ROWS, LeanLlamaRunner, TorchLayerOps, describe_plan,
+from specdec.runners.lean_llama import (FORMS, SMALL_PASS_ROWS, LeanLlamaRunner, TorchLayerOps, describe_plan,
                                 onednn_linear, pack_onednn, plan_products, quantize_rows, time_passes, weights_first)
 from specdec import models
-from specdec.runner import CausalLMRunner, make_runner, resolve_quantize
+from specdec.runners import CausalLMRunner, make_runner, resolve_quantize
 
 
 def steps(runner, chunks, crop_at=None):
@@ -65,7 +65,7 @@ def test_lean_forward_matches_on_the_embedded_target(target_model, tokenizer, ma
 def test_restricted_output_vocabulary_gives_zero_probability_outside(tiny_draft, tokenizer):
     import copy
 
-    from specdec.runner import make_runner
+    from specdec.runners import make_runner
 
     draft = copy.deepcopy(tiny_draft)
     draft.config.specdec_output_token_ids = list(range(1000, 5000))
@@ -178,9 +178,9 @@ def kernel():
 def no_kernel(monkeypatch):
     """A machine where specdec's kernels cannot be built (no compiler): auto falls back on oneDNN's packed form,
     and the work between the products on torch."""
-    import specdec.kernels
+    import specdec.runners.kernels
 
-    monkeypatch.setattr(specdec.kernels, "cpu_kernels", lambda: None)
+    monkeypatch.setattr(specdec.runners.kernels, "cpu_kernels", lambda: None)
 
 
 @pytest.fixture
@@ -415,10 +415,10 @@ def test_unknown_product_form_is_refused(tiny_draft, tokenizer):
 
 @pytest.mark.parametrize("products", ["specdec's kernel", "fbgemm"])
 def test_int8_products_stay_close_to_float_products(tiny_draft, tokenizer, products, monkeypatch):
-    import specdec.kernels
+    import specdec.runners.kernels
 
     if products == "fbgemm":
-        monkeypatch.setattr(specdec.kernels, "cpu_kernels", lambda: None)
+        monkeypatch.setattr(specdec.runners.kernels, "cpu_kernels", lambda: None)
     else:
         built_kernels()
     ids = list(range(100, 400))

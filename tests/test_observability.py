@@ -18,7 +18,7 @@ import yaml
 from prometheus_client import start_http_server
 
 from conftest import make_stack, stop_stack
-from specdec.cli import prometheus_config
+from cli.main import prometheus_config
 from specdec.config import OrchestratorConfig
 from specdec.server import free_ports
 

@@ -56,7 +56,7 @@ def test_batched_generation_with_finished_rows_dropped_matches_one_prompt_at_a_t
     target alone does, and its soft labels line up with the answer tokens."""
     import torch
 
-    from specdec.lean_llama import LeanLlamaRunner
+    from specdec.runners.lean_llama import LeanLlamaRunner
     from training.batched import generate
 
     runner = LeanLlamaRunner(target_model, len(tokenizer), 512)
@@ -83,7 +83,7 @@ def test_teacher_forced_labels_equal_the_labels_recorded_while_generating(target
     position its top-20 must be what the target records when it generates that answer itself."""
     import torch
 
-    from specdec.lean_llama import LeanLlamaRunner
+    from specdec.runners.lean_llama import LeanLlamaRunner
     from training.batched import generate, score
 
     runner = LeanLlamaRunner(target_model, len(tokenizer), 512)
@@ -102,7 +102,7 @@ def test_a_restricted_vocabulary_draft_generates_token_ids_from_its_kept_tokens(
     must turn those indices back into token ids, greedy as its runner alone decodes, sampled inside the set."""
     import copy
 
-    from specdec.lean_llama import LeanLlamaRunner
+    from specdec.runners.lean_llama import LeanLlamaRunner
     from training.batched import generate
 
     draft = copy.deepcopy(tiny_draft)

@@ -38,7 +38,7 @@ def service_pids() -> dict[str, int]:
         except OSError:
             continue
         for role in ("draft", "target", "orchestrator"):
-            if role in argv and "specdec.cli" in argv:
+            if role in argv and "cli.main" in argv:
                 found[role] = int(pid)
     return found
 

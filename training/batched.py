@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specdec.lean_llama import LeanLlamaRunner, TorchLayerOps, rope
+from specdec.runners.lean_llama import LeanLlamaRunner, TorchLayerOps, rope
 from specdec.sampling import logits_to_probs
 
 

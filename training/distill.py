@@ -33,15 +33,11 @@ from pathlib import Path
 import torch
 
 from specdec import models
-from specdec.lean_llama import LeanLlamaRunner
+from specdec.runners.lean_llama import LeanLlamaRunner
 from training import batched
 from training.prompts import VERSION as PROMPTS_VERSION, make_prompts
 
-SEED = 20261121
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+from training.common import SEED, log
 
 
 def work_dir() -> Path:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec import models
-from training.distill import SEED, log
+from training.common import SEED, log
 
 ARCH = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64)  # --init-from pca: a fresh draft of this shape

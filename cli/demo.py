@@ -11,7 +11,7 @@ PROMPT = "Explain in a few sentences why the sky is blue."
 
 
 def _wait_serving(address: str, timeout_s: float, up: subprocess.Popen) -> bool:
-    from specdec.cli import health_status
+    from specdec.server import health_status
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -24,10 +24,10 @@ def _wait_serving(address: str, timeout_s: float, up: subprocess.Popen) -> bool:
 
 
 def main() -> int:
-    from specdec.cli import main as cli
+    from cli.main import main as cli
 
     print("Starting draft, target and orchestrator (the first run converts the embedded model, ~20 s)...", flush=True)
-    up = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up"])
+    up = subprocess.Popen([sys.executable, "-m", "cli.main", "up"])
     try:
         if not _wait_serving("localhost:50051", 300, up):
             print("specdec demo: the services did not come up; see the log above", file=sys.stderr)

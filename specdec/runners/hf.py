@@ -1,9 +1,11 @@
-"""One forward pass of a causal LM over a session's KV cache."""
+"""The stock transformers forward (`--runner hf`): any causal LM, its KV cache a DynamicCache per session."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from specdec.runners.vocab import output_token_ids
 
 
 class CausalLMRunner:
@@ -95,35 +97,3 @@ class CausalLMRunner:
     def batch_invariant(self) -> bool:
         """Padded batches take other GEMMs than a lone pass (see forward_batch): no."""
         return False
-
-
-def output_token_ids(model) -> torch.Tensor | None:
-    """The tokens a restricted-vocabulary draft scores (config ``specdec_output_token_ids``), or None."""
-    kept = getattr(model.config, "specdec_output_token_ids", None)
-    return None if kept is None else torch.tensor(sorted(kept), dtype=torch.long)
-
-
-def make_runner(model, vocab_size: int, max_len: int, kind: str = "auto", matmul: str = "auto",
-                quantize: str = "none", gguf: str | None = None):
-    """kind: hf (the stock transformers forward), lean (Llama only), auto (lean for Llama, else hf).
-    matmul: the lean runner's product form for steps and verify passes; quantize: none, or int8 products
-    on CPU; gguf: the GGUF file the model was loaded from, whose blocks the gguf form reads (see
-    specdec.lean_llama). The stock forward has none of them."""
-    if kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama"):
-        from specdec.lean_llama import LeanLlamaRunner
-
-        return LeanLlamaRunner(model, vocab_size, max_len, matmul, quantize, gguf)
-    if quantize != "none":
-        raise ValueError(f"quantize={quantize!r} needs the lean runner (a Llama model)")
-    return CausalLMRunner(model, vocab_size)
-
-
-def resolve_quantize(quantize: str, role: str, model) -> str:
-    """auto: int8 for a draft on CPU in float32 when the lean runner serves it, else none. A draft's
-    numbers only change q, which the ratio test accounts for, so the output stays exact; a target's
-    numbers are the output, so auto leaves them alone."""
-    if quantize != "auto":
-        return quantize
-    weight = next(model.parameters())
-    lean = getattr(model.config, "model_type", "") == "llama"
-    return "int8" if role == "draft" and lean and weight.device.type == "cpu" and weight.dtype == torch.float32 else "none"

@@ -8,7 +8,7 @@ keeps a growable KV cache per session. Logits match the stock forward to float
 rounding; both model servers use it for Llama models (``--runner auto``, the default).
 The products of a step or a verify pass take, for each row count, whichever equivalent form this
 CPU runs fastest, timed once at load (``--matmul auto``): MKL's F.linear, weights-first, specdec's
-own few-row kernel (``specdec/kernels``, compiled on first use) or, where that cannot be built,
+own few-row kernel (``specdec/runners/kernels``, compiled on first use) or, where that cannot be built,
 oneDNN's packed GEMM. Few-row GEMMs fall off cliffs that differ from CPU to CPU, and speculative
 decoding needs a verify of K + 1 rows to cost what a step costs. On CPU
 the products can instead run on int8 weights (``--quantize int8``, the draft's default
@@ -27,8 +27,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from specdec import gguf_blocks
-from specdec.kernels import kernels_for
+import specdec.runners.gguf_blocks as gguf_blocks
+from specdec.runners.kernels import kernels_for
+from specdec.runners.vocab import output_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ def _matrices(layers, head) -> list:
 
 class TorchLayerOps:
     """The work of a layer between its products, in eager torch: any device and dtype, and the reference
-    that specdec's CPU kernels (``specdec/kernels/layer.cpp``, same signatures) are tested against."""
+    that specdec's CPU kernels (``specdec/runners/kernels/layer.cpp``, same signatures) are tested against."""
 
     @staticmethod
     def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -275,8 +276,6 @@ class LeanLlamaRunner:
                 mlp.down_proj.weight.detach(),
             ))
         self.norm = m.norm.weight.detach()
-        from specdec.runner import output_token_ids
-
         self.kept = self.scored_ids = output_token_ids(model)  # [kept] or None: score only these rows
         head = model.get_output_embeddings().weight.detach()[:vocab_size]  # [vocab, hidden]
         self.lm_head = head if self.kept is None else head[self.kept].contiguous()  # [vocab or kept, hidden]
@@ -508,7 +507,7 @@ class LeanLlamaRunner:
                 raise ValueError(f"sequence of {start + n} tokens exceeds {self.max_len}")
         for c, n in zip(caches, ns):
             c.reserve(n)
-        rows, h = sum(ns), self.n_heads
+        rows = sum(ns)
         form = self.plan[rows] if rows <= SMALL_PASS_ROWS else self.long_pass
         linear, layers, lm_head = self.products[form]
         if len(caches) == 1:

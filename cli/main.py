@@ -25,16 +25,8 @@ import time
 # forward pass. Side by side on the 2-core VM: RPC overhead per round 3.1 -> 2.5 ms, verify unchanged.
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
-from specdec.config import (DEFAULT_DRAFT, ConfigError, ModelServerConfig, OrchestratorConfig, add_arguments,
+from specdec.config import (DEFAULT_DRAFT, ROLE_DEFAULTS, ConfigError, ModelServerConfig, OrchestratorConfig, add_arguments,
                             env_prefix, from_args)
-
-# The draft's forward is a chain of small ops: a second CPU thread adds synchronisation, not speed, and
-# its idle spinning takes the core the target's verify needs (2-core VM: draft step 5.5 -> 4.0 ms,
-# verify of 3 tokens 52 -> 43 ms). Set --threads (or SPECDEC_DRAFT_THREADS) to change it.
-ROLE_DEFAULTS = {
-    "draft": {"port": 50052, "metrics_port": 8002, "model": DEFAULT_DRAFT, "threads": 1},
-    "target": {"port": 50053, "metrics_port": 8003},
-}
 
 
 def _logging() -> None:
@@ -75,7 +67,7 @@ def _up(args) -> int:
     if args.threads:
         env.setdefault("SPECDEC_DRAFT_THREADS", str(args.threads))
         env.setdefault("SPECDEC_TARGET_THREADS", str(args.threads))
-    cmd = [sys.executable, "-m", "specdec.cli"]
+    cmd = [sys.executable, "-m", "cli.main"]
     children = [_child([*cmd, role], env=env) for role in ("target", "draft", "orchestrator")]
     if args.with_prometheus:
         children.append(_start_prometheus(env, args.prometheus_port))
@@ -215,21 +207,9 @@ def _generate(args) -> int:
     return 0
 
 
-def health_status(address: str, service: str = "", timeout: float = 3.0) -> str:
-    """SERVING, NOT_SERVING... or the gRPC status code's name when the server does not answer."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    try:
-        with grpc.insecure_channel(address) as channel:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                             timeout=timeout)
-    except grpc.RpcError as e:
-        return e.code().name
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-
-
 def _health(args) -> int:
+    from specdec.server import health_status
+
     status = health_status(args.address, args.service, args.timeout)
     print(f"{args.address}: {status}", file=sys.stdout if status == "SERVING" else sys.stderr)
     return 0 if status == "SERVING" else 1

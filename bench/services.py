@@ -1,0 +1,95 @@
+"""What the benchmarks share: the committed prompts, the machine's description, and the services they start.
+
+`specdec bench` (bench/run.py), its load mode (bench/load.py) and the draft's evaluation (training/evaluate.py)
+all run on these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from specdec.server import free_ports, health_status
+
+PROMPTS = Path(__file__).resolve().parent / "prompts.json"
+
+
+def load_prompts(n: int | None) -> list[dict]:
+    prompts = json.loads(PROMPTS.read_text())["prompts"]
+    if n is None or n >= len(prompts):
+        return prompts
+    by_cat: dict[str, list] = {}
+    for p in prompts:
+        by_cat.setdefault(p["category"], []).append(p)
+    picked = []
+    while len(picked) < n:  # round-robin over categories
+        for cat in list(by_cat):
+            if by_cat[cat] and len(picked) < n:
+                picked.append(by_cat[cat].pop(0))
+    return picked
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    cpu = ""
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def start_services(draft: str, target: str, log_path: Path):
+    o, d, t, om, dm, tm, oh, oh2 = free_ports(8)
+    env = dict(os.environ, SPECDEC_ORCHESTRATOR_PORT=str(o), SPECDEC_DRAFT_PORT=str(d), SPECDEC_TARGET_PORT=str(t),
+               SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh),
+               SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om), SPECDEC_DRAFT_METRICS_PORT=str(dm),
+               SPECDEC_TARGET_METRICS_PORT=str(tm), SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=f"127.0.0.1:{d}",
+               SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"127.0.0.1:{t}", SPECDEC_DRAFT_MODEL=draft,
+               SPECDEC_TARGET_MODEL=target, SPECDEC_ORCHESTRATOR_TOKENIZER=target,
+               SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS="8")
+    log = open(log_path, "w")
+    procs = [subprocess.Popen([sys.executable, "-m", "cli.main", "up"], env=env, stdout=log, stderr=subprocess.STDOUT)]
+    # The "auto" arm's orchestrator, on the same model servers: adaptive speculation learns its costs and alpha
+    # from the rounds it runs, as it would in service, and not from the fixed-K arms' runs of the same prompt.
+    o2, om2 = free_ports(2)
+    env2 = dict(env, SPECDEC_ORCHESTRATOR_PORT=str(o2), SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om2),
+                SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh2),
+                SPECDEC_ORCHESTRATOR_ADAPTIVE_SPECULATION="true")
+    procs.append(subprocess.Popen([sys.executable, "-m", "cli.main", "orchestrator"], env=env2, stdout=log,
+                                  stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + 600
+    while any(health_status(f"127.0.0.1:{port}", timeout=1) != "SERVING" for port in (o, o2)):
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                p.terminate()
+            raise SystemExit(f"specdec bench: the services did not start; see {log_path}")
+        time.sleep(1)
+    urls = {None: f"http://127.0.0.1:{om}/metrics", "draft": f"http://127.0.0.1:{dm}/metrics",
+            "target": f"http://127.0.0.1:{tm}/metrics"}
+    auto = (f"127.0.0.1:{o2}", {**urls, None: f"http://127.0.0.1:{om2}/metrics"})
+    return procs, f"127.0.0.1:{o}", urls, auto, forwards(f"127.0.0.1:{d}", f"127.0.0.1:{t}")
+
+
+def forwards(draft_address: str, target_address: str) -> dict:
+    """How each model server runs its passes (ModelInfo.forward): the product forms its start-up chose."""
+    from specdec.v1 import draft_pb2_grpc, model_server_pb2, target_pb2_grpc
+
+    out = {}
+    for role, address, stub_class in (("draft", draft_address, draft_pb2_grpc.DraftServiceStub),
+                                      ("target", target_address, target_pb2_grpc.TargetServiceStub)):
+        with grpc.insecure_channel(address) as channel:
+            out[role] = stub_class(channel).GetModelInfo(model_server_pb2.GetModelInfoRequest(), timeout=30).forward
+    return out
