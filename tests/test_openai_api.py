@@ -160,3 +160,20 @@ def _eventually(condition, timeout_s: float = 20.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def test_the_readmes_python_clients_work_as_written(api, capsys):
+    """The two Python snippets of the README's "Use it", run as written against the services (their ports
+    moved to the test's)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    grpc_block = next(b for b in blocks if "generation_pb2_grpc" in b)
+    openai_block = next(b for b in blocks if "from openai import OpenAI" in b)
+    for block in (grpc_block.replace("localhost:50051", api.address),
+                  openai_block.replace("localhost:8000", f"127.0.0.1:{api.http_port}")):
+        exec(compile(block, "README.md", "exec"), {})
+        printed = capsys.readouterr().out
+        assert len(printed.split()) >= 5, printed  # a haiku came back
