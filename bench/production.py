@@ -194,7 +194,7 @@ def _section(r: dict, overhead_ms: float) -> list[str]:
 
 def markdown(r: dict) -> str:
     lines = [f"# specdec production-size profile ({time.strftime('%Y-%m-%d')})", "",
-             f"Llama-3.2-1B drafting for Llama-3.2-3B, built from their published configurations with random weights"
+             "Llama-3.2-1B drafting for Llama-3.2-3B, built from their published configurations with random weights"
              + (f" shrunk {r['shrunk_by']}x (a smoke check, not production sizes)" if r["shrunk_by"] > 1 else "")
              + f"; {r['dtype']} on {r['device']}; lean forward; context {r['context']} tokens; medians of {r['reps']}.", "",
              "## Eager (how specdec's model servers run today: one Python call per kernel)", ""]

@@ -183,10 +183,17 @@ def _generate(args) -> int:
         req.num_speculative_tokens = args.k
     if args.prompt_lookup_min is not None:
         req.prompt_lookup_min = args.prompt_lookup_min
-    with grpc.insecure_channel(args.address) as channel:
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+    if args.tls_ca:
+        from specdec.server import channel_credentials
+
+        channel = grpc.secure_channel(args.address, channel_credentials(args.tls_ca))
+    else:
+        channel = grpc.insecure_channel(args.address)
+    with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
-            for msg in stub.Generate(req, timeout=args.timeout):
+            for msg in stub.Generate(req, timeout=args.timeout, metadata=metadata):
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 if msg.HasField("stats"):
@@ -248,6 +255,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-lookup-min", type=int,
                    help="propose tokens copied from earlier in the sequence when its last n >= this tokens repeat (0: off)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up (default %(default)s)")
+    g.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY", ""),
+                   help="the orchestrator's --api-key, where it has one (env SPECDEC_API_KEY)")
+    g.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA", ""),
+                   help="PEM CA file: connect over TLS, trusting the certificates it signed (env SPECDEC_TLS_CA)")
     sub.add_parser("bench", help="measure the speedup side by side (specdec bench --help)", add_help=False)
     h = sub.add_parser("health", help="check a server's gRPC health service")
     h.add_argument("address", nargs="?", default="localhost:50051")

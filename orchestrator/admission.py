@@ -69,6 +69,13 @@ class Admission:
                 self._admit()  # the head of the line may have changed
             raise
 
+    def resize(self, slots: int, tokens: int) -> None:
+        """The model servers' capacity changed (a replica came, went or came back): admit against the new one.
+        Generations running past a smaller capacity finish; no new one starts until they fit."""
+        if (slots, tokens) != (self.slots, self.tokens) and slots >= 1 and tokens >= 1:
+            self.slots, self.tokens = slots, tokens
+            self._admit()
+
     def leave(self, tokens: int) -> None:
         """Give back what enter(tokens) took, and admit whoever now fits, in order."""
         self.running -= 1

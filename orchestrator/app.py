@@ -5,29 +5,49 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpc
 from prometheus_client import CollectorRegistry
 
 from orchestrator.admission import Admission
 from orchestrator.clients import ModelClient
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.openai_api import start_http
+from orchestrator.replicas import ReplicaSet
 from orchestrator.servicer import GenerationServicer
 from specdec import models
 from specdec.config import ConfigError, OrchestratorConfig
-from specdec.server import create_server, mark_serving, serve, start_metrics
+from specdec.server import (create_server, mark_serving, serve, server_credentials, start_health_server,
+                            start_metrics)
 from specdec.v1 import draft_pb2_grpc, generation_pb2_grpc, model_server_pb2 as ms_pb, target_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specdec.v1.Generation"
 
 
-async def _model_info(client: ModelClient, timeout_s: float) -> ms_pb.ModelInfo:
-    try:
-        return await client.stub.GetModelInfo(ms_pb.GetModelInfoRequest(), wait_for_ready=True, timeout=timeout_s)
-    except grpc.aio.AioRpcError as e:
-        raise ConfigError(f"the {client.role} service at {client.address} did not answer within "
-                          f"{timeout_s:.0f} s ({e.code().name}); is it running?") from None
+async def _first_report(replicas: ReplicaSet, timeout_s: float) -> ms_pb.ModelInfo:
+    """The report of the first replica of the role to answer; the others report as the servicer refreshes."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        await replicas.resolve()
+        calls = {asyncio.ensure_future(r.client.stub.GetModelInfo(
+            ms_pb.GetModelInfoRequest(), wait_for_ready=True, timeout=max(min(deadline - loop.time(), 5.0), 0.1))): r
+            for r in replicas}
+        try:
+            pending = set(calls)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for call in done:
+                    if call.exception() is None:
+                        calls[call].report(call.result())
+                        return call.result()
+            if not calls:
+                await asyncio.sleep(1.0)  # the name resolves to no address yet (no pod ready)
+        finally:
+            for call in calls:
+                call.cancel()
+        if loop.time() >= deadline:
+            raise ConfigError(f"no {replicas.role} service at {', '.join(e.address for e in replicas.endpoints)} "
+                              f"answered within {timeout_s:.0f} s; is it running?")
 
 
 def check_compatible(cfg: OrchestratorConfig, tokenizer, draft: ms_pb.ModelInfo, target: ms_pb.ModelInfo) -> None:
@@ -50,13 +70,16 @@ async def start_orchestrator(cfg: OrchestratorConfig, registry: CollectorRegistr
     """Connect, check, bind; returns (server, port, health servicer, servicer). The OpenAI-compatible API, where
     --http-port is set, is servicer.http (an aiohttp runner on this loop)."""
     tokenizer = tokenizer or await asyncio.to_thread(models.load_tokenizer, cfg.tokenizer)
-    draft = ModelClient("draft", cfg.draft_address, draft_pb2_grpc.DraftServiceStub, cfg)
-    target = ModelClient("target", cfg.target_address, target_pb2_grpc.TargetServiceStub, cfg)
+    draft = ReplicaSet("draft", cfg.draft_address,
+                       lambda a: ModelClient("draft", a, draft_pb2_grpc.DraftServiceStub, cfg), cfg.resolve_interval_s)
+    target = ReplicaSet("target", cfg.target_address,
+                        lambda a: ModelClient("target", a, target_pb2_grpc.TargetServiceStub, cfg), cfg.resolve_interval_s)
     log.info("waiting up to %.0f s for the draft service at %s and the target service at %s",
              cfg.startup_timeout_s, cfg.draft_address, cfg.target_address)
-    draft_info, target_info = await asyncio.gather(_model_info(draft, cfg.startup_timeout_s),
-                                                   _model_info(target, cfg.startup_timeout_s))
+    draft_info, target_info = await asyncio.gather(_first_report(draft, cfg.startup_timeout_s),
+                                                   _first_report(target, cfg.startup_timeout_s))
     check_compatible(cfg, tokenizer, draft_info, target_info)
+    draft.fingerprint = target.fingerprint = target_info.tokenizer_fingerprint
     eos = set(target_info.eos_token_ids) | set(models.eos_token_ids(None, tokenizer))
     metrics = OrchestratorMetrics(registry, cfg.max_speculative_tokens)
     slots = cfg.max_concurrent_requests or min(draft_info.max_sessions, target_info.max_sessions)
@@ -66,8 +89,9 @@ async def start_orchestrator(cfg: OrchestratorConfig, registry: CollectorRegistr
                                   Admission(slots, kv_tokens, cfg.max_queued_requests))
     server, port, health_servicer = create_server(
         f"{cfg.host}:{cfg.port}", [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE_NAME)],
-        max_receive_bytes=cfg.max_request_bytes)
+        max_receive_bytes=cfg.max_request_bytes, credentials=server_credentials(cfg))
     await server.start()
+    servicer.start()
     servicer.http = (await start_http(servicer, target_info.model, cfg.host, cfg.http_port, cfg.api_key)
                      if cfg.http_port else None)
     await mark_serving(health_servicer, [SERVICE_NAME])
@@ -81,12 +105,13 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
     registry = CollectorRegistry()
     start_metrics(cfg.metrics_port, registry)
     server, _, health_servicer, servicer = await start_orchestrator(cfg, registry)
+    health_server = await start_health_server(cfg.host, cfg.health_port, health_servicer)
 
     async def on_stop():
+        if health_server is not None:
+            await health_server.stop(0)
         if servicer.http is not None:
             await servicer.http.cleanup()  # after the grace period: the HTTP generations in flight had it too
-        await servicer.drain_releases()
-        await servicer.draft.close()
-        await servicer.target.close()
+        await servicer.close()
 
     await serve(server, health_servicer, cfg.grace_s, on_stop)

@@ -13,6 +13,7 @@ import asyncio
 import grpc
 
 from specdec.config import OrchestratorConfig
+from specdec.server import channel_credentials
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -24,6 +25,16 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def _channel(address: str, cfg: OrchestratorConfig) -> grpc.aio.Channel:
+    """Plaintext, or TLS where --upstream-tls-ca is set (mutual with --upstream-tls-cert and --upstream-tls-key)."""
+    if not cfg.upstream_tls_ca:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", cfg.upstream_tls_name)]
+                                 if cfg.upstream_tls_name else [])
+    credentials = channel_credentials(cfg.upstream_tls_ca, cfg.upstream_tls_cert, cfg.upstream_tls_key)
+    return grpc.aio.secure_channel(address, credentials, options=options)
+
+
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
@@ -33,7 +44,7 @@ class ModelClient:
         self.role = role
         self.address = address
         self.cfg = cfg
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = _channel(address, cfg)
         self.stub = stub_cls(self.channel)
 
     async def call(self, method: str, request, *, wait_s: float | None = None):

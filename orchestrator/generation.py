@@ -4,7 +4,8 @@ The orchestrator holds the truth, the token history; each server's session is
 a cache of it. A mirror of what each session holds tells every call where the
 session stands and how far to roll it back, so a round costs one ProposeTokens
 and one Verify, each a message on the generation's own stream to its server.
-A session the server lost is rebuilt by resending the history.
+A session the server lost is rebuilt by resending the history, on the same
+replica or, when that replica is gone, on another (orchestrator/replicas.py).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import grpc
 import numpy as np
 
 from orchestrator import rejection_sampler as rs
-from orchestrator.clients import Duplex, ModelClient, Unary
+from orchestrator.clients import Duplex, Unary
 from orchestrator.detokenizer import TextStream
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.prompt_lookup import PromptLookup
+from orchestrator.replicas import Replica, ReplicaSet
 from orchestrator.speculation import AdaptiveK, CallCost, Speculation
 from specdec.errors import ServiceError
 from specdec.sampling import SamplingParams
@@ -29,8 +31,9 @@ from specdec.v1 import draft_pb2, generation_pb2 as gen_pb, model_server_pb2 as 
 
 log = logging.getLogger(__name__)
 
-_LOST = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
-_DRAFT_RETRY_S = 1.0  # after the draft fails, rounds run on the target alone this long
+_LOST = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)  # the session is gone: resend the history
+_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # the replica is: go on at another
+_DRAFT_RETRY_S = 1.0  # after a full draft refuses a generation, its rounds run on the target alone this long
 
 
 @dataclass
@@ -71,21 +74,23 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return int(np.argmax(np.asarray(a[:n]) != np.asarray(b[:n])))
 
 
+class _RoundLost(Exception):
+    """A replica failed mid-round, after its verdict: the round runs again on the replica the generation moved to."""
+
+
 class Generation:
-    def __init__(self, spec: GenerationSpec, session_id: str, draft: ModelClient, target: ModelClient,
+    def __init__(self, spec: GenerationSpec, session_id: str, draft: ReplicaSet, target: ReplicaSet,
                  tokenizer, eos_ids: set[int], max_model_len: int, metrics: OrchestratorMetrics,
-                 draft_health: dict, speculation: Speculation | None = None):
+                 speculation: Speculation | None = None):
         self.spec = spec
         self.session_id = session_id
-        self.draft = draft
-        self.target = target
-        streams = draft.cfg.rpc_streams
-        self.proposals = Duplex(draft, "ProposeTokensStream") if streams else Unary(draft, "ProposeTokens")
-        self.verifies = Duplex(target, "VerifyStream") if streams else Unary(target, "Verify")
+        self.sets = {"draft": draft, "target": target}
+        self.on: dict[str, Replica | None] = {"draft": None, "target": None}  # the replica each session lives on
+        self.touched: set[Replica] = set()  # every replica that may hold one of its sessions, to free them all
+        self.streams: dict[str, Duplex | Unary] = {}
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.metrics = metrics
-        self.draft_health = draft_health  # shared across requests: {"retry_at": monotonic time}
         self.speculation = speculation  # shared across requests: what rounds cost, recent alpha; None: not learned
         self.adaptive = (AdaptiveK(speculation, spec.sampling.greedy, spec.k, spec.adaptive_start)
                          if speculation and spec.adaptive_start is not None else None)
@@ -96,13 +101,70 @@ class Generation:
         self.target_mirror: list[int] = []
         self.stats = gen_pb.GenerationStats(prompt_tokens=len(spec.prompt_ids), seed=spec.sampling.seed)
         self._emitted = 0
+        self._draft_retry_at = 0.0  # the draft refused this generation (full): target alone until then
+        self._failed_at: dict[str, float] = {}  # role -> when its replica failed, until the next answered call
         self._params = ms_pb.SamplingParams(temperature=spec.sampling.temperature, top_p=spec.sampling.top_p,
                                             top_k=spec.sampling.top_k, seed=spec.sampling.seed)
+
+    # -- where the sessions live ----------------------------------------------------
+    def _bind(self, role: str, replica: Replica) -> None:
+        """Move the role's session to replica: a fresh stream there, and an empty mirror (the history is resent)."""
+        old = self.on[role]
+        if old is replica:
+            return
+        if old is not None:
+            old.placed -= 1
+            self.streams[role].close()
+        replica.placed += 1
+        self.on[role] = replica
+        self.touched.add(replica)
+        client = replica.client
+        method = {"draft": ("ProposeTokensStream", "ProposeTokens"), "target": ("VerifyStream", "Verify")}[role]
+        self.streams[role] = Duplex(client, method[0]) if client.cfg.rpc_streams else Unary(client, method[1])
+        if role == "draft":
+            self.draft_mirror = []
+        else:
+            self.target_mirror = []
+        self.metrics.replica_generations.labels(role, replica.address).inc()
+
+    def _place(self) -> None:
+        for role, replicas in self.sets.items():
+            self._bind(role, replicas.place() or replicas.fallback())
+
+    async def _move(self, role: str, code: grpc.StatusCode, deadline: float, attempt: int) -> bool:
+        """After the role's replica failed a call with code: go on elsewhere, or on the same replica once it is
+        back, waiting with backoff until deadline; False when the time is up."""
+        replicas, old = self.sets[role], self.on[role]
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            old.mark_down()
+        self._failed_at.setdefault(role, time.perf_counter())
+        new = replicas.place(exclude=old)
+        if new is None and code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return False  # a replica that hangs is not waited for again: with no other, the request fails
+        if new is None:
+            loop = asyncio.get_running_loop()
+            delay = min(0.05 * 2 ** attempt, 1.0)
+            if loop.time() + delay > deadline:
+                return False
+            await asyncio.sleep(delay)
+            new = replicas.place() or replicas.fallback()
+        if new is not old:
+            log.info("generation %s: %s replica %s failed (%s); going on at %s", self.session_id, role, old.address,
+                     code.name, new.address)
+            self.metrics.replica_failovers.labels(role, old.address).inc()
+            self._bind(role, new)
+        return True
+
+    def _answered(self, role: str) -> None:
+        failed = self._failed_at.pop(role, None)
+        if failed is not None:
+            self.metrics.failover_seconds.labels(role).observe(time.perf_counter() - failed)
 
     # -- the loop --------------------------------------------------------------
     async def run(self):
         """Yields GenerateResponse messages; the last carries stats."""
         finish = None
+        self._place()
         while finish is None:
             n_hist = len(self.history)
             remaining = self.spec.max_tokens - self.stats.completion_tokens
@@ -119,7 +181,10 @@ class Generation:
             drafts = looked or (list(proposal.token_ids) if proposal else [])
             verdict = await self._verify(drafts, trace)
             t_accept = time.perf_counter()
-            n, token = await self._accept(drafts, proposal, verdict, n_hist, trace)
+            try:
+                n, token = await self._accept(drafts, proposal, verdict, n_hist, trace)
+            except _RoundLost:
+                continue
             kept, finish = self._apply_stops(drafts[:n] + [token])
             self.history.extend(kept)
             if finish is None and len(self.history) >= self.max_model_len:
@@ -128,26 +193,41 @@ class Generation:
             yield self._message(kept, finish)
 
     async def _propose(self, k: int, trace: RoundTrace):
-        if time.monotonic() < self.draft_health.get("retry_at", 0.0):
+        """The draft's proposal, or None: the round goes on with the target alone when no draft replica answers."""
+        if not self.on["draft"].up and (other := self.sets["draft"].place()) is not None:
+            self.metrics.replica_failovers.labels("draft", self.on["draft"].address).inc()
+            self._bind("draft", other)
+        if not self.on["draft"].up or time.monotonic() < self._draft_retry_at:
             self.metrics.draft_fallbacks.inc()
             return None
-        for attempt in range(2):
+        for attempt in range(3):
             keep = min(common_prefix(self.draft_mirror, self.history), len(self.history) - 1)
             req = draft_pb2.ProposeTokensRequest(
                 cursor=self._cursor(self.draft_mirror, keep), num_tokens=k, sampling=self._params,
                 min_confidence=self.spec.min_confidence)
             t = time.perf_counter()
             try:
-                resp = await self.proposals.call(req, wait_s=0.0)
+                resp = await self.streams["draft"].call(req, wait_s=0.0)
             except grpc.aio.AioRpcError as e:
-                if e.code() in _LOST and attempt == 0:
+                code = e.code()
+                if code in _LOST and attempt == 0:
                     self.metrics.rebuilds.labels("draft").inc()
                     self.draft_mirror = []
                     continue
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL):
-                    log.warning("draft failed (%s: %s); target alone for %.0f s", e.code().name, e.details(), _DRAFT_RETRY_S)
-                    self.draft_health["retry_at"] = time.monotonic() + _DRAFT_RETRY_S
+                if code in _GONE + (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL):
+                    # A draft is optional: move to another replica if one is up, else the target alone for now.
+                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        self._draft_retry_at = time.monotonic() + _DRAFT_RETRY_S
+                    else:
+                        self.on["draft"].mark_down()
+                    other = self.sets["draft"].place(exclude=self.on["draft"])
+                    if other is not None and attempt < 2:
+                        self.metrics.replica_failovers.labels("draft", self.on["draft"].address).inc()
+                        self._bind("draft", other)
+                        self._draft_retry_at = 0.0
+                        continue
+                    log.warning("draft failed (%s: %s); target alone until a draft replica answers",
+                                code.name, e.details())
                     self.draft_mirror = []
                     self.metrics.draft_fallbacks.inc()
                     return None
@@ -157,29 +237,47 @@ class Generation:
             trace.draft_cost = CallCost.of(trace.draft_wall_s, resp)
             self._trace(trace, req, resp, trace.draft_wall_s, "draft_s")
             self.draft_mirror = self.history + list(resp.token_ids[:-1])  # the last drafted token is not fed
+            self._answered("draft")
             return resp
         raise ServiceError(grpc.StatusCode.INTERNAL, "draft session lost twice in one round")
 
     async def _verify(self, drafts: list[int], trace: RoundTrace) -> target_pb2.VerifyResponse:
-        for attempt in range(2):
+        """The target's verdict on the drafts. A lost session is rebuilt from the history; a replica that is down,
+        or full as the session starts, hands the generation to another (or waits for one) for up to
+        --unavailable-retry-s."""
+        lost, deadline, attempt = False, None, 0
+        while True:
             keep = min(common_prefix(self.target_mirror, self.history), len(self.history) - 1)
             req = target_pb2.VerifyRequest(cursor=self._cursor(self.target_mirror, keep),
                                            draft_tokens=drafts, sampling=self._params)
             t = time.perf_counter()
             try:
-                resp = await self.verifies.call(req)
+                resp = await self.streams["target"].call(req, wait_s=0.0)
             except grpc.aio.AioRpcError as e:
-                if e.code() in _LOST and attempt == 0:
+                code = e.code()
+                if code in _LOST and not lost:
+                    lost = True
                     self.metrics.rebuilds.labels("target").inc()
                     self.target_mirror = []
                     continue
+                if code in _GONE or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and not self.target_mirror):
+                    if deadline is None:
+                        deadline = asyncio.get_running_loop().time() + self.cfg.unavailable_retry_s
+                    if await self._move("target", code, deadline, attempt):
+                        attempt += 1
+                        lost = False
+                        continue
                 raise _upstream("target", e) from None
             wall = time.perf_counter() - t
             trace.target_cost = CallCost.of(wall, resp)
             self._trace(trace, req, resp, wall, "verify_s")
             self.target_mirror = self.history + drafts
+            self._answered("target")
             return resp
-        raise ServiceError(grpc.StatusCode.INTERNAL, "target session lost twice in one round")
+
+    @property
+    def cfg(self):
+        return self.on["target"].client.cfg
 
     async def _accept(self, drafts, proposal, verdict, start: int, trace: RoundTrace) -> tuple[int, int]:
         """Accepted count and the next token (recovered or bonus).
@@ -194,23 +292,31 @@ class Generation:
                               list(verdict.draft_token_probs), seed, start)
         if n == len(drafts) and verdict.HasField("bonus_token_id"):  # drawn by the target with the same keyed draw
             return n, verdict.bonus_token_id
-        p = await self._dist(self.target, verdict.distributions[n], start + n, trace)
+        p = await self._dist("target", verdict.distributions[n], start + n, trace)
         if n < len(drafts):
-            q = (await self._dist(self.draft, proposal.distributions[n], start + n, trace) if proposal
+            q = (await self._dist("draft", proposal.distributions[n], start + n, trace) if proposal
                  else rs.point_mass(drafts[n]))
             return n, rs.recover(p, q, seed, start + n)
         return n, rs.bonus(p, seed, start + n)
 
-    async def _dist(self, client: ModelClient, sparse: ms_pb.SparseDistribution, position: int,
+    async def _dist(self, role: str, sparse: ms_pb.SparseDistribution, position: int,
                     trace: RoundTrace) -> rs.Dist:
         if sparse.complete:
             return rs.Dist(np.asarray(sparse.token_ids, dtype=np.int64), np.asarray(sparse.probs, dtype=np.float64))
         req = ms_pb.GetDistributionRequest(session_id=self.session_id, position=position)
         t = time.perf_counter()
         try:
-            resp = await client.call("GetDistribution", req)
+            resp = await self.on[role].client.call("GetDistribution", req, wait_s=0.0)
         except grpc.aio.AioRpcError as e:
-            raise _upstream(client.role, e) from None
+            if e.code() in _GONE + _LOST:  # the row went away with the replica or the session: run the round again
+                if e.code() in _GONE:
+                    self.on[role].mark_down()
+                    replicas = self.sets[role]
+                    self._bind(role, replicas.place() or replicas.fallback())
+                self.draft_mirror, self.target_mirror = ([], self.target_mirror) if role == "draft" else (
+                    self.draft_mirror, [])
+                raise _RoundLost from None
+            raise _upstream(role, e) from None
         self._trace(trace, req, resp, time.perf_counter() - t, None)
         return rs.Dist.from_dense(resp.probs)
 
@@ -309,11 +415,15 @@ class Generation:
         return msg
 
     async def release(self) -> None:
-        """Close the streams and free the sessions on both servers; a server that is down frees them by expiry."""
-        self.proposals.close()
-        self.verifies.close()
+        """Close the streams and free the sessions on every replica that may hold one; a server that is down
+        frees them by expiry."""
+        for role, replica in self.on.items():
+            if replica is not None:
+                replica.placed -= 1
+                self.streams[role].close()
+                self.on[role] = None
         req = ms_pb.ReleaseSessionRequest(session_id=self.session_id)
-        await asyncio.gather(*(c.call("ReleaseSession", req, wait_s=0.0) for c in (self.draft, self.target)),
+        await asyncio.gather(*(r.client.call("ReleaseSession", req, wait_s=0.0) for r in self.touched),
                              return_exceptions=True)
 
 

@@ -79,7 +79,22 @@ class OrchestratorMetrics:
         self.rebuilds = Counter("specdec_session_rebuilds_total", "Sessions resent after a server lost them",
                                 ["service"], registry=r)
         self.draft_fallbacks = Counter("specdec_draft_fallback_rounds_total",
-                                       "Rounds decoded by the target alone because the draft was unavailable", registry=r)
+                                       "Rounds decoded by the target alone because no draft replica was available",
+                                       registry=r)
+        # Replicas (orchestrator/replicas.py): where generations go, and where they go when a replica fails.
+        self.replica_up = Gauge("specdec_replica_up", "1 while a model-server replica answers and takes "
+                                "generations, 0 while it is down or draining", ["role", "replica"], registry=r)
+        self.replica_sessions = Gauge("specdec_replica_sessions", "KV sessions a replica holds, from its last "
+                                      "report (all orchestrators' generations)", ["role", "replica"], registry=r)
+        self.replica_generations = Counter("specdec_replica_generations_total", "Generations this orchestrator "
+                                           "placed on a replica, the moved ones included", ["role", "replica"],
+                                           registry=r)
+        self.replica_failovers = Counter("specdec_replica_failovers_total", "Generations moved off a replica "
+                                         "that failed them (down, restarting, draining or full)", ["role", "replica"],
+                                         registry=r)
+        self.failover_seconds = Histogram("specdec_failover_recovery_seconds", "From a replica's failed call to "
+                                          "the generation's next answered one on another replica (or the same, back)",
+                                          ["role"], buckets=_SECONDS, registry=r)
         self.active = Gauge("specdec_active_requests", "Requests being generated", registry=r)
         self.waiting = Gauge("specdec_waiting_requests", "Requests waiting in line for a KV session and tokens "
                              "on the model servers (--max-concurrent-requests)", registry=r)
@@ -88,3 +103,11 @@ class OrchestratorMetrics:
             self.accepted_per_position.labels(p)
         for phase in ("draft", "verify", "queue", "accept", "rpc"):
             self.phase_seconds.labels(phase)
+        for role in ("draft", "target"):
+            self.failover_seconds.labels(role)
+            self.rebuilds.labels(role)
+
+    def replica_seen(self, role: str, replica: str) -> None:
+        """Export a replica's counters at zero from the moment it is known, so that rate() sees its first events."""
+        self.replica_generations.labels(role, replica)
+        self.replica_failovers.labels(role, replica)

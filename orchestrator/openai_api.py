@@ -17,7 +17,6 @@ frees the request's KV sessions on both model servers, as a cancelled gRPC strea
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -26,6 +25,7 @@ import uuid
 import grpc
 from aiohttp import web
 
+from orchestrator.servicer import bearer_matches
 from specdec.errors import ServiceError
 from specdec.v1 import generation_pb2 as gen_pb
 
@@ -188,9 +188,7 @@ class OpenAIApi:
     def _authorize(self, request: web.Request) -> None:
         if not self.api_key:
             return
-        header = request.headers.get("Authorization", "")
-        token = header[7:] if header.startswith("Bearer ") else ""
-        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+        if not bearer_matches(request.headers.get("Authorization", ""), self.api_key):
             raise ApiError(401, "a valid API key is required: send Authorization: Bearer <key>",
                            "authentication_error", code="invalid_api_key")
 

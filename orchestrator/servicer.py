@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import math
 import secrets
@@ -13,22 +14,28 @@ import uuid
 import grpc
 
 from orchestrator.admission import Admission
-from orchestrator.clients import ModelClient
 from orchestrator.generation import Generation, GenerationSpec
 from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.replicas import ReplicaSet
 from orchestrator.speculation import Speculation
 from specdec.config import OrchestratorConfig
 from specdec.errors import ServiceError, invalid
 from specdec.sampling import SamplingParams
-from specdec.v1 import generation_pb2 as gen_pb, generation_pb2_grpc, model_server_pb2 as ms_pb
+from specdec.v1 import generation_pb2 as gen_pb, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-COST_REFRESH_S = 1.0  # how often adaptive speculation fetches the servers' pass costs (ModelInfo.pass_costs)
+REPORT_EVERY_S = 1.0  # how often the replicas' reports are fetched: their load, and the pass costs speculation prices
+
+
+def bearer_matches(header: str, key: str) -> bool:
+    """Whether an Authorization header ("Bearer KEY") carries key; compared in constant time."""
+    token = header[7:] if header.startswith("Bearer ") else ""
+    return hmac.compare_digest(token.encode(), key.encode())
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, cfg: OrchestratorConfig, tokenizer, draft: ModelClient, target: ModelClient,
+    def __init__(self, cfg: OrchestratorConfig, tokenizer, draft: ReplicaSet, target: ReplicaSet,
                  eos_ids: set[int], max_model_len: int, metrics: OrchestratorMetrics, admission: Admission):
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -37,11 +44,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.metrics = metrics
-        self.draft_health: dict = {}
         # round costs and alpha, learned from every request's rounds, where adaptive speculation uses them
         self.speculation = Speculation() if cfg.adaptive_speculation else None
-        self._releases: set[asyncio.Task] = set()  # background calls: sessions' releases, cost fetches
-        self._costs_due = 0.0
+        self._releases: set[asyncio.Task] = set()  # background calls: sessions' releases
+        self._watch: asyncio.Task | None = None
+        self._exported: dict[str, set[str]] = {}  # role -> replicas whose gauges are exported
         self.http = None  # the OpenAI-compatible API's runner, where it is served (orchestrator/app.py)
         self.admission = admission
         metrics.waiting.set_function(lambda: admission.waiting)
@@ -113,6 +120,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return list(out["input_ids"])
 
     async def Generate(self, request, context):
+        if self.cfg.api_key and not bearer_matches(dict(context.invocation_metadata() or ()).get("authorization", ""),
+                                                   self.cfg.api_key):
+            self.metrics.request_errors.labels("UNAUTHENTICATED").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "a valid API key is required: send the metadata authorization: Bearer <key>")
         async with contextlib.aclosing(self.stream(request)) as messages:
             try:
                 async for msg in messages:
@@ -130,7 +142,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             spec = self.build_spec(request)
             gen = Generation(spec, uuid.uuid4().hex, self.draft, self.target, self.tokenizer, self.eos_ids,
-                             self.max_model_len, m, self.draft_health, self.speculation)
+                             self.max_model_len, m, self.speculation)
             kv_tokens = min(len(spec.prompt_ids) + spec.max_tokens + spec.k, self.max_model_len)
             await self.admission.enter(kv_tokens)  # given back once the generation's sessions are freed, below
         except ServiceError as e:
@@ -145,7 +157,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finished = False  # counted in specdec_requests_total
         try:
             async for msg in gen.run():
-                self._refresh_costs()
                 now = time.perf_counter()
                 if last is None:
                     gen.stats.time_to_first_token_seconds = now - arrived
@@ -180,26 +191,59 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             task.add_done_callback(self._releases.discard)
             task.add_done_callback(lambda _: self.admission.leave(kv_tokens))  # once both servers freed the sessions
 
-    def _refresh_costs(self) -> None:
-        """Now and then, fetch what the servers' passes cost by width: adaptive speculation prices rounds with it."""
-        if self.speculation is None or time.monotonic() < self._costs_due:
-            return
-        self._costs_due = time.monotonic() + COST_REFRESH_S
-        self._background(self._fetch_costs())
+    def start(self) -> None:
+        """Watch the replicas in the background (``watch``) until ``close``."""
+        self._watch = asyncio.ensure_future(self.watch())
 
-    async def _fetch_costs(self) -> None:
-        try:
-            target, draft = await asyncio.gather(*(c.stub.GetModelInfo(ms_pb.GetModelInfoRequest(), timeout=COST_REFRESH_S)
-                                                   for c in (self.target, self.draft)))
-        except grpc.aio.AioRpcError:
-            return  # a server down: the last curves stand
-        self.speculation.costs.set_curves([(p.rows, p.seconds) for p in target.pass_costs],
-                                          [(p.rows, p.seconds) for p in draft.pass_costs])
+    async def watch(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("refreshing the replicas failed")
+            await asyncio.sleep(REPORT_EVERY_S)
 
-    def _background(self, coro) -> None:
-        task = asyncio.ensure_future(coro)  # survives the cancellation of the handler that started it
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+    async def refresh(self) -> None:
+        """Fetch every replica's report: which are up and how loaded (placement), how many sessions they have
+        between them (admission), and what their passes cost (adaptive speculation)."""
+        await asyncio.gather(self.draft.refresh(REPORT_EVERY_S), self.target.refresh(REPORT_EVERY_S))
+        m = self.metrics
+        for replicas in (self.draft, self.target):
+            for address in self._exported.get(replicas.role, set()) - set(replicas.replicas):
+                for gauge in (m.replica_up, m.replica_sessions):  # gone from DNS and left by its generations
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(replicas.role, address)
+            self._exported[replicas.role] = set(replicas.replicas)
+            for r in replicas:
+                m.replica_seen(replicas.role, r.address)
+                m.replica_up.labels(replicas.role, r.address).set(1 if r.up and not r.gone else 0)
+                if r.info is not None:
+                    m.replica_sessions.labels(replicas.role, r.address).set(r.info.sessions_in_use)
+        target, draft = self.target.capacity(), self.draft.capacity()
+        if target is not None and not self.cfg.max_concurrent_requests:
+            # a generation needs a target session; a draft one only while a draft replica is up
+            slots = min(target[0], draft[0]) if draft else target[0]
+            tokens = min(target[1], draft[1]) if draft else target[1]
+            self.admission.resize(slots, tokens)
+        if self.speculation is not None:
+            curves = [self._curve(replicas) for replicas in (self.target, self.draft)]
+            if all(curves):
+                self.speculation.costs.set_curves(*curves)
+
+    @staticmethod
+    def _curve(replicas: ReplicaSet) -> list[tuple[int, float]]:
+        """The pass costs of the least-loaded replica up (all run the same model)."""
+        up = [r for r in replicas.placeable() if r.info is not None and r.info.pass_costs]
+        if not up:
+            return []
+        r = min(up, key=lambda r: r.load())
+        return [(p.rows, p.seconds) for p in r.info.pass_costs]
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        await self.drain_releases()
+        await asyncio.gather(self.draft.close(), self.target.close())
 
     async def drain_releases(self) -> None:
         if self._releases:

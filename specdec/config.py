@@ -33,6 +33,37 @@ class ConfigError(ValueError):
     pass
 
 
+# Serving over TLS, the same for the three services (a Kubernetes Secret mounts the files).
+def _tls_cert():
+    return field(default="", metadata={"help": "PEM certificate file: serve gRPC over TLS (with --tls-key); empty: "
+                                               "plaintext"})
+
+
+def _tls_key():
+    return field(default="", metadata={"help": "PEM private key file of --tls-cert"})
+
+
+def _tls_client_ca():
+    return field(default="", metadata={"help": "PEM CA file: require client certificates it signed (mutual TLS); "
+                                               "empty: clients need none"})
+
+
+def _health_port():
+    return field(default=0, metadata={"help": "a plaintext port serving only grpc.health.v1, for probes that do not "
+                                              "speak TLS (Kubernetes' gRPC probes); 0: none"})
+
+
+def _check_tls(cfg) -> None:
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    if cfg.tls_client_ca and not cfg.tls_cert:
+        raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    for name in ("tls_cert", "tls_key", "tls_client_ca", "upstream_tls_ca", "upstream_tls_cert", "upstream_tls_key"):
+        path = getattr(cfg, name, "")
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"--{name.replace('_', '-')} {path!r}: no such file")
+
+
 @dataclass
 class ModelServerConfig:
     """A draft or target model server."""
@@ -57,6 +88,10 @@ class ModelServerConfig:
     host: str = field(default="0.0.0.0", metadata={"help": "address to bind"})
     port: int = field(default=50053, metadata={"help": "gRPC port (0 picks a free one)"})
     metrics_port: int = field(default=8003, metadata={"help": "Prometheus port (0 disables)"})
+    tls_cert: str = _tls_cert()
+    tls_key: str = _tls_key()
+    tls_client_ca: str = _tls_client_ca()
+    health_port: int = _health_port()
     max_sessions: int = field(default=16, metadata={"help": "sessions held at once"})
     max_tokens: int = field(default=65536, metadata={"help": "KV tokens held across all sessions"})
     max_model_len: int = field(default=0, metadata={"help": "longest session; 0 = the model's own limit"})
@@ -88,7 +123,8 @@ class ModelServerConfig:
             raise ConfigError(f"--quantize int8 runs on CPU from float32 weights, not {self.device} {self.dtype}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
-        _ports(self.port, self.metrics_port)
+        _ports(self.port, self.metrics_port, self.health_port)
+        _check_tls(self)
         for name in ("max_sessions", "max_tokens", "max_draft_tokens", "max_sparse_support"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
@@ -111,10 +147,29 @@ class OrchestratorConfig:
     metrics_port: int = field(default=8001, metadata={"help": "Prometheus port (0 disables)"})
     http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP API port: /v1/chat/completions, "
                                                              "/v1/completions, /v1/models (0 disables)"})
-    api_key: str = field(default="", metadata={"help": "bearer token the HTTP API requires (Authorization: Bearer "
-                                                        "KEY); empty: none"})
-    draft_address: str = field(default="localhost:50052", metadata={"help": "draft service host:port"})
-    target_address: str = field(default="localhost:50053", metadata={"help": "target service host:port"})
+    api_key: str = field(default="", metadata={"help": "bearer token clients must send, over gRPC (metadata "
+                                                        "authorization: Bearer KEY; UNAUTHENTICATED otherwise) and "
+                                                        "HTTP (401); empty: none"})
+    tls_cert: str = _tls_cert()
+    tls_key: str = _tls_key()
+    tls_client_ca: str = _tls_client_ca()
+    health_port: int = _health_port()
+    upstream_tls_ca: str = field(default="", metadata={"help": "PEM CA file: call the model servers over TLS, "
+                                                                "trusting the certificates it signed; empty: plaintext"})
+    upstream_tls_cert: str = field(default="", metadata={"help": "PEM certificate file the orchestrator presents to "
+                                                                  "the model servers (mutual TLS), with --upstream-tls-key"})
+    upstream_tls_key: str = field(default="", metadata={"help": "PEM private key file of --upstream-tls-cert"})
+    upstream_tls_name: str = field(default="", metadata={
+        "help": "the name the model servers' certificates carry, where it is not the host dialled (replicas found by "
+                "dns:/// are dialled by address); empty: the host dialled"})
+    draft_address: str = field(default="localhost:50052", metadata={
+        "help": "the draft service's replicas: comma-separated host:port, or dns:///NAME:PORT for every address a "
+                "name resolves to (a Kubernetes headless Service)"})
+    target_address: str = field(default="localhost:50053", metadata={
+        "help": "the target service's replicas, as --draft-address; each generation goes to the least-loaded one "
+                "and moves to another if its replica fails"})
+    resolve_interval_s: float = field(default=10.0, metadata={
+        "help": "how often dns:/// addresses are resolved again, to find replicas that came or went"})
     tokenizer: str = field(default=DEFAULT_TARGET, metadata={"help": "the target's tokenizer: hub id, folder or embedded:NAME"})
     # 3 for the embedded pair on a 2-core CPU (specdec bench, int8 draft: K = 1, 2, 3, 4 gave 1.49x, 1.35x,
     # 1.51x, 1.30x greedy and 1.48x, 1.35x, 1.41x, 1.17x at T = 0.7, K = 1 to 3 within each other's spread;
@@ -164,7 +219,12 @@ class OrchestratorConfig:
     grace_s: float = field(default=30.0, metadata={"help": "seconds in-flight streams get on shutdown"})
 
     def validate(self) -> None:
-        _ports(self.port, self.metrics_port, self.http_port)
+        _ports(self.port, self.metrics_port, self.http_port, self.health_port)
+        _check_tls(self)
+        if (self.upstream_tls_cert or self.upstream_tls_key or self.upstream_tls_name) and not self.upstream_tls_ca:
+            raise ConfigError("--upstream-tls-cert, --upstream-tls-key and --upstream-tls-name need --upstream-tls-ca")
+        if bool(self.upstream_tls_cert) != bool(self.upstream_tls_key):
+            raise ConfigError("--upstream-tls-cert and --upstream-tls-key go together")
         if not 0 <= self.num_speculative_tokens <= self.max_speculative_tokens:
             raise ConfigError("--num-speculative-tokens must be within [0, --max-speculative-tokens]")
         if not 0 <= self.draft_confidence_threshold < 1:
@@ -173,8 +233,9 @@ class OrchestratorConfig:
             raise ConfigError("need --prompt-lookup-max >= 1 and --prompt-lookup-min within [0, --prompt-lookup-max]")
         if self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError("need --max-tokens >= 1, --temperature >= 0, --top-p in (0, 1], --top-k >= 0")
-        if self.rpc_timeout_s <= 0 or self.max_request_bytes < 1024:
-            raise ConfigError("--rpc-timeout-s must be > 0 and --max-request-bytes at least 1024")
+        if self.rpc_timeout_s <= 0 or self.max_request_bytes < 1024 or self.resolve_interval_s <= 0:
+            raise ConfigError("--rpc-timeout-s and --resolve-interval-s must be > 0 and --max-request-bytes at "
+                              "least 1024")
         if self.max_concurrent_requests < 0 or self.max_queued_requests < 0:
             raise ConfigError("--max-concurrent-requests and --max-queued-requests must be >= 0")
 

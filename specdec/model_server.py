@@ -129,6 +129,7 @@ class ModelServer:
         self.metrics.prefix_tokens.set_function(lambda: len(self.prefix) if self.prefix is not None else 0)
         self.engine.measure()  # what a row costs at each width, before the first call asks
         self._stopping: asyncio.Future | None = None  # set by begin_shutdown; ends idle streams
+        self.draining = False
 
     @classmethod
     def load(cls, cfg: ModelServerConfig, registry: CollectorRegistry | None = None) -> "ModelServer":
@@ -184,7 +185,8 @@ class ModelServer:
             yield await self.call(method, fn, request, context)
 
     def begin_shutdown(self) -> None:
-        """End the open streams between requests (see ``stream``)."""
+        """End the open streams between requests (see ``stream``); report draining (ModelInfo.draining)."""
+        self.draining = True
         if self._stopping is not None and not self._stopping.done():
             self._stopping.set_result(None)
 
@@ -287,6 +289,8 @@ class ModelServer:
         info = pb.ModelInfo()
         info.CopyFrom(self.info)
         info.pass_costs.extend(pb.PassCost(rows=round(rows), seconds=seconds) for rows, seconds in self.engine.costs.curve())
+        info.sessions_in_use, info.tokens_in_use = len(self.pool), self.pool.tokens_in_use
+        info.draining = self.draining
         return info
 
 
@@ -338,9 +342,9 @@ class SessionRpcs:
 
 async def start_model_server(core: ModelServer, services: list[tuple], host: str, port: int):
     """Bind, start and mark serving; returns (server, bound port, health servicer, expiry task)."""
-    from specdec.server import create_server, mark_serving
+    from specdec.server import create_server, mark_serving, server_credentials
 
-    server, bound, health_servicer = create_server(f"{host}:{port}", services)
+    server, bound, health_servicer = create_server(f"{host}:{port}", services, credentials=server_credentials(core.cfg))
     await server.start()
     await mark_serving(health_servicer, [name for _, _, name in services])
     expiry = asyncio.create_task(core.expire_idle_forever())
@@ -350,15 +354,18 @@ async def start_model_server(core: ModelServer, services: list[tuple], host: str
 
 async def run_model_server(cfg: ModelServerConfig, make_services) -> None:
     """Load the model, serve until SIGTERM/SIGINT, drain, exit. make_services(core) -> [(add_fn, servicer, name)]."""
-    from specdec.server import serve, start_metrics
+    from specdec.server import serve, start_health_server, start_metrics
 
     registry = CollectorRegistry()
     core = ModelServer.load(cfg, registry)
     start_metrics(cfg.metrics_port, registry)
     server, _, health_servicer, expiry = await start_model_server(core, make_services(core), cfg.host, cfg.port)
+    health_server = await start_health_server(cfg.host, cfg.health_port, health_servicer)
 
     async def on_stop():
         expiry.cancel()
+        if health_server is not None:
+            await health_server.stop(0)
         await core.engine.stop()
 
     await serve(server, health_servicer, cfg.grace_s, on_stop, on_draining=core.begin_shutdown)

@@ -33,9 +33,31 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def create_server(address: str, services: list[tuple[Callable, object, str]], *,
-                  max_receive_bytes: int = 8 << 20) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """services: (add_XServicer_to_server, servicer, full service name). Returns (server, port, health)."""
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def server_credentials(cfg) -> grpc.ServerCredentials | None:
+    """TLS from cfg's --tls-cert and --tls-key, requiring client certificates signed by --tls-client-ca where it
+    is set (mutual TLS); None: plaintext."""
+    if not cfg.tls_cert:
+        return None
+    ca = _read(cfg.tls_client_ca) if cfg.tls_client_ca else None
+    return grpc.ssl_server_credentials([(_read(cfg.tls_key), _read(cfg.tls_cert))], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
+def channel_credentials(ca: str, cert: str = "", key: str = "") -> grpc.ChannelCredentials:
+    """TLS to a server whose certificate ca signed, presenting cert and key where given (mutual TLS)."""
+    return grpc.ssl_channel_credentials(_read(ca), _read(key) if key else None, _read(cert) if cert else None)
+
+
+def create_server(address: str, services: list[tuple[Callable, object, str]], *, max_receive_bytes: int = 8 << 20,
+                  credentials: grpc.ServerCredentials | None = None
+                  ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """services: (add_XServicer_to_server, servicer, full service name); credentials: TLS (server_credentials),
+    None for plaintext. Returns (server, port, health)."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_receive_bytes),
                                       ("grpc.max_send_message_length", 64 << 20),
                                       ("grpc.so_reuseport", 0)])
@@ -46,10 +68,23 @@ def create_server(address: str, services: list[tuple[Callable, object, str]], *,
         add(servicer, server)
         names.append(name)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {address}")
     return server, port, health_servicer
+
+
+async def start_health_server(host: str, port: int, health_servicer) -> grpc.aio.Server | None:
+    """A plaintext server of grpc.health.v1 alone, sharing the main server's statuses: for probes that cannot
+    speak TLS (Kubernetes' gRPC probes) where the main port requires it. Port 0: none."""
+    if not port:
+        return None
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if server.add_insecure_port(f"{host}:{port}") == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    return server
 
 
 async def mark_serving(health_servicer, names: list[str]) -> None:

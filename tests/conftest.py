@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -134,6 +135,16 @@ def can_run(matmul: str) -> None:
         built_kernels()
 
 
+def eventually(condition, timeout_s: float = 20.0) -> bool:
+    """Whether condition() comes true within timeout_s (what a server does after answering: releases, counts)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
 @dataclass
 class Stack:
     """Draft, target and orchestrator on loopback; cores and registry exposed for inspection."""
@@ -213,6 +224,7 @@ def stop_stack(stack: Stack) -> None:
     async def stop():
         if getattr(stack.servicer, "http", None) is not None:
             await stack.servicer.http.cleanup()
+        await stack.servicer.close()
         for s in stack.servers:
             await s.stop(0)
     stack.lt.run(stop())

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import http.client
 import json
-import time
 
 import openai
 import pytest
 
-from conftest import make_stack, stop_stack
+from conftest import eventually, make_stack, stop_stack
 from specdec.server import free_ports
 from specdec.v1 import generation_pb2 as gen_pb
 
@@ -100,7 +99,7 @@ def test_a_full_line_is_429(api, event_loop_thread):
     threads = [threading.Thread(target=lambda: api.generate(**slow)) for _ in range(2)]
     for t in threads:
         t.start()
-    assert _eventually(lambda: api.metric("specdec_waiting_requests") == 1)
+    assert eventually(lambda: api.metric("specdec_waiting_requests") == 1)
     with pytest.raises(openai.RateLimitError) as err:
         client(api).chat.completions.create(model=model_id(api), messages=MESSAGES, max_tokens=4)
     assert "retry later" in err.value.body["message"] and err.value.body["type"] == "rate_limit_error"
@@ -118,8 +117,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sessions_on_both_servers
     assert next(response).startswith("data: ")  # the stream has started: both servers hold the session
     assert api.pool_sizes() != (0, 0)
     conn.close()
-    assert _eventually(lambda: api.pool_sizes() == (0, 0))
-    assert _eventually(lambda: api.metric("specdec_request_errors_total", {"code": "CANCELLED"}) == before + 1)
+    assert eventually(lambda: api.pool_sizes() == (0, 0))
+    assert eventually(lambda: api.metric("specdec_request_errors_total", {"code": "CANCELLED"}) == before + 1)
 
 
 def response_lines(response):
@@ -151,15 +150,6 @@ def test_with_an_api_key_a_request_without_it_is_401_and_with_it_served(event_lo
 
 def model_id_with(stack, key: str) -> str:
     return client(stack, api_key=key).models.list().data[0].id
-
-
-def _eventually(condition, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_the_readmes_python_clients_work_as_written(api, capsys):

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from conftest import make_stack, stop_stack
+from conftest import eventually, make_stack, stop_stack
 from draft_service.servicer import DraftServicer
 from specdec.config import ConfigError, OrchestratorConfig
 from specdec.v1 import draft_pb2, draft_pb2_grpc, model_server_pb2 as ms, target_pb2, target_pb2_grpc
@@ -197,7 +197,7 @@ def test_requests_past_the_concurrency_limit_wait_their_turn_and_past_the_line_a
         first = stack.stub().Generate(request, timeout=120)
         first_ids = list(next(first).token_ids)  # running: the one slot is taken
         second = stack.stub().Generate(request, timeout=120)
-        assert _eventually(lambda: stack.metric("specdec_waiting_requests") >= 1), \
+        assert eventually(lambda: stack.metric("specdec_waiting_requests") >= 1), \
             "the second request did not wait in line"
         with pytest.raises(grpc.RpcError) as e:
             list(stack.stub().Generate(request, timeout=120))
@@ -222,7 +222,7 @@ def test_a_request_waits_until_its_kv_tokens_fit_and_one_larger_than_the_pools_i
         running = [stack.stub().Generate(request, timeout=120) for _ in range(2)]
         firsts = [list(next(r).token_ids) for r in running]
         third = stack.stub().Generate(request, timeout=120)
-        assert _eventually(lambda: stack.metric("specdec_waiting_requests") >= 1), \
+        assert eventually(lambda: stack.metric("specdec_waiting_requests") >= 1), \
             "the third request did not wait for KV tokens"
         outputs = [f + [t for m in r for t in m.token_ids] for f, r in zip(firsts, running)]
         outputs.append([t for m in third for t in m.token_ids])
@@ -235,17 +235,8 @@ def test_a_request_waits_until_its_kv_tokens_fit_and_one_larger_than_the_pools_i
         stop_stack(stack)
 
 
-def _eventually(condition, timeout_s=10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def _pools_drain(stack, timeout_s=10.0) -> bool:
-    return _eventually(lambda: stack.pool_sizes() == (0, 0), timeout_s)
+    return eventually(lambda: stack.pool_sizes() == (0, 0), timeout_s)
 
 
 def _finished(stack) -> float:
