@@ -178,7 +178,9 @@ class ReplicaSet:
         r.compatible = ok
 
     def placeable(self) -> list[Replica]:
-        return [r for r in self if r.up and not r.gone and r.compatible]
+        """The replicas a new generation may go to: up, still resolved, with the pair's tokenizer, and reported at
+        least once (a replica just found is placed on once it has answered)."""
+        return [r for r in self if r.up and not r.gone and r.compatible and r.info is not None]
 
     def place(self, exclude: Replica | None = None) -> Replica | None:
         """The least-loaded replica that is up (ties at random), other than exclude; None when there is none."""
@@ -195,7 +197,7 @@ class ReplicaSet:
 
     def capacity(self) -> tuple[int, int] | None:
         """Sessions and KV tokens of the replicas up, each the sum; None while none has reported."""
-        up = [r for r in self.placeable() if r.info is not None]
+        up = self.placeable()
         if not up:
             return None
         return sum(r.info.max_sessions for r in up), sum(r.info.max_tokens for r in up)

@@ -95,19 +95,22 @@ class Cluster:
     """Target and draft replicas and orchestrators in the test's event loop, each on its own port."""
 
     def __init__(self, lt, tokenizer, draft_model, target_model, *, targets=2, drafts=1, orchestrators=1,
-                 target_cfg=None, orch_cfg=None, target_address=None):
+                 target_cfg=None, draft_cfg=None, orch_cfg=None, target_address=None):
+        """target_cfg (and draft_cfg): settings of every replica, or a list of them, one per replica."""
         self.lt = lt
         self.targets, self.drafts, self.stacks, self.servers = [], [], [], {}
 
         async def start():
             for role, n, model, servicer, add, name, extra in (
                     ("draft", drafts, draft_model, DraftServicer, draft_pb2_grpc.add_DraftServiceServicer_to_server,
-                     DRAFT_NAME, {"threads": 1}),
+                     DRAFT_NAME, draft_cfg or {}),
                     ("target", targets, target_model, TargetServicer,
                      target_pb2_grpc.add_TargetServiceServicer_to_server, TARGET_NAME, target_cfg or {})):
-                for _ in range(n):
+                for i in range(n):
+                    settings = {"threads": 1} if role == "draft" else {}
+                    settings.update(extra[i] if isinstance(extra, list) else extra)
                     core = ModelServer(ModelServerConfig(role=role, model=f"test-{role}", port=0, metrics_port=0,
-                                                         **extra), model, tokenizer)
+                                                         **settings), model, tokenizer)
                     server, port, *_ = await start_model_server(core, [(add, servicer(core), name)], "127.0.0.1", 0)
                     (self.drafts if role == "draft" else self.targets).append(core)
                     self.servers[core] = (server, f"127.0.0.1:{port}")
@@ -243,5 +246,6 @@ def test_killing_a_target_and_a_draft_replica_under_load_costs_no_request_and_no
     assert report["failed_requests"] == 0 and report["wrong_outputs"] == 0, report
     assert report["moved_generations"] >= 1, report  # the kill did land on running generations
     assert min(report["placement_before_kill"].values()) >= 4, report  # spread, not all on one replica
+    assert min(report["target_sessions_before_kill"].values()) >= 3, report  # as both targets' own metrics show
     assert report["restarted_replica_took"] >= 1 and report["after_restart_failed"] == 0, report
     assert report["after_restart_wrong"] == 0, report

@@ -156,3 +156,29 @@ def test_tls_settings_that_do_not_fit_together_are_refused(certs):
         ModelServerConfig(tls_cert="/nonexistent.pem", tls_key=certs["server.key"]).validate()
     with pytest.raises(ConfigError, match="need --upstream-tls-ca"):
         OrchestratorConfig(upstream_tls_cert=certs["client.pem"], upstream_tls_key=certs["client.key"]).validate()
+
+
+def test_a_replica_without_the_right_certificate_takes_no_generation_and_harms_none(
+        event_loop_thread, tokenizer, tiny_draft, target_model, tiny_stack, certs, tmp_path):
+    """Two target replicas behind mutual TLS, one serving a certificate another CA signed: the orchestrator's
+    handshakes with it fail, so it is down to the orchestrator, and every request runs on the other."""
+    from test_replicas import Cluster
+
+    good = {"tls_cert": certs["server.pem"], "tls_key": certs["server.key"], "tls_client_ca": certs["ca.pem"]}
+    intruder = {"tls_cert": certs["other.pem"], "tls_key": certs["other.key"], "tls_client_ca": certs["ca.pem"]}
+    upstream = {"upstream_tls_ca": certs["ca.pem"], "upstream_tls_cert": certs["client.pem"],
+                "upstream_tls_key": certs["client.key"], "upstream_tls_name": "specdec-model-server"}
+    expected = [tiny_stack.generate(prompt=f"Count to {i + 3}:", max_tokens=8, temperature=0.0,
+                                    num_speculative_tokens=0)[0] for i in range(4)]
+    cluster = Cluster(event_loop_thread, tokenizer, tiny_draft, target_model, targets=2, target_cfg=[good, intruder],
+                      draft_cfg=good, orch_cfg=upstream)
+    try:
+        stack = cluster.stacks[0]
+        got = [stack.generate(prompt=f"Count to {i + 3}:", max_tokens=8, temperature=0.0, num_speculative_tokens=2)[0]
+               for i in range(4)]
+        assert got == expected
+        bad = cluster.servers[cluster.targets[1]][1]
+        assert stack.metric("specdec_replica_up", {"role": "target", "replica": bad}) == 0
+        assert stack.metric("specdec_replica_generations_total", {"role": "target", "replica": bad}) == 0
+    finally:
+        cluster.stop()

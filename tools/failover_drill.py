@@ -88,8 +88,16 @@ class Cluster:
         p.wait()
 
     def metrics(self, j: int) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.orch_ports[j][1]}/metrics", timeout=10) as r:
-            return r.read().decode()
+        return _scrape(self.orch_ports[j][1])
+
+    def server_sessions(self, role: str) -> dict[str, float]:
+        """The KV sessions each live replica of role holds, from its own metrics."""
+        out = {}
+        for (r, i), (_, metrics) in self.ports.items():
+            if r == role and self.procs[(r, i)].poll() is None:
+                lines = [line for line in _scrape(metrics).splitlines() if line.startswith("specdec_kv_sessions ")]
+                out[self.address(r, i)] = float(lines[0].split()[1])
+        return out
 
     def placed(self, role: str) -> dict[str, float]:
         """Generations placed on each replica of role, summed over the orchestrators."""
@@ -110,6 +118,11 @@ class Cluster:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
 
 
 def generate(address: str, prompt: str, max_tokens: int, k: int | None, on_message=None):
@@ -153,6 +166,7 @@ def run_drill(streams: int = 16, max_tokens: int = 48, log_dir: Path | None = No
         while min(len(a) for a in arrivals) < 2 and time.monotonic() < deadline and any(t.is_alive() for t in threads):
             time.sleep(0.01)
         placed_before = {r: n - placed_at_start.get(r, 0.0) for r, n in cluster.placed("target").items()}
+        sessions_before = cluster.server_sessions("target")
         killed_at = time.monotonic()
         cluster.kill("target", 0)
         cluster.kill("draft", 0)
@@ -190,6 +204,7 @@ def run_drill(streams: int = 16, max_tokens: int = 48, log_dir: Path | None = No
             "recovery_seconds": {"max": max(waits, default=0.0), "median": sorted(waits)[len(waits) // 2] if waits else 0.0,
                                  "streams": len(waits)},
             "placement_before_kill": placed_before,
+            "target_sessions_before_kill": sessions_before,
             "restarted_replica_took": cluster.placed("target").get(back, 0.0) - before,
             "after_restart_failed": sum(1 for r in after_results if r[1] is not None),
             "after_restart_wrong": sum(1 for i, r in enumerate(after_results)
