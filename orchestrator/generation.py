@@ -135,13 +135,14 @@ class Generation:
         """After the role's replica failed a call with code: go on elsewhere, or on the same replica once it is
         back, waiting with backoff until deadline; False when the time is up."""
         replicas, old = self.sets[role], self.on[role]
-        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # full is not down: it takes generations again as others end
             old.mark_down()
-        self._failed_at.setdefault(role, time.perf_counter())
+            self._failed_at.setdefault(role, time.perf_counter())
         new = replicas.place(exclude=old)
         if new is None and code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return False  # a replica that hangs is not waited for again: with no other, the request fails
-        if new is None:
+        all_full = code == grpc.StatusCode.RESOURCE_EXHAUSTED and attempt + 1 >= len(replicas.placeable())
+        if new is None or all_full:  # wait for a replica to come back or to free a session
             loop = asyncio.get_running_loop()
             delay = min(0.05 * 2 ** attempt, 1.0)
             if loop.time() + delay > deadline:
