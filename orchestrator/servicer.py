@@ -206,7 +206,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def refresh(self) -> None:
         """Fetch every replica's report: which are up and how loaded (placement), how many sessions they have
         between them (admission), and what their passes cost (adaptive speculation)."""
-        await asyncio.gather(self.draft.refresh(REPORT_EVERY_S), self.target.refresh(REPORT_EVERY_S))
+        await asyncio.gather(self.draft.refresh(), self.target.refresh())
         m = self.metrics
         for replicas in (self.draft, self.target):
             for address in self._exported.get(replicas.role, set()) - set(replicas.replicas):
