@@ -160,8 +160,11 @@ def test_generations_spread_over_the_target_replicas_and_give_the_target_alone_o
         cluster.stop()
 
 
-def test_a_target_replica_stopped_mid_stream_costs_no_request_and_no_token(
-        event_loop_thread, tokenizer, tiny_draft, target_model, tiny_stack):
+@pytest.mark.parametrize("how", ["killed", "drained"])
+def test_a_target_replica_lost_mid_stream_costs_no_request_and_no_token(
+        event_loop_thread, tokenizer, tiny_draft, target_model, tiny_stack, how):
+    """killed: its server stops at once, its sessions with it. drained: it shuts down as on SIGTERM (the streams
+    between two calls end UNAVAILABLE, no new call is taken, the calls in flight finish)."""
     prompts = [f"Write a list of {i + 3} fruits:" for i in range(6)]
     expected = [tiny_stack.generate(prompt=p, max_tokens=40, temperature=0.0, num_speculative_tokens=0)[0]
                 for p in prompts]
@@ -183,7 +186,12 @@ def test_a_target_replica_stopped_mid_stream_costs_no_request_and_no_token(
             futures = [pool.submit(run, p) for p in prompts]
             started.wait(timeout=60)
             victim = cluster.targets[0]
-            event_loop_thread.run(cluster.servers[victim][0].stop(0))  # gone mid-stream, its sessions with it
+            server = cluster.servers[victim][0]
+            if how == "killed":
+                event_loop_thread.run(server.stop(0))
+            else:
+                event_loop_thread.call(victim.begin_shutdown)
+                event_loop_thread.run(server.stop(5.0))
             got = [f.result(timeout=120) for f in futures]
         assert got == expected
         assert stack.metric("specdec_replica_failovers_total",
