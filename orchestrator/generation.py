@@ -128,8 +128,14 @@ class Generation:
         self.metrics.replica_generations.labels(role, replica.address).inc()
 
     def _place(self) -> None:
+        """Each role's least-loaded replica; without any draft replica the target alone carries the generation."""
         for role, replicas in self.sets.items():
-            self._bind(role, replicas.place() or replicas.fallback())
+            replica = replicas.place() or replicas.fallback()
+            if replica is not None:
+                self._bind(role, replica)
+            elif role == "target":
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no target replica is known: "
+                                   f"{', '.join(e.address for e in replicas.endpoints)} resolves to no address")
 
     async def _move(self, role: str, code: grpc.StatusCode, deadline: float, attempt: int) -> bool:
         """After the role's replica failed a call with code: go on elsewhere, or on the same replica once it is
@@ -148,7 +154,7 @@ class Generation:
             if loop.time() + delay > deadline:
                 return False
             await asyncio.sleep(delay)
-            new = replicas.place() or replicas.fallback()
+            new = replicas.place() or replicas.fallback() or old
         if new is not old:
             log.info("generation %s: %s replica %s failed (%s); going on at %s", self.session_id, role, old.address,
                      code.name, new.address)
@@ -195,10 +201,12 @@ class Generation:
 
     async def _propose(self, k: int, trace: RoundTrace):
         """The draft's proposal, or None: the round goes on with the target alone when no draft replica answers."""
-        if not self.on["draft"].up and (other := self.sets["draft"].place()) is not None:
-            self.metrics.replica_failovers.labels("draft", self.on["draft"].address).inc()
+        current = self.on["draft"]
+        if (current is None or not current.up) and (other := self.sets["draft"].place()) is not None:
+            if current is not None:
+                self.metrics.replica_failovers.labels("draft", current.address).inc()
             self._bind("draft", other)
-        if not self.on["draft"].up or time.monotonic() < self._draft_retry_at:
+        if self.on["draft"] is None or not self.on["draft"].up or time.monotonic() < self._draft_retry_at:
             self.metrics.draft_fallbacks.inc()
             return None
         for attempt in range(3):
@@ -313,7 +321,7 @@ class Generation:
                 if e.code() in _GONE:
                     self.on[role].mark_down()
                     replicas = self.sets[role]
-                    self._bind(role, replicas.place() or replicas.fallback())
+                    self._bind(role, replicas.place() or replicas.fallback() or self.on[role])
                 self.draft_mirror, self.target_mirror = ([], self.target_mirror) if role == "draft" else (
                     self.draft_mirror, [])
                 raise _RoundLost from None

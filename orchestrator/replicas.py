@@ -192,10 +192,11 @@ class ReplicaSet:
         least = min(r.load() for r in choices)
         return random.choice([r for r in choices if r.load() == least])
 
-    def fallback(self) -> Replica:
-        """With none up: the replica down the longest, to try again (a lone server that restarts comes back so)."""
+    def fallback(self) -> Replica | None:
+        """With none up: the replica down the longest, to try again (a lone server that restarts comes back so);
+        None when the role has no replica at all (a name that resolves to no address)."""
         candidates = [r for r in self if not r.gone and r.compatible] or list(self)
-        return min(candidates, key=lambda r: (r.up, r.down_since))
+        return min(candidates, key=lambda r: (r.up, r.down_since)) if candidates else None
 
     def capacity(self) -> tuple[int, int] | None:
         """Sessions and KV tokens of the replicas up, each the sum; None while none has reported."""

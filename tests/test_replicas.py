@@ -87,6 +87,11 @@ def test_dns_names_are_resolved_again_and_replicas_come_and_go(event_loop_thread
         await s.resolve()
         assert set(s.replicas) == {"127.0.0.1:9", "10.0.0.2:50053", "10.0.0.3:50053"}
         await s.close()
+
+        empty = _set("dns:///svc:50053", resolver)
+        answers["svc"] = []  # every pod gone: no replica to place on or to wait for
+        await empty.resolve()
+        assert empty.place() is None and empty.fallback() is None
     event_loop_thread.run(check())
 
 
