@@ -12,7 +12,7 @@ from orchestrator.clients import ModelClient
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.openai_api import start_http
 from orchestrator.replicas import ReplicaSet
-from orchestrator.servicer import GenerationServicer
+from orchestrator.servicer import GenerationServicer, capacity
 from specdec import models
 from specdec.config import ConfigError, OrchestratorConfig
 from specdec.server import (create_server, mark_serving, serve, server_credentials, start_health_server,
@@ -82,8 +82,7 @@ async def start_orchestrator(cfg: OrchestratorConfig, registry: CollectorRegistr
     draft.fingerprint = target.fingerprint = target_info.tokenizer_fingerprint
     eos = set(target_info.eos_token_ids) | set(models.eos_token_ids(None, tokenizer))
     metrics = OrchestratorMetrics(registry, cfg.max_speculative_tokens)
-    slots = cfg.max_concurrent_requests or min(draft_info.max_sessions, target_info.max_sessions)
-    kv_tokens = min(draft_info.max_tokens, target_info.max_tokens)
+    slots, kv_tokens = capacity(cfg, draft, target)  # the first replicas' until the others report
     servicer = GenerationServicer(cfg, tokenizer, draft, target, eos,
                                   min(draft_info.max_model_len, target_info.max_model_len), metrics,
                                   Admission(slots, kv_tokens, cfg.max_queued_requests))

@@ -109,23 +109,43 @@ class Generation:
     # -- where the sessions live ----------------------------------------------------
     def _bind(self, role: str, replica: Replica) -> None:
         """Move the role's session to replica: a fresh stream there, and an empty mirror (the history is resent)."""
-        old = self.on[role]
-        if old is replica:
+        if self.on[role] is replica:
             return
-        if old is not None:
-            old.placed -= 1
-            self.streams[role].close()
+        self._unbind(role)
         replica.placed += 1
         self.on[role] = replica
         self.touched.add(replica)
         client = replica.client
         method = {"draft": ("ProposeTokensStream", "ProposeTokens"), "target": ("VerifyStream", "Verify")}[role]
         self.streams[role] = Duplex(client, method[0]) if client.cfg.rpc_streams else Unary(client, method[1])
+        self._forget(role)
+        self.metrics.replica_generations.labels(role, replica.address).inc()
+
+    def _unbind(self, role: str) -> None:
+        """Leave the role's replica: its stream closes, and it counts one generation less."""
+        old = self.on[role]
+        if old is not None:
+            old.placed -= 1
+            self.streams[role].close()
+            self.on[role] = None
+
+    def _switch(self, role: str, new: Replica, why: str) -> None:
+        """Go on at another replica of the role, counting a failover off the one it leaves."""
+        old = self.on[role]
+        if new is old:
+            return
+        if old is not None:
+            log.info("generation %s: %s replica %s %s; going on at %s", self.session_id, role, old.address, why,
+                     new.address)
+            self.metrics.replica_failovers.labels(role, old.address).inc()
+        self._bind(role, new)
+
+    def _forget(self, role: str) -> None:
+        """The role's session is gone or moved: the next call resends the history."""
         if role == "draft":
             self.draft_mirror = []
         else:
             self.target_mirror = []
-        self.metrics.replica_generations.labels(role, replica.address).inc()
 
     def _place(self) -> None:
         """Each role's least-loaded replica; without any draft replica the target alone carries the generation."""
@@ -155,11 +175,7 @@ class Generation:
                 return False
             await asyncio.sleep(delay)
             new = replicas.place() or replicas.fallback() or old
-        if new is not old:
-            log.info("generation %s: %s replica %s failed (%s); going on at %s", self.session_id, role, old.address,
-                     code.name, new.address)
-            self.metrics.replica_failovers.labels(role, old.address).inc()
-            self._bind(role, new)
+        self._switch(role, new, f"failed ({code.name})")
         return True
 
     def _answered(self, role: str) -> None:
@@ -203,9 +219,7 @@ class Generation:
         """The draft's proposal, or None: the round goes on with the target alone when no draft replica answers."""
         current = self.on["draft"]
         if (current is None or not current.up) and (other := self.sets["draft"].place()) is not None:
-            if current is not None:
-                self.metrics.replica_failovers.labels("draft", current.address).inc()
-            self._bind("draft", other)
+            self._switch("draft", other, "is down")
         if self.on["draft"] is None or not self.on["draft"].up or time.monotonic() < self._draft_retry_at:
             self.metrics.draft_fallbacks.inc()
             return None
@@ -221,7 +235,7 @@ class Generation:
                 code = e.code()
                 if code in _LOST and attempt == 0:
                     self.metrics.rebuilds.labels("draft").inc()
-                    self.draft_mirror = []
+                    self._forget("draft")
                     continue
                 if code in _GONE + (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL):
                     # A draft is optional: move to another replica if one is up, else the target alone for now.
@@ -231,13 +245,12 @@ class Generation:
                         self.on["draft"].mark_down()
                     other = self.sets["draft"].place(exclude=self.on["draft"])
                     if other is not None and attempt < 2:
-                        self.metrics.replica_failovers.labels("draft", self.on["draft"].address).inc()
-                        self._bind("draft", other)
+                        self._switch("draft", other, f"failed ({code.name})")
                         self._draft_retry_at = 0.0
                         continue
                     log.warning("draft failed (%s: %s); target alone until a draft replica answers",
                                 code.name, e.details())
-                    self.draft_mirror = []
+                    self._forget("draft")
                     self.metrics.draft_fallbacks.inc()
                     return None
                 raise _upstream("draft", e) from None
@@ -267,7 +280,7 @@ class Generation:
                 if code in _LOST and not lost:
                     lost = True
                     self.metrics.rebuilds.labels("target").inc()
-                    self.target_mirror = []
+                    self._forget("target")
                     continue
                 if code in _GONE or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and not self.target_mirror):
                     if deadline is None:
@@ -321,9 +334,9 @@ class Generation:
                 if e.code() in _GONE:
                     self.on[role].mark_down()
                     replicas = self.sets[role]
-                    self._bind(role, replicas.place() or replicas.fallback() or self.on[role])
-                self.draft_mirror, self.target_mirror = ([], self.target_mirror) if role == "draft" else (
-                    self.draft_mirror, [])
+                    self._switch(role, replicas.place() or replicas.fallback() or self.on[role],
+                                 f"failed ({e.code().name})")
+                self._forget(role)
                 raise _RoundLost from None
             raise _upstream(role, e) from None
         self._trace(trace, req, resp, time.perf_counter() - t, None)
@@ -426,11 +439,8 @@ class Generation:
     async def release(self) -> None:
         """Close the streams and free the sessions on every replica that may hold one; a server that is down
         frees them by expiry."""
-        for role, replica in self.on.items():
-            if replica is not None:
-                replica.placed -= 1
-                self.streams[role].close()
-                self.on[role] = None
+        for role in self.on:
+            self._unbind(role)
         req = ms_pb.ReleaseSessionRequest(session_id=self.session_id)
         await asyncio.gather(*(r.client.call("ReleaseSession", req, wait_s=0.0) for r in self.touched),
                              return_exceptions=True)

@@ -34,6 +34,17 @@ def bearer_matches(header: str, key: str) -> bool:
     return hmac.compare_digest(token.encode(), key.encode())
 
 
+def capacity(cfg: OrchestratorConfig, draft: ReplicaSet, target: ReplicaSet) -> tuple[int, int] | None:
+    """Generations and KV tokens admitted at once: what the replicas up hold between them (a generation needs a
+    target session, and a draft one while a draft replica is up), or --max-concurrent-requests generations;
+    None while no target replica has reported."""
+    t, d = target.capacity(), draft.capacity()
+    if t is None:
+        return None
+    slots, tokens = (min(t[0], d[0]), min(t[1], d[1])) if d else t
+    return cfg.max_concurrent_requests or slots, tokens
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, cfg: OrchestratorConfig, tokenizer, draft: ReplicaSet, target: ReplicaSet,
                  eos_ids: set[int], max_model_len: int, metrics: OrchestratorMetrics, admission: Admission):
@@ -219,12 +230,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 m.replica_up.labels(replicas.role, r.address).set(1 if r.up and not r.gone else 0)
                 if r.info is not None:
                     m.replica_sessions.labels(replicas.role, r.address).set(r.info.sessions_in_use)
-        target, draft = self.target.capacity(), self.draft.capacity()
-        if target is not None and not self.cfg.max_concurrent_requests:
-            # a generation needs a target session; a draft one only while a draft replica is up
-            slots = min(target[0], draft[0]) if draft else target[0]
-            tokens = min(target[1], draft[1]) if draft else target[1]
-            self.admission.resize(slots, tokens)
+        if (held := capacity(self.cfg, self.draft, self.target)) is not None:
+            self.admission.resize(*held)
         if self.speculation is not None:
             curves = [self._curve(replicas) for replicas in (self.target, self.draft)]
             if all(curves):
@@ -233,7 +240,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     @staticmethod
     def _curve(replicas: ReplicaSet) -> list[tuple[int, float]]:
         """The pass costs of the least-loaded replica up (all run the same model)."""
-        up = [r for r in replicas.placeable() if r.info is not None and r.info.pass_costs]
+        up = [r for r in replicas.placeable() if r.info.pass_costs]
         if not up:
             return []
         r = min(up, key=lambda r: r.load())

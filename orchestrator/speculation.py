@@ -54,10 +54,6 @@ def best_k(alpha: float, round_s: list[float]) -> int:
     return max(range(len(round_s)), key=lambda k: (expected_tokens(alpha, k) / round_s[k], -k))
 
 
-def _ewma(old: float | None, x: float, rate: float) -> float:
-    return x if old is None else old + rate * (x - old)
-
-
 @dataclass(frozen=True)
 class CallCost:
     """One call to a model server as the orchestrator saw it (wall_s) and the server reported it (BatchInfo and
@@ -141,8 +137,8 @@ class RoundCosts:
         outside = round_s - target.queue_s - target.compute_s - (draft.wall_s if draft else 0.0)
         self._outside.append(max(outside, 0.0))
         if draft is not None:
-            self.met = _ewma(self.met, target.sessions, self.rate)
-            self.draft_met = _ewma(self.draft_met, draft.sessions, self.rate)
+            self.met = costs.ewma(self.met, target.sessions, self.rate)
+            self.draft_met = costs.ewma(self.draft_met, draft.sessions, self.rate)
             self._draft_calls.append(draft.overhead_s)
 
     @property

@@ -1,4 +1,4 @@
-"""A forward pass's cost by its width, as a piecewise-linear curve through measured points.
+"""A forward pass's cost by its width, as a piecewise-linear curve through measured points; moving averages.
 
 The model servers measure it (specdec/engine.py) and publish it (ModelInfo.pass_costs); the orchestrator prices
 speculation with it (orchestrator/speculation.py). Pure functions, no torch.
@@ -21,3 +21,8 @@ def at(points: list[tuple[float, float]], rows: float) -> tuple[float, float]:
     (r0, s0), (r1, s1) = points[i - 1], points[i]
     slope = max((s1 - s0) / (r1 - r0), 0.0) if r1 > r0 else 0.0
     return max(s0 + slope * (rows - r0), 0.0), slope
+
+
+def ewma(old: float | None, x: float, rate: float) -> float:
+    """A moving average's next value: x itself when there is none yet, else old moved `rate` of the way to x."""
+    return x if old is None else old + rate * (x - old)

@@ -111,6 +111,11 @@ WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256
 COST_RATE = 0.1  # each width's estimate weighs its last ~10 passes most
 
 
+def width_of(rows: int) -> int:
+    """The width a pass of `rows` rows counts in: the first of WIDTHS at or above it (the last past them)."""
+    return WIDTHS[min(bisect.bisect_left(WIDTHS, rows), len(WIDTHS) - 1)]
+
+
 @dataclass
 class PassCosts:
     """Seconds of a pass by its width, learned from the passes the server runs (a moving average per width).
@@ -124,10 +129,9 @@ class PassCosts:
     seconds: dict = field(default_factory=dict)  # width bucket -> (mean rows, mean seconds)
 
     def observe(self, rows: int, seconds: float) -> None:
-        key = WIDTHS[min(bisect.bisect_left(WIDTHS, rows), len(WIDTHS) - 1)]
-        old = self.seconds.get(key)
+        old = self.seconds.get(key := width_of(rows))
         self.seconds[key] = (rows, seconds) if old is None else (
-            old[0] + self.rate * (rows - old[0]), old[1] + self.rate * (seconds - old[1]))
+            costs.ewma(old[0], rows, self.rate), costs.ewma(old[1], seconds, self.rate))
 
     def curve(self) -> list[tuple[float, float]]:
         """(mean rows, mean seconds) of each width measured, ascending."""
@@ -176,7 +180,7 @@ class Engine:
                 best = min(best, time.perf_counter() - start)
                 for c in caches[:w]:
                     self.runner.crop(c, context)
-            self.costs.seconds[WIDTHS[bisect.bisect_left(WIDTHS, w)]] = (w, best)
+            self.costs.seconds[width_of(w)] = (w, best)
 
     # -- what the calls use --------------------------------------------------------
     async def forward(self, s: Session, tokens: list[int], num_logits: int, scored_only: bool = False) -> Feed:
@@ -257,7 +261,7 @@ class Engine:
         self._seen[session_id] = now
         served = self._served.pop(session_id, None)
         if served is not None:
-            self.turnaround_s = _ewma(self.turnaround_s, now - served, TURNAROUND_RATE)
+            self.turnaround_s = costs.ewma(self.turnaround_s, now - served, TURNAROUND_RATE)
         self._expected.discard(session_id)
         if not self._expected and self._back is not None:
             self._back.set()
@@ -371,10 +375,6 @@ class Engine:
             feed.future.set_exception(error)
         if feed in self._queue:
             self._queue.remove(feed)
-
-
-def _ewma(old: float | None, x: float, rate: float) -> float:
-    return x if old is None else old + rate * (x - old)
 
 
 def _internal() -> ServiceError:
