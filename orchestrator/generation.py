@@ -140,6 +140,12 @@ class Generation:
             self.metrics.replica_failovers.labels(role, old.address).inc()
         self._bind(role, new)
 
+    def _rebuild(self, role: str) -> None:
+        """The role's replica lost the session: the next call resends the history there."""
+        self.metrics.rebuilds.labels(role).inc()
+        self.metrics.replica_rebuilds.labels(role, self.on[role].address).inc()
+        self._forget(role)
+
     def _forget(self, role: str) -> None:
         """The role's session is gone or moved: the next call resends the history."""
         if role == "draft":
@@ -234,8 +240,7 @@ class Generation:
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 if code in _LOST and attempt == 0:
-                    self.metrics.rebuilds.labels("draft").inc()
-                    self._forget("draft")
+                    self._rebuild("draft")
                     continue
                 if code in _GONE + (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL):
                     # A draft is optional: move to another replica if one is up, else the target alone for now.
@@ -279,8 +284,7 @@ class Generation:
                 code = e.code()
                 if code in _LOST and not lost:
                     lost = True
-                    self.metrics.rebuilds.labels("target").inc()
-                    self._forget("target")
+                    self._rebuild("target")
                     continue
                 if code in _GONE or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and not self.target_mirror):
                     if deadline is None:

@@ -92,6 +92,8 @@ class OrchestratorMetrics:
         self.replica_failovers = Counter("specdec_replica_failovers_total", "Generations moved off a replica "
                                          "that failed them (down, restarting, draining or full)", ["role", "replica"],
                                          registry=r)
+        self.replica_rebuilds = Counter("specdec_replica_rebuilds_total", "Sessions resent to a replica that lost "
+                                        "them (restarted, expired, evicted)", ["role", "replica"], registry=r)
         self.failover_seconds = Histogram("specdec_failover_recovery_seconds", "From a replica's failed call to "
                                           "the generation's next answered one on another replica (or the same, back)",
                                           ["role"], buckets=_SECONDS, registry=r)
@@ -111,3 +113,4 @@ class OrchestratorMetrics:
         """Export a replica's counters at zero from the moment it is known, so that rate() sees its first events."""
         self.replica_generations.labels(role, replica)
         self.replica_failovers.labels(role, replica)
+        self.replica_rebuilds.labels(role, replica)

@@ -335,5 +335,7 @@ def test_a_stream_that_breaks_mid_generation_is_reopened_and_costs_no_request(
         # which ends that stream as any error does, and the rebuild goes on a third
         assert stack.servicers_target.streams == 3
         assert stack.metric("specdec_session_rebuilds_total", {"service": "target"}) == 1
+        (replica,) = stack.servicer.target
+        assert stack.metric("specdec_replica_rebuilds_total", {"role": "target", "replica": replica.address}) == 1
     finally:
         stop_stack(stack)
