@@ -70,7 +70,9 @@ class ModelServerConfig:
 
     role: str = field(default="target", metadata={"flag": False})
     model: str = field(default=DEFAULT_TARGET, metadata={"help": "hub id, local folder or embedded:NAME"})
-    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    dtype: str = field(default="auto", metadata={"help": "float32, bfloat16, float16 or auto: float32 on CPU; on a "
+                                                         "GPU bfloat16 where it computes in it natively (compute "
+                                                         "capability 8.0 on), else float16"})
     device: str = field(default="cpu", metadata={"help": "torch device: cpu, cuda, cuda:1..."})
     runner: str = field(default="auto", metadata={"help": "forward pass: hf (stock transformers), lean (Llama, "
                                                           "less per-call overhead) or auto (lean for Llama)"})
@@ -93,7 +95,12 @@ class ModelServerConfig:
     tls_client_ca: str = _tls_client_ca()
     health_port: int = _health_port()
     max_sessions: int = field(default=16, metadata={"help": "sessions held at once"})
-    max_tokens: int = field(default=65536, metadata={"help": "KV tokens held across all sessions"})
+    max_tokens: int = field(default=0, metadata={
+        "help": "KV tokens held across all sessions; 0 = 65536 on CPU, and on a GPU what --memory-fraction leaves "
+                "after the weights, the largest pass's activations and the CUDA context"})
+    memory_fraction: float = field(default=0.0, metadata={
+        "help": "share of the GPU's memory this server takes (weights, activations, KV pool); two servers share "
+                "one card, so neither takes what is free; 0 = 0.65 for a target, 0.25 for a draft"})
     max_model_len: int = field(default=0, metadata={"help": "longest session; 0 = the model's own limit"})
     idle_ttl_s: float = field(default=300.0, metadata={"help": "seconds before an idle session is freed"})
     max_draft_tokens: int = field(default=16, metadata={"help": "largest K a call may carry"})
@@ -119,18 +126,20 @@ class ModelServerConfig:
             raise ConfigError(f"--matmul must be {_one_of(MATMUL_FORMS)}, not {self.matmul!r}")
         if self.quantize not in ("auto", *QUANTIZE):
             raise ConfigError(f"--quantize must be {_one_of(('auto', *QUANTIZE))}, not {self.quantize!r}")
-        if self.quantize == "int8" and (not self.device.startswith("cpu") or self.dtype != "float32"):
+        if self.quantize == "int8" and (not self.device.startswith("cpu") or self.dtype not in ("float32", "auto")):
             raise ConfigError(f"--quantize int8 runs on CPU from float32 weights, not {self.device} {self.dtype}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ConfigError(f"--dtype must be one of auto, {', '.join(DTYPES)}, not {self.dtype!r}")
+        if not 0 <= self.memory_fraction < 1:
+            raise ConfigError(f"--memory-fraction must be in [0, 1), not {self.memory_fraction}")
         _ports(self.port, self.metrics_port, self.health_port)
         _check_tls(self)
-        for name in ("max_sessions", "max_tokens", "max_draft_tokens", "max_sparse_support"):
+        for name in ("max_sessions", "max_draft_tokens", "max_sparse_support"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        if (min(self.max_model_len, self.threads, self.prefill_threads, self.max_batch_tokens, self.prefix_cache_tokens) < 0
+        if (min(self.max_tokens, self.max_model_len, self.threads, self.prefill_threads, self.max_batch_tokens, self.prefix_cache_tokens) < 0
                 or self.idle_ttl_s <= 0 or self.grace_s < 0):
-            raise ConfigError("--max-model-len, --threads, --prefill-threads, --max-batch-tokens, --prefix-cache-tokens "
+            raise ConfigError("--max-tokens, --max-model-len, --threads, --prefill-threads, --max-batch-tokens, --prefix-cache-tokens "
                               "must be >= 0; "
                               "--idle-ttl-s > 0; --grace-s >= 0")
         if 0 < self.max_batch_tokens <= self.max_draft_tokens:

@@ -33,6 +33,7 @@ import torch
 from specdec import costs
 from specdec.errors import ServiceError
 from specdec.kv_pool import Session, SessionPool
+from specdec.runners import to_host
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class Engine:
             best = float("inf")
             for _ in range(2):
                 start = time.perf_counter()
-                self.runner.forward_batch(caches[:w], [[1]] * w, [1] * w)
+                to_host(self.runner.forward_batch(caches[:w], [[1]] * w, [1] * w))
                 best = min(best, time.perf_counter() - start)
                 for c in caches[:w]:
                     self.runner.crop(c, context)
@@ -338,11 +339,11 @@ class Engine:
             torch.set_num_threads(self.long_pass_threads)  # the loop thread's OpenMP team grows; no second team
         start = time.perf_counter()
         try:
-            logits = self.runner.forward_batch(
+            logits = to_host(self.runner.forward_batch(
                 [p.feed.session.cache for p in pieces],
                 [p.feed.tokens[p.feed.done: p.feed.done + p.n] for p in pieces],
                 [p.feed.num_logits if p.last else 1 for p in pieces],
-                pieces[0].feed.scored_only)
+                pieces[0].feed.scored_only))
         finally:
             if widen:
                 torch.set_num_threads(self.threads)

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specdec import models
-from specdec.config import ModelServerConfig
+from specdec import memory, models
+from specdec.config import ConfigError, ModelServerConfig
 from specdec.engine import MAX_BATCH_TOKENS, Engine, Feed
 from specdec.errors import ServiceError, invalid
 from specdec.kv_pool import Session, SessionPool
@@ -101,28 +101,30 @@ class ModelServer:
         self.vocab_size = len(tokenizer)
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(cfg.max_model_len or limit, limit)
-        quantize = resolve_quantize(cfg.quantize, cfg.role, model)
+        quantize = resolve_quantize(cfg.quantize, cfg.role, model, cfg.device, cfg.runner)
         self.runner = make_runner(model, self.vocab_size, self.max_model_len, cfg.runner, cfg.matmul, quantize,
-                                  models.gguf_file(cfg.model))
+                                  models.gguf_file(cfg.model), device=cfg.device)
+        on_cpu = self.runner.device.type == "cpu"
+        max_batch_tokens = cfg.max_batch_tokens or MAX_BATCH_TOKENS["cpu" if on_cpu else "accelerator"]
+        self.max_tokens = kv_capacity(cfg, self.runner, model.config, max_batch_tokens, self.max_model_len)
+        self.max_model_len = min(self.max_model_len, self.max_tokens)  # a longer session could never fit the pool
         self.pool = SessionPool(self.runner.new_cache, self.runner.crop, max_sessions=cfg.max_sessions,
-                                max_tokens=cfg.max_tokens, max_model_len=self.max_model_len,
+                                max_tokens=self.max_tokens, max_model_len=self.max_model_len,
                                 idle_ttl_s=cfg.idle_ttl_s)
         self.info = pb.ModelInfo(
             model=cfg.model, vocab_size=self.vocab_size,
             tokenizer_fingerprint=models.tokenizer_fingerprint(tokenizer),
             eos_token_ids=models.eos_token_ids(model, tokenizer), max_model_len=self.max_model_len,
-            max_sessions=cfg.max_sessions, max_tokens=cfg.max_tokens, max_draft_tokens=cfg.max_draft_tokens,
-            dtype=cfg.dtype, device=str(self.runner.device), forward=self.runner.describe())
+            max_sessions=cfg.max_sessions, max_tokens=self.max_tokens, max_draft_tokens=cfg.max_draft_tokens,
+            dtype=str(self.runner.dtype).removeprefix("torch."), device=str(self.runner.device),
+            forward=self.runner.describe())
         self.registry = registry or CollectorRegistry()
         self.metrics = ModelServerMetrics(self.registry)
         self.metrics.sessions_capacity.set(cfg.max_sessions)
-        self.metrics.tokens_capacity.set(cfg.max_tokens)
+        self.metrics.tokens_capacity.set(self.max_tokens)
         self.threads = torch.get_num_threads()  # ModelServer.load set cfg.threads
-        on_cpu = self.runner.device.type == "cpu"
         prefill_threads = (cfg.prefill_threads or _TORCH_THREADS) if on_cpu else self.threads
-        self.engine = Engine(self.runner, self.pool,
-                             cfg.max_batch_tokens or MAX_BATCH_TOKENS["cpu" if on_cpu else "accelerator"],
-                             self.metrics, self.threads, prefill_threads)
+        self.engine = Engine(self.runner, self.pool, max_batch_tokens, self.metrics, self.threads, prefill_threads)
         self.metrics.queued.set_function(lambda: self.engine.waiting)
         self.prefix = (PrefixCache(self.runner, cfg.prefix_cache_tokens)
                        if cfg.prefix_cache_tokens and getattr(self.runner, "batch_invariant", False) else None)
@@ -138,7 +140,8 @@ class ModelServer:
             torch.set_num_threads(cfg.threads)
         t = time.monotonic()
         tokenizer = models.load_tokenizer(cfg.model)
-        model = models.load_model(cfg.model, cfg.dtype, cfg.device)
+        # on the CPU first: the runner fuses its matrices there and moves each to the device once
+        model = models.load_model(cfg.model, models.resolve_dtype(cfg.dtype, cfg.device), "cpu")
         log.info("%s: loaded %s in %.1f s", cfg.role, cfg.model, time.monotonic() - t)
         return cls(cfg, model, tokenizer, registry)
 
@@ -292,6 +295,46 @@ class ModelServer:
         info.sessions_in_use, info.tokens_in_use = len(self.pool), self.pool.tokens_in_use
         info.draining = self.draining
         return info
+
+
+CPU_MAX_TOKENS = 65536  # KV tokens of a CPU server's pool when --max-tokens is 0
+
+
+def kv_capacity(cfg: ModelServerConfig, runner, config, max_batch_tokens: int, max_model_len: int) -> int:
+    """The KV tokens of the server's pool. On CPU: --max-tokens, or CPU_MAX_TOKENS. On a GPU: what the server's
+    share of the device leaves (specdec/memory.py), measured after a warm-up pass at the widest pass the
+    engine runs; an explicit --max-tokens must fit in it, so that the pool cannot run the device out of
+    memory under load."""
+    if runner.device.type != "cuda":
+        return cfg.max_tokens or CPU_MAX_TOKENS
+    budget = device_budget(cfg, runner, config, min(max_batch_tokens, max_model_len))
+    log.info("%s: %s", cfg.role, budget.describe())
+    if budget.tokens < 1 or cfg.max_tokens > budget.tokens:
+        raise ConfigError(
+            f"the {cfg.role} server's share of {runner.device} ({budget.share / memory.GiB:.2f} GiB, --memory-fraction "
+            f"{cfg.memory_fraction or memory.ROLE_FRACTIONS[cfg.role]}) holds {budget.tokens} KV tokens after "
+            f"{budget.weights_and_activations / memory.GiB:.2f} GiB of weights and activations"
+            + (f", fewer than --max-tokens {cfg.max_tokens}" if cfg.max_tokens else "")
+            + "; raise --memory-fraction or lower --max-batch-tokens")
+    return cfg.max_tokens or budget.tokens
+
+
+def device_budget(cfg: ModelServerConfig, runner, config, rows: int) -> memory.PoolBudget:
+    """The pool's budget on a CUDA device: a pass of `rows` rows on a scratch session first, so that the
+    allocator's peak holds the weights and the widest pass's activations."""
+    device = runner.device
+    torch.cuda.reset_peak_memory_stats(device)
+    cache = runner.new_cache()
+    runner.forward_batch([cache], [[1] * rows], [1])
+    del cache
+    torch.cuda.synchronize(device)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = memory.kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, head_dim,
+                                          runner.dtype.itemsize)
+    return memory.pool_budget(torch.cuda.mem_get_info(device)[1],
+                              cfg.memory_fraction or memory.ROLE_FRACTIONS[cfg.role],
+                              torch.cuda.max_memory_reserved(device), per_token, cfg.max_sessions,
+                              getattr(runner, "cache_step", 1))
 
 
 @dataclass

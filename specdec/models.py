@@ -41,6 +41,16 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
+def resolve_dtype(dtype: str, device: str) -> str:
+    """auto: float32 on CPU; on a GPU bfloat16 where it computes in it natively (compute capability 8.0 on),
+    float16 before that, where bfloat16 is emulated. Any other value stays as asked."""
+    if dtype != "auto":
+        return dtype
+    if torch.device(device).type != "cuda":
+        return "float32"
+    return "bfloat16" if torch.cuda.get_device_capability(device) >= (8, 0) else "float16"
+
+
 class ModelSpecError(ValueError):
     """A model spec that cannot be resolved; the message says what is allowed."""
 
@@ -124,8 +134,9 @@ def load_tokenizer(spec: str):
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
+    dtype = resolve_dtype(dtype, device)
     if dtype not in DTYPES:
-        raise ModelSpecError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+        raise ModelSpecError(f"dtype must be one of auto, {', '.join(DTYPES)}, not {dtype!r}")
     model = AutoModelForCausalLM.from_pretrained(resolve(spec), dtype=DTYPES[dtype])
     return model.to(device).eval().requires_grad_(False)
 

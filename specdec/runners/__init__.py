@@ -14,24 +14,37 @@ from specdec.runners.lean_llama import LeanLlamaRunner
 
 
 def make_runner(model, vocab_size: int, max_len: int, kind: str = "auto", matmul: str = "auto",
-                quantize: str = "none", gguf: str | None = None):
+                quantize: str = "none", gguf: str | None = None, device=None):
     """kind: hf (the stock transformers forward), lean (Llama only), auto (lean for Llama, else hf).
     matmul: the lean runner's product form for steps and verify passes; quantize: none, or int8 products
     on CPU; gguf: the GGUF file the model was loaded from, whose blocks the gguf form reads (see
-    specdec.runners.lean_llama). The stock forward has none of them."""
+    specdec.runners.lean_llama). The stock forward has none of them. device: where the runner runs (default:
+    where the model is); a model loaded on the CPU for a GPU runner is prepared there and moved once."""
     if kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama"):
-        return LeanLlamaRunner(model, vocab_size, max_len, matmul, quantize, gguf)
+        return LeanLlamaRunner(model, vocab_size, max_len, matmul, quantize, gguf, device)
     if quantize != "none":
         raise ValueError(f"quantize={quantize!r} needs the lean runner (a Llama model)")
-    return CausalLMRunner(model, vocab_size)
+    return CausalLMRunner(model, vocab_size, device)
 
 
-def resolve_quantize(quantize: str, role: str, model) -> str:
+def to_host(logits: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The host boundary: a pass's logits ([rows, columns] per session, one width) as CPU tensors, in one copy.
+
+    Runners leave their outputs on their device; the engine calls this once per pass, and everything after it
+    (sampling, supports, responses) works on CPU tensors. On a GPU the copy also waits for the pass, so the
+    pass's measured time is the device's work, not the launches'."""
+    if all(t.device.type == "cpu" for t in logits):
+        return [t.cpu() for t in logits]  # the same tensors: no copy
+    return list(torch.cat(logits).cpu().split([t.shape[0] for t in logits]))
+
+
+def resolve_quantize(quantize: str, role: str, model, device=None, kind: str = "auto") -> str:
     """auto: int8 for a draft on CPU in float32 when the lean runner serves it, else none. A draft's
     numbers only change q, which the ratio test accounts for, so the output stays exact; a target's
     numbers are the output, so auto leaves them alone."""
     if quantize != "auto":
         return quantize
     weight = next(model.parameters())
-    lean = getattr(model.config, "model_type", "") == "llama"
-    return "int8" if role == "draft" and lean and weight.device.type == "cpu" and weight.dtype == torch.float32 else "none"
+    on_cpu = torch.device(device if device is not None else weight.device).type == "cpu"
+    lean = kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama")
+    return "int8" if role == "draft" and lean and on_cpu and weight.dtype == torch.float32 else "none"

@@ -26,6 +26,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 import specdec.runners.gguf_blocks as gguf_blocks
 from specdec.runners.kernels import kernels_for
@@ -186,7 +187,12 @@ class TorchLayerOps:
 
     @staticmethod
     def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
+        """Llama's RMSNorm. Below float32 as transformers rounds it: normalized in float32, rounded to the
+        model's dtype, then scaled by the weight in that dtype."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, eps)
+        h = x.float()
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
     @staticmethod
     def attend(qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -199,14 +205,18 @@ class TorchLayerOps:
         q = qkv[:, : h * d].view(n, h, d).transpose(0, 1)  # [h, n, d]
         k[:, start:end] = rope(qkv[:, h * d:(h + kv) * d].view(n, kv, d).transpose(0, 1), cos, sin)
         v[:, start:end] = qkv[:, (h + kv) * d:].view(n, kv, d).transpose(0, 1)
-        att = F.scaled_dot_product_attention(rope(q, cos, sin)[None], k[None, :, :end], v[None, :, :end],
-                                             attn_mask=_causal_mask(n, start, q.device), enable_gqa=True)
-        return att[0].transpose(0, 1).reshape(n, h * d)
+        att = sdpa(rope(q, cos, sin), k[:, :end], v[:, :end])
+        return att.transpose(0, 1).reshape(n, h * d)
 
     @staticmethod
     def silu_mul(gu: torch.Tensor) -> torch.Tensor:
         gate, up = gu.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+def _to_device(w: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A weight detached and on the device: the same tensor where it already is there, else a copy."""
+    return w.detach().to(device)
 
 
 def rope(x, cos, sin):
@@ -215,10 +225,28 @@ def rope(x, cos, sin):
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-@functools.lru_cache(maxsize=1)  # the same for every layer of a pass
-def _causal_mask(n: int, start: int, device) -> torch.Tensor | None:
-    """[n, start + n]: new token j sees positions up to start + j; None for one token, which sees all."""
-    return None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of n new queries over a cache that ends with them: q [h, n, d], k, v [kv, end, d]
+    -> [h, n, d], in the model's dtype, by a call that CUDA's flash or memory-efficient kernel takes (a dense
+    mask together with enable_gqa leaves only the float32 math kernel). A lone query sees every key: no mask,
+    the kernel groups the KV heads itself. Several queries take the lower-right causal bias: with the KV heads
+    grouped in the kernel where flash attention runs (and on CPU), else widened to every query head for the
+    memory-efficient kernel, which takes the bias but not grouped heads."""
+    if q.shape[1] == 1:
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=True)[0]
+    bias = causal_lower_right(q.shape[1], k.shape[1])
+    if groups_heads_in_kernel(q.device):
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias, enable_gqa=True)[0]
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [h, end, d]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def groups_heads_in_kernel(device: torch.device) -> bool:
+    """Whether the several-query attention above keeps KV heads grouped: on CPU, and on CUDA where flash
+    attention runs (compute capability 8.0 on)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 class LeanCache:
@@ -249,40 +277,52 @@ class LeanCache:
 class LeanLlamaRunner:
     """Same interface as CausalLMRunner: new_cache, crop, forward."""
 
+    cache_step = LeanCache.GROW  # a session's cache holds up to this many tokens more than it counts
+
     def __init__(self, model, vocab_size: int, max_len: int, matmul: str = "auto", quantize: str = "none",
-                 gguf: str | None = None):
-        """gguf: the GGUF file the model was loaded from, if any: its blocks give the gguf product form."""
+                 gguf: str | None = None, device=None):
+        """gguf: the GGUF file the model was loaded from, if any: its blocks give the gguf product form.
+        device: where the runner's weights live (default: where the model's are). The fused matrices are built
+        where the model is and only they move, so a model loaded on the CPU leaves nothing of itself on the
+        device: the device holds each weight once."""
         cfg = model.config
         if getattr(cfg, "model_type", "") != "llama":
             raise ValueError(f"the lean runner handles Llama models, not {cfg.model_type!r}")
         self.vocab_size = vocab_size
-        self.device = next(model.parameters()).device
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
+        move = functools.partial(_to_device, device=self.device)
         m = model.model
-        self.embed = m.embed_tokens.weight.detach()  # [vocab, hidden]
+        self.embed = move(m.embed_tokens.weight)  # [vocab, hidden]
         self.layers = []
         for layer in m.layers:
             a, mlp = layer.self_attn, layer.mlp
             self.layers.append((
-                layer.input_layernorm.weight.detach(),
-                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),  # [(h + 2 kv) * d, hidden]
-                a.o_proj.weight.detach(),
-                layer.post_attention_layernorm.weight.detach(),
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),  # [2 * inter, hidden]
-                mlp.down_proj.weight.detach(),
+                move(layer.input_layernorm.weight),
+                move(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),  # [(h + 2 kv) * d, hidden]
+                move(a.o_proj.weight),
+                move(layer.post_attention_layernorm.weight),
+                move(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),  # [2 * inter, hidden]
+                move(mlp.down_proj.weight),
             ))
-        self.norm = m.norm.weight.detach()
-        self.kept = self.scored_ids = output_token_ids(model)  # [kept] or None: score only these rows
-        head = model.get_output_embeddings().weight.detach()[:vocab_size]  # [vocab, hidden]
-        self.lm_head = head if self.kept is None else head[self.kept].contiguous()  # [vocab or kept, hidden]
-        positions = torch.arange(max_len, device=self.device)[None]
-        probe = torch.zeros(1, 1, cfg.hidden_size, dtype=self.dtype, device=self.device)
+        self.norm = move(m.norm.weight)
+        self.kept = self.scored_ids = output_token_ids(model)  # [kept] on the CPU, or None: score only these rows
+        self._kept_on_device = None if self.kept is None else self.kept.to(self.device)
+        head = model.get_output_embeddings().weight
+        if self.kept is not None:
+            self.lm_head = move(head[self.kept])  # [kept, hidden]
+        elif head.data_ptr() == m.embed_tokens.weight.data_ptr():
+            self.lm_head = self.embed[:vocab_size]  # tied: a view of the embedding, not a second copy
+        else:
+            self.lm_head = move(head[:vocab_size])  # [vocab, hidden]
+        positions = torch.arange(max_len, device=m.embed_tokens.weight.device)[None]
+        probe = torch.zeros(1, 1, cfg.hidden_size, dtype=self.dtype, device=positions.device)
         cos, sin = m.rotary_emb(probe, positions)  # [1, max_len, head_dim]
-        self.cos, self.sin = cos[0], sin[0]
+        self.cos, self.sin = move(cos[0]), move(sin[0])
         self.max_len = max_len
         if matmul not in MATMUL_FORMS:
             raise ValueError(f"matmul must be one of {', '.join(MATMUL_FORMS)}, not {matmul!r}")
@@ -539,7 +579,7 @@ class LeanLlamaRunner:
         out = list(logits.split(num_logits)) if len(caches) > 1 else [logits]
         if self.kept is None or scored_only:
             return out
-        kept = self.kept.to(logits.device)
+        kept = self._kept_on_device
         return [torch.full((k, self.vocab_size), float("-inf"), device=logits.device).index_copy_(1, kept, part)
                 for k, part in zip(num_logits, out)]  # [num_logits, vocab] each
 
