@@ -266,7 +266,8 @@ def parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start draft, target and orchestrator here (foreground)")
     up.add_argument("--draft-model", help=f"draft model (default {DEFAULT_DRAFT})")
     up.add_argument("--target-model", help="target model (default the embedded SmolLM2-135M-Instruct)")
-    up.add_argument("--dtype", help="float32, bfloat16 or float16")
+    up.add_argument("--dtype", help="auto (the default: float32 on CPU, bfloat16 or float16 on a GPU), float32, "
+                                     "bfloat16 or float16")
     up.add_argument("--device", help="cpu, cuda...")
     up.add_argument("--threads", type=int, default=0, help="torch threads per model server")
     up.add_argument("--with-prometheus", action="store_true", help="also start Prometheus (the binary must be installed)")

@@ -113,6 +113,9 @@ class ModelServerConfig:
     max_batch_tokens: int = field(default=0, metadata={
         "help": "most rows (new tokens of every session) in one batched forward pass; a long prompt is fed in "
                 "pieces beside the other sessions' steps; 0 = 64 on CPU, 2048 on an accelerator"})
+    strict_attention: bool = field(default=False, metadata={
+        "help": "on a GPU, hold attention to the fused SDPA kernels (flash, memory-efficient): a call only the "
+                "math kernel takes fails instead of running slowly; for checks such as tools/gpu_smoke.py"})
     prefix_cache_tokens: int = field(default=2048, metadata={
         "help": "KV tokens kept of prompt prefixes that new sessions share (a chat template's opening, a rebuilt "
                 "session's history), where the runner is batch-invariant; 0 turns it off"})

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -147,8 +148,10 @@ class Engine:
     """Feeds the calls of every session to the runner in batched passes (see the module)."""
 
     def __init__(self, runner, pool: SessionPool, max_batch_tokens: int, metrics=None,
-                 threads: int | None = None, long_pass_threads: int | None = None):
+                 threads: int | None = None, long_pass_threads: int | None = None, pass_context=contextlib.nullcontext):
+        """pass_context: a factory of the context each pass runs in (specdec.runners.attention_kernels)."""
         self.runner = runner
+        self.pass_context = pass_context
         self.pool = pool
         self.max_batch_tokens = max_batch_tokens
         self.metrics = metrics
@@ -177,7 +180,8 @@ class Engine:
             best = float("inf")
             for _ in range(2):
                 start = time.perf_counter()
-                to_host(self.runner.forward_batch(caches[:w], [[1]] * w, [1] * w))
+                with self.pass_context():
+                    to_host(self.runner.forward_batch(caches[:w], [[1]] * w, [1] * w))
                 best = min(best, time.perf_counter() - start)
                 for c in caches[:w]:
                     self.runner.crop(c, context)
@@ -339,11 +343,12 @@ class Engine:
             torch.set_num_threads(self.long_pass_threads)  # the loop thread's OpenMP team grows; no second team
         start = time.perf_counter()
         try:
-            logits = to_host(self.runner.forward_batch(
-                [p.feed.session.cache for p in pieces],
-                [p.feed.tokens[p.feed.done: p.feed.done + p.n] for p in pieces],
-                [p.feed.num_logits if p.last else 1 for p in pieces],
-                pieces[0].feed.scored_only))
+            with self.pass_context():
+                logits = to_host(self.runner.forward_batch(
+                    [p.feed.session.cache for p in pieces],
+                    [p.feed.tokens[p.feed.done: p.feed.done + p.n] for p in pieces],
+                    [p.feed.num_logits if p.last else 1 for p in pieces],
+                    pieces[0].feed.scored_only))
         finally:
             if widen:
                 torch.set_num_threads(self.threads)

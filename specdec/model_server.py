@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import time
@@ -33,7 +34,7 @@ from specdec.engine import MAX_BATCH_TOKENS, Engine, Feed
 from specdec.errors import ServiceError, invalid
 from specdec.kv_pool import Session, SessionPool
 from specdec.prefix_cache import PrefixCache
-from specdec.runners import make_runner, resolve_quantize
+from specdec.runners import attention_kernels, make_runner, resolve_quantize
 from specdec.sampling import SamplingParams
 from specdec.v1 import model_server_pb2 as pb
 
@@ -117,14 +118,16 @@ class ModelServer:
             eos_token_ids=models.eos_token_ids(model, tokenizer), max_model_len=self.max_model_len,
             max_sessions=cfg.max_sessions, max_tokens=self.max_tokens, max_draft_tokens=cfg.max_draft_tokens,
             dtype=str(self.runner.dtype).removeprefix("torch."), device=str(self.runner.device),
-            forward=self.runner.describe())
+            forward=self.runner.describe() + ("; attention held to the fused SDPA kernels"
+                                              if cfg.strict_attention and not on_cpu else ""))
         self.registry = registry or CollectorRegistry()
         self.metrics = ModelServerMetrics(self.registry)
         self.metrics.sessions_capacity.set(cfg.max_sessions)
         self.metrics.tokens_capacity.set(self.max_tokens)
         self.threads = torch.get_num_threads()  # ModelServer.load set cfg.threads
         prefill_threads = (cfg.prefill_threads or _TORCH_THREADS) if on_cpu else self.threads
-        self.engine = Engine(self.runner, self.pool, max_batch_tokens, self.metrics, self.threads, prefill_threads)
+        self.engine = Engine(self.runner, self.pool, max_batch_tokens, self.metrics, self.threads, prefill_threads,
+                             functools.partial(attention_kernels, self.runner.device, cfg.strict_attention))
         self.metrics.queued.set_function(lambda: self.engine.waiting)
         self.prefix = (PrefixCache(self.runner, cfg.prefix_cache_tokens)
                        if cfg.prefix_cache_tokens and getattr(self.runner, "batch_invariant", False) else None)
@@ -325,7 +328,8 @@ def device_budget(cfg: ModelServerConfig, runner, config, rows: int) -> memory.P
     device = runner.device
     torch.cuda.reset_peak_memory_stats(device)
     cache = runner.new_cache()
-    runner.forward_batch([cache], [[1] * rows], [1])
+    with attention_kernels(device, cfg.strict_attention):
+        runner.forward_batch([cache], [[1] * rows], [1])
     del cache
     torch.cuda.synchronize(device)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -195,6 +195,17 @@ def test_the_host_boundary_copies_a_devices_logits_once_and_leaves_cpu_ones_alon
     assert [type(t) for t in moved] == [torch.Tensor] * 2 and [t.shape[0] for t in moved] == [2, 1]
 
 
+def test_strict_attention_leaves_a_gpu_pass_only_the_fused_kernels_and_changes_nothing_on_cpu():
+    from specdec.runners import attention_kernels
+
+    with attention_kernels("cuda", True):
+        assert not torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.math_sdp_enabled()
+    for device, strict in (("cuda", False), ("cpu", True)):
+        with attention_kernels(device, strict):
+            assert torch.backends.cuda.math_sdp_enabled()
+
+
 @pytest.mark.parametrize("capability, dtype", [((7, 5), "float16"), ((8, 0), "bfloat16"), ((9, 0), "bfloat16")])
 def test_auto_dtype_is_bfloat16_only_where_the_gpu_computes_in_it(capability, dtype, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)

@@ -30,11 +30,12 @@ def test_services_start_as_specdec_up_on_the_chosen_device_pair_and_ports():
     argv, env = gpu_smoke.launch(args, [1, 2, 3, 4, 5, 6, 7], {"HF_TOKEN": "t"})
     assert argv[1:] == ["-m", "cli.main", "up", "--device", "cuda", "--dtype", "bfloat16",
                         "--target-model", "meta-llama/Llama-3.2-3B-Instruct", "--draft-model", "/models/draft"]
-    assert env["SPECDEC_SDPA_STRICT"] == "1" and env["HF_TOKEN"] == "t"
+    assert env["SPECDEC_TARGET_STRICT_ATTENTION"] == env["SPECDEC_DRAFT_STRICT_ATTENTION"] == "true"
+    assert env["HF_TOKEN"] == "t"
     assert env["SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS"] == "127.0.0.1:2" and env["SPECDEC_TARGET_PORT"] == "3"
     assert env["SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS"] == "9"  # a K the orchestrator accepts
     _, env = gpu_smoke.launch(gpu_smoke.parse_args(["--device", "cpu"]), [1, 2, 3, 4, 5, 6, 7], {})
-    assert "SPECDEC_SDPA_STRICT" not in env
+    assert "SPECDEC_TARGET_STRICT_ATTENTION" not in env
 
 
 def test_first_divergence_is_the_first_differing_token():

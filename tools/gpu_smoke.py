@@ -5,7 +5,7 @@
   python tools/gpu_smoke.py --device cpu --dtype float32 --max-tokens 8     the same checks on CPU (its test)
 
 It prints torch, CUDA and the card, and the models in the local caches; starts `specdec up` on the device, with
-SPECDEC_SDPA_STRICT=1 on CUDA so that the model servers hold attention to the fused SDPA kernels (flash or
+--strict-attention on CUDA so that the model servers hold attention to the fused SDPA kernels (flash or
 memory-efficient) and a fall back to the math kernel raises; sends greedy and seeded sampled requests alone, then
 --concurrency of them at once; checks that greedy output equals the target alone's (K = 0) token for token, and that
 a seed reproduces its sample; prints each server's pass costs and the rounds' costs. Exit status 0 when every check
@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default %(default)s)")
     p.add_argument("--concurrency", type=int, default=8, help="requests sent at once (default %(default)s)")
     p.add_argument("--sdpa-strict", action=argparse.BooleanOptionalAction, default=None,
-                   help="set SPECDEC_SDPA_STRICT=1 for the model servers (default: on a CUDA device)")
+                   help="run the model servers with --strict-attention (default: on a CUDA device)")
     p.add_argument("--startup-timeout", type=float, default=1800.0,
                    help="seconds for the services to start, downloads included (default %(default)s)")
     p.add_argument("--log", type=Path, help="the services' log (default: a temporary file, printed)")
@@ -113,7 +113,7 @@ def launch(args: argparse.Namespace, ports: list[int], environ: dict) -> tuple[l
                SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"127.0.0.1:{t}",
                SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS=str(max(8, args.k)))
     if args.sdpa_strict:
-        env["SPECDEC_SDPA_STRICT"] = "1"
+        env["SPECDEC_TARGET_STRICT_ATTENTION"] = env["SPECDEC_DRAFT_STRICT_ATTENTION"] = "true"
     argv = [sys.executable, "-m", "cli.main", "up", "--device", args.device, "--dtype", args.dtype]
     argv += ["--target-model", args.target] if args.target else []
     argv += ["--draft-model", args.draft] if args.draft else []

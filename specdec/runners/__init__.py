@@ -7,6 +7,8 @@ Both take a batch of sessions in one pass (``forward_batch``). ``make_runner`` p
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from specdec.runners.hf import CausalLMRunner
@@ -36,6 +38,17 @@ def to_host(logits: list[torch.Tensor]) -> list[torch.Tensor]:
     if all(t.device.type == "cpu" for t in logits):
         return [t.cpu() for t in logits]  # the same tensors: no copy
     return list(torch.cat(logits).cpu().split([t.shape[0] for t in logits]))
+
+
+def attention_kernels(device, strict: bool):
+    """The context a server's passes run in: with strict on a CUDA device, attention may take only the fused
+    SDPA kernels (flash, memory-efficient), so a call that would fall back to the math kernel fails loudly
+    (--strict-attention, for checks on a GPU); elsewhere nothing changes."""
+    if not strict or torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
 
 
 def resolve_quantize(quantize: str, role: str, model, device=None, kind: str = "auto") -> str:
