@@ -110,12 +110,20 @@ class OrchestratorMetrics:
                                     registry=r)
         self.rpcs_per_round = Histogram("specdec_rpcs_per_round", "Model-server RPCs per round",
                                         buckets=[1, 2, 3, 4, 6, 8], registry=r)
+        self._add_failover_metrics(r)
+        self.active = Gauge("specdec_active_requests", "Requests being generated", registry=r)
+        self.waiting = Gauge("specdec_waiting_requests", "Requests waiting in line for a KV session and tokens "
+                             "on the model servers (--max-concurrent-requests)", registry=r)
+        self._export_zeros()
+
+    def _add_failover_metrics(self, r: CollectorRegistry) -> None:
+        """Replicas (orchestrator/replicas.py) and failover (orchestrator/failover.py): where generations go, and
+        what happens to them when a server fails."""
         self.rebuilds = Counter("specdec_session_rebuilds_total", "Sessions resent after a server lost them",
                                 ["service"], registry=r)
         self.draft_fallbacks = Counter("specdec_draft_fallback_rounds_total",
                                        "Rounds decoded by the target alone because no draft replica was available",
                                        registry=r)
-        # Replicas (orchestrator/replicas.py): where generations go, and where they go when a replica fails.
         self.replica_up = Gauge("specdec_replica_up", "1 while a model-server replica answers and takes "
                                 "generations, 0 while it is down or draining", ["role", "replica"], registry=r)
         self.replica_sessions = Gauge("specdec_replica_sessions", "KV sessions a replica holds, from its last "
@@ -131,10 +139,10 @@ class OrchestratorMetrics:
         self.failover_seconds = Histogram("specdec_failover_recovery_seconds", "From a replica's failed call to "
                                           "the generation's next answered one on another replica (or the same, back)",
                                           ["role"], buckets=_SECONDS, registry=r)
-        self.active = Gauge("specdec_active_requests", "Requests being generated", registry=r)
-        self.waiting = Gauge("specdec_waiting_requests", "Requests waiting in line for a KV session and tokens "
-                             "on the model servers (--max-concurrent-requests)", registry=r)
-        for p in self.positions:  # expose zeros so rate() works from the first scrape
+
+    def _export_zeros(self) -> None:
+        """Expose the labelled series known from the start at zero, so that rate() works from the first scrape."""
+        for p in self.positions:
             self.draft_per_position.labels(p)
             self.accepted_per_position.labels(p)
         for phase in ("draft", "verify", "queue", "accept", "rpc"):
