@@ -5,7 +5,7 @@
 resolved again every ``--resolve-interval-s``. Each replica reports its load in ModelInfo (sessions and KV tokens
 in use against its capacity), fetched every second. A new generation goes to the least-loaded replica that is up
 and stays there, since its KV lives there. A replica that fails a call (down, restarting, draining) is left out
-until it answers again; the generations on it rebuild elsewhere from their history (orchestrator/generation.py).
+until it answers again; the generations on it rebuild elsewhere from their history (orchestrator/failover.py).
 """
 
 from __future__ import annotations
