@@ -11,7 +11,7 @@ from orchestrator.admission import Admission
 from orchestrator.clients import ModelClient
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.openai_api import start_http
-from orchestrator.replicas import ReplicaSet
+from orchestrator.replicas import ReplicaSet, Role
 from orchestrator.servicer import GenerationServicer, capacity
 from specdec import models
 from specdec.config import ConfigError, OrchestratorConfig
@@ -70,10 +70,12 @@ async def start_orchestrator(cfg: OrchestratorConfig, registry: CollectorRegistr
     """Connect, check, bind; returns (server, port, health servicer, servicer). The OpenAI-compatible API, where
     --http-port is set, is servicer.http (an aiohttp runner on this loop)."""
     tokenizer = tokenizer or await asyncio.to_thread(models.load_tokenizer, cfg.tokenizer)
-    draft = ReplicaSet("draft", cfg.draft_address,
-                       lambda a: ModelClient("draft", a, draft_pb2_grpc.DraftServiceStub, cfg), cfg.resolve_interval_s)
-    target = ReplicaSet("target", cfg.target_address,
-                        lambda a: ModelClient("target", a, target_pb2_grpc.TargetServiceStub, cfg), cfg.resolve_interval_s)
+    draft = ReplicaSet(Role.DRAFT, cfg.draft_address,
+                       lambda a: ModelClient(Role.DRAFT, a, draft_pb2_grpc.DraftServiceStub, cfg),
+                       cfg.resolve_interval_s)
+    target = ReplicaSet(Role.TARGET, cfg.target_address,
+                        lambda a: ModelClient(Role.TARGET, a, target_pb2_grpc.TargetServiceStub, cfg),
+                        cfg.resolve_interval_s)
     log.info("waiting up to %.0f s for the draft service at %s and the target service at %s",
              cfg.startup_timeout_s, cfg.draft_address, cfg.target_address)
     draft_info, target_info = await asyncio.gather(_first_report(draft, cfg.startup_timeout_s),

@@ -18,9 +18,43 @@ Rates are derived in PromQL from counters, never kept as gauges:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from orchestrator.speculation import CallCost
+
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
+
+
+@dataclass
+class RoundTrace:
+    """What a round did on the wire and in time; exported as metrics."""
+
+    rpcs: int = 0
+    bytes: int = 0
+    draft_s: float = 0.0
+    draft_wall_s: float = 0.0  # the draft call's wall time, draft_s included
+    draft_built: bool = False  # the draft call built the draft's session (the prompt's prefill, or a rebuild)
+    verify_s: float = 0.0
+    queue_s: float = 0.0  # waiting for the servers' passes
+    rpc_s: float = 0.0
+    built: bool = False  # a call (re)built a session from the history: the prompt's prefill, or a rebuild
+    draft_cost: CallCost | None = None  # the draft's and the target's calls, for adaptive speculation
+    target_cost: CallCost | None = None
+
+    def add_call(self, req, resp, wall_s: float, compute_field: str | None) -> None:
+        """One call of the round: a ProposeTokens (compute_field "draft_s") or a Verify ("verify_s"), whose
+        servers report their compute and queueing, or (None) a GetDistribution."""
+        self.rpcs += 1
+        self.bytes += req.ByteSize() + resp.ByteSize()
+        compute = getattr(resp, "compute_seconds", 0.0) if compute_field else 0.0
+        queued = resp.batch.queue_seconds if compute_field else 0.0
+        if compute_field:
+            setattr(self, compute_field, getattr(self, compute_field) + compute)
+            self.queue_s += queued
+            self.built = self.built or req.cursor.expected_length == 0
+        self.rpc_s += max(wall_s - compute - queued, 0.0)
 
 
 class OrchestratorMetrics:
@@ -76,12 +110,20 @@ class OrchestratorMetrics:
                                     registry=r)
         self.rpcs_per_round = Histogram("specdec_rpcs_per_round", "Model-server RPCs per round",
                                         buckets=[1, 2, 3, 4, 6, 8], registry=r)
+        self._add_failover_metrics(r)
+        self.active = Gauge("specdec_active_requests", "Requests being generated", registry=r)
+        self.waiting = Gauge("specdec_waiting_requests", "Requests waiting in line for a KV session and tokens "
+                             "on the model servers (--max-concurrent-requests)", registry=r)
+        self._export_zeros()
+
+    def _add_failover_metrics(self, r: CollectorRegistry) -> None:
+        """Replicas (orchestrator/replicas.py) and failover (orchestrator/failover.py): where generations go, and
+        what happens to them when a server fails."""
         self.rebuilds = Counter("specdec_session_rebuilds_total", "Sessions resent after a server lost them",
                                 ["service"], registry=r)
         self.draft_fallbacks = Counter("specdec_draft_fallback_rounds_total",
                                        "Rounds decoded by the target alone because no draft replica was available",
                                        registry=r)
-        # Replicas (orchestrator/replicas.py): where generations go, and where they go when a replica fails.
         self.replica_up = Gauge("specdec_replica_up", "1 while a model-server replica answers and takes "
                                 "generations, 0 while it is down or draining", ["role", "replica"], registry=r)
         self.replica_sessions = Gauge("specdec_replica_sessions", "KV sessions a replica holds, from its last "
@@ -97,10 +139,10 @@ class OrchestratorMetrics:
         self.failover_seconds = Histogram("specdec_failover_recovery_seconds", "From a replica's failed call to "
                                           "the generation's next answered one on another replica (or the same, back)",
                                           ["role"], buckets=_SECONDS, registry=r)
-        self.active = Gauge("specdec_active_requests", "Requests being generated", registry=r)
-        self.waiting = Gauge("specdec_waiting_requests", "Requests waiting in line for a KV session and tokens "
-                             "on the model servers (--max-concurrent-requests)", registry=r)
-        for p in self.positions:  # expose zeros so rate() works from the first scrape
+
+    def _export_zeros(self) -> None:
+        """Expose the labelled series known from the start at zero, so that rate() works from the first scrape."""
+        for p in self.positions:
             self.draft_per_position.labels(p)
             self.accepted_per_position.labels(p)
         for phase in ("draft", "verify", "queue", "accept", "rpc"):
@@ -114,3 +156,35 @@ class OrchestratorMetrics:
         self.replica_generations.labels(role, replica)
         self.replica_failovers.labels(role, replica)
         self.replica_rebuilds.labels(role, replica)
+
+    def record_round(self, k: int, n: int, emitted: int, trace: RoundTrace, round_s: float, accept_s: float,
+                     looked_up: bool) -> None:
+        """A finished round: k tokens proposed (by prompt lookup where looked_up), n of them accepted, emitted
+        tokens streamed, round_s of wall time, the last accept_s of it on the orchestrator."""
+        if looked_up:
+            self.lookup_rounds.inc()
+            self.lookup_tokens.inc(k)
+            self.lookup_accepted_tokens.inc(n)
+        self.rounds.inc()
+        self.draft_tokens.inc(k)
+        self.accepted_tokens.inc(n)
+        if n < k:
+            self.rejected_rounds.inc()
+        for i in range(k):
+            self.draft_per_position.labels(self.positions[i]).inc()
+            if i < n:
+                self.accepted_per_position.labels(self.positions[i]).inc()
+        self.tokens_per_round.observe(n + 1)
+        self.generated_tokens.inc(emitted)
+        if trace.built:  # a prefill's time says nothing of a decoding round's: it is timed apart
+            self.prefill_round_seconds.observe(round_s)
+        else:
+            self.phase_seconds.labels("draft").observe(trace.draft_s)
+            self.phase_seconds.labels("verify").observe(trace.verify_s)
+            self.phase_seconds.labels("rpc").observe(trace.rpc_s)
+            self.phase_seconds.labels("queue").observe(trace.queue_s)
+            self.phase_seconds.labels("accept").observe(accept_s)
+            self.round_seconds.observe(round_s)
+            self.speculative_tokens.observe(k)
+        self.wire_bytes.observe(trace.bytes)
+        self.rpcs_per_round.observe(trace.rpcs)

@@ -5,12 +5,13 @@
 resolved again every ``--resolve-interval-s``. Each replica reports its load in ModelInfo (sessions and KV tokens
 in use against its capacity), fetched every second. A new generation goes to the least-loaded replica that is up
 and stays there, since its KV lives there. A replica that fails a call (down, restarting, draining) is left out
-until it answers again; the generations on it rebuild elsewhere from their history (orchestrator/generation.py).
+until it answers again; the generations on it rebuild elsewhere from their history (orchestrator/failover.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import random
 import socket
@@ -26,6 +27,13 @@ from specdec.v1 import model_server_pb2 as ms_pb
 log = logging.getLogger(__name__)
 
 DNS_SCHEME = "dns:///"
+
+
+class Role(enum.StrEnum):
+    """The two model servers a generation calls; each value is the name metric labels and flags give it."""
+
+    DRAFT = "draft"
+    TARGET = "target"
 
 
 @dataclass(frozen=True)
@@ -106,7 +114,7 @@ class Replica:
 class ReplicaSet:
     """The replicas of one role (draft or target), kept current by ``refresh``."""
 
-    def __init__(self, role: str, addresses: str, make_client, resolve_interval_s: float = 10.0, resolver=resolve):
+    def __init__(self, role: Role, addresses: str, make_client, resolve_interval_s: float = 10.0, resolver=resolve):
         self.role = role
         self.endpoints = parse_addresses(addresses, f"--{role}-address")
         self.make_client = make_client  # address -> ModelClient

@@ -153,7 +153,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             spec = self.build_spec(request)
             gen = Generation(spec, uuid.uuid4().hex, self.draft, self.target, self.tokenizer, self.eos_ids,
-                             self.max_model_len, m, self.speculation)
+                             self.max_model_len, m, self.cfg, self.speculation)
             kv_tokens = min(len(spec.prompt_ids) + spec.max_tokens + spec.k, self.max_model_len)
             await self.admission.enter(kv_tokens)  # given back once the generation's sessions are freed, below
         except ServiceError as e:

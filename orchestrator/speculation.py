@@ -117,8 +117,9 @@ class RoundCosts:
 
     def observe_start(self, k: int, draft_wall_s: float) -> None:
         """The call that built a request's draft session (its prompt's prefill) and drafted k tokens. The
-        process's first pays one-time costs (caches, the channel's first stream: 35 ms against about 10 ms
-        after, on the 2-core VM) and is left out, so that it does not keep every later request from starting the draft."""
+        process's first pays one-time costs (caches, the channel's first stream: several steady calls' worth,
+        docs/performance.md, item 13) and is left out, so that it does not keep every later request from starting
+        the draft."""
         if not self._first_start_seen:
             self._first_start_seen = True
             return
