@@ -150,7 +150,7 @@ class Generation:
         req = ms_pb.GetDistributionRequest(session_id=self.session_id, position=position)
         req, resp, wall = await failover.call(link, lambda: req, distribution=True)
         trace.add_call(req, resp, wall, None)
-        return rs.Dist.from_dense(resp.probs)
+        return rs.Dist.from_dense(np.frombuffer(resp.probs_f32, dtype="<f4"))
 
     # -- bookkeeping --------------------------------------------------------------
     def _apply_stops(self, round_tokens: list[int]) -> tuple[list[int], int | None]:

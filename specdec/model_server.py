@@ -107,8 +107,8 @@ class ModelServer:
                                   models.gguf_file(cfg.model), device=cfg.device)
         on_cpu = self.runner.device.type == "cpu"
         max_batch_tokens = cfg.max_batch_tokens or MAX_BATCH_TOKENS["cpu" if on_cpu else "accelerator"]
-        self.max_tokens = kv_capacity(cfg, self.runner, model.config, max_batch_tokens, self.max_model_len)
-        self.max_model_len = min(self.max_model_len, self.max_tokens)  # a longer session could never fit the pool
+        self.max_tokens, self.max_model_len = kv_capacity(cfg, self.runner, model.config, max_batch_tokens,
+                                                          self.max_model_len)
         self.pool = SessionPool(self.runner.new_cache, self.runner.crop, max_sessions=cfg.max_sessions,
                                 max_tokens=self.max_tokens, max_model_len=self.max_model_len,
                                 idle_ttl_s=cfg.idle_ttl_s)
@@ -289,7 +289,7 @@ class ModelServer:
         row = s.probs[i]
         if s.probs_ids is not None:  # a restricted draft's row: probability 0 for the tokens it does not score
             row = torch.zeros(self.vocab_size, dtype=row.dtype).index_copy_(0, s.probs_ids, row)
-        return pb.GetDistributionResponse(probs=row.tolist())
+        return pb.GetDistributionResponse(probs_f32=row.numpy().astype("<f4").tobytes())
 
     def model_info(self, req) -> pb.ModelInfo:
         info = pb.ModelInfo()
@@ -303,13 +303,14 @@ class ModelServer:
 CPU_MAX_TOKENS = 65536  # KV tokens of a CPU server's pool when --max-tokens is 0
 
 
-def kv_capacity(cfg: ModelServerConfig, runner, config, max_batch_tokens: int, max_model_len: int) -> int:
-    """The KV tokens of the server's pool. On CPU: --max-tokens, or CPU_MAX_TOKENS. On a GPU: what the server's
-    share of the device leaves (specdec/memory.py), measured after a warm-up pass at the widest pass the
-    engine runs; an explicit --max-tokens must fit in it, so that the pool cannot run the device out of
-    memory under load."""
+def kv_capacity(cfg: ModelServerConfig, runner, config, max_batch_tokens: int, max_model_len: int) -> tuple[int, int]:
+    """(KV tokens of the server's pool, its longest session). On CPU: --max-tokens, or CPU_MAX_TOKENS, and the
+    model's length (a request larger than the pool is refused RESOURCE_EXHAUSTED, naming --max-tokens). On a
+    GPU: what the server's share of the device leaves (specdec/memory.py), measured after a warm-up pass at the
+    widest pass the engine runs, an explicit --max-tokens only if it fits, so that the pool cannot run the
+    device out of memory under load; the longest session is what the pool holds, if less than the model's."""
     if runner.device.type != "cuda":
-        return cfg.max_tokens or CPU_MAX_TOKENS
+        return cfg.max_tokens or CPU_MAX_TOKENS, max_model_len
     budget = device_budget(cfg, runner, config, min(max_batch_tokens, max_model_len))
     log.info("%s: %s", cfg.role, budget.describe())
     if budget.tokens < 1 or cfg.max_tokens > budget.tokens:
@@ -319,7 +320,8 @@ def kv_capacity(cfg: ModelServerConfig, runner, config, max_batch_tokens: int, m
             f"{budget.weights_and_activations / memory.GiB:.2f} GiB of weights and activations"
             + (f", fewer than --max-tokens {cfg.max_tokens}" if cfg.max_tokens else "")
             + "; raise --memory-fraction or lower --max-batch-tokens")
-    return cfg.max_tokens or budget.tokens
+    tokens = cfg.max_tokens or budget.tokens
+    return tokens, min(max_model_len, tokens)
 
 
 def device_budget(cfg: ModelServerConfig, runner, config, rows: int) -> memory.PoolBudget:

@@ -137,3 +137,13 @@ def test_the_peers_first_chunk_is_its_first_generated_tokens_not_the_prompt(tiny
                               max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
     assert out.shape[1] == 12 and first.at is not None
     assert first.tokens == 1 if not assisted else 1 <= first.tokens <= 8
+
+
+def test_the_exactness_report_counts_outputs_that_differ_and_where_each_first_does():
+    from bench.exactness import compare, first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2  # one ended (EOS) where the other went on
+    report = compare({"a": [1, 2], "b": [3, 4], "c": [5]}, {"a": [1, 2], "b": [3, 9], "c": [6]})
+    assert report == {"differ": 2, "of": 3, "first_divergence": [0, 1]}

@@ -254,4 +254,5 @@ def test_a_restricted_draft_proposes_from_its_whole_vocabulary_distribution(toke
             else:  # the whole kept set at top_p 1: over max_sparse_support, fetched densely
                 assert len(ids) > core.cfg.max_sparse_support
             dense = core.get_distribution(pb.GetDistributionRequest(session_id=f"s{i}", position=position))
-            np.testing.assert_allclose(dense.probs, q.numpy(), rtol=1e-5, atol=1e-9)
+            assert not dense.probs and len(dense.probs_f32) == 4 * len(q)  # one buffer, not a float per entry
+            np.testing.assert_allclose(np.frombuffer(dense.probs_f32, dtype="<f4"), q.numpy(), rtol=1e-5, atol=1e-9)

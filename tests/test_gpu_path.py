@@ -252,24 +252,17 @@ def test_a_gpu_servers_pool_is_what_its_share_leaves_after_a_warm_up_at_the_wide
     cuda = FakeCuda(monkeypatch, total=16 * memory.GiB, peak=7 * memory.GiB)
     runner = WarmUpRunner(cuda.events)
     cfg = ModelServerConfig(role="target", device="cuda", max_sessions=6)
-    tokens = kv_capacity(cfg, runner, llama_config("Llama-3.2-3B"), 2048, 4096)
+    tokens, longest = kv_capacity(cfg, runner, llama_config("Llama-3.2-3B"), 2048, 131072)
     assert cuda.events == ["reset", ("pass", 2048), "sync", "peak"]
+    assert longest == tokens < 131072  # the longest session is what the pool holds
     per_token = 28 * 8 * 128 * 2 * 2
     share = int(memory.ROLE_FRACTIONS["target"] * 16 * memory.GiB)
     assert tokens == (share - 7 * memory.GiB - memory.CUDA_CONTEXT_BYTES) // per_token - 6 * 256
     explicit = ModelServerConfig(role="target", device="cuda", max_sessions=6, max_tokens=tokens)
-    assert kv_capacity(explicit, runner, llama_config("Llama-3.2-3B"), 2048, 4096) == tokens
+    assert kv_capacity(explicit, runner, llama_config("Llama-3.2-3B"), 2048, 4096) == (tokens, 4096)
     with pytest.raises(ConfigError, match="memory-fraction"):
         kv_capacity(ModelServerConfig(role="target", device="cuda", max_tokens=tokens + 1), runner,
                     llama_config("Llama-3.2-3B"), 2048, 4096)
-
-
-def test_a_cpu_servers_longest_session_is_capped_at_what_its_pool_holds(tiny_draft, tokenizer):
-    from specdec.model_server import ModelServer
-
-    core = ModelServer(ModelServerConfig(role="target", port=0, metrics_port=0, max_tokens=300, max_draft_tokens=4),
-                       tiny_draft, tokenizer)
-    assert core.info.max_tokens == 300 and core.info.max_model_len == 300 and core.pool.max_model_len == 300
 
 
 def _compose_default(name: str) -> str:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/model_server.proto\x12\nspecdec.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"H\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\"a\n\rSessionCursor\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\r\x12\x13\n\x0bkeep_length\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\r\"[\n\tBatchInfo\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x02\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x10\n\x08sessions\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\r\"N\n\x0fTruncateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\"\"\n\x10TruncateResponse\x12\x0e\n\x06length\x18\x01 \x01(\r\"+\n\x15ReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\">\n\x16GetDistributionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r\"(\n\x17GetDistributionResponse\x12\r\n\x05probs\x18\x01 \x03(\x02\"\x15\n\x13GetModelInfoRequest\"\xdb\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\r\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x0f\n\x07\x66orward\x18\x0b \x01(\t\x12(\n\npass_costs\x18\x0c \x03(\x0b\x32\x14.specdec.v1.PassCost\x12\x17\n\x0fsessions_in_use\x18\r \x01(\r\x12\x15\n\rtokens_in_use\x18\x0e \x01(\r\x12\x10\n\x08\x64raining\x18\x0f \x01(\x08\")\n\x08PassCost\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0f\n\x07seconds\x18\x02 \x01(\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/model_server.proto\x12\nspecdec.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"H\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\"a\n\rSessionCursor\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\r\x12\x13\n\x0bkeep_length\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\r\"[\n\tBatchInfo\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x02\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x10\n\x08sessions\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\r\"N\n\x0fTruncateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\"\"\n\x10TruncateResponse\x12\x0e\n\x06length\x18\x01 \x01(\r\"+\n\x15ReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\">\n\x16GetDistributionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r\";\n\x17GetDistributionResponse\x12\r\n\x05probs\x18\x01 \x03(\x02\x12\x11\n\tprobs_f32\x18\x02 \x01(\x0c\"\x15\n\x13GetModelInfoRequest\"\xdb\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\r\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x0f\n\x07\x66orward\x18\x0b \x01(\t\x12(\n\npass_costs\x18\x0c \x03(\x0b\x32\x14.specdec.v1.PassCost\x12\x17\n\x0fsessions_in_use\x18\r \x01(\r\x12\x15\n\rtokens_in_use\x18\x0e \x01(\r\x12\x10\n\x08\x64raining\x18\x0f \x01(\x08\")\n\x08PassCost\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0f\n\x07seconds\x18\x02 \x01(\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,11 +50,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETDISTRIBUTIONREQUEST']._serialized_start=599
   _globals['_GETDISTRIBUTIONREQUEST']._serialized_end=661
   _globals['_GETDISTRIBUTIONRESPONSE']._serialized_start=663
-  _globals['_GETDISTRIBUTIONRESPONSE']._serialized_end=703
-  _globals['_GETMODELINFOREQUEST']._serialized_start=705
-  _globals['_GETMODELINFOREQUEST']._serialized_end=726
-  _globals['_MODELINFO']._serialized_start=729
-  _globals['_MODELINFO']._serialized_end=1076
-  _globals['_PASSCOST']._serialized_start=1078
-  _globals['_PASSCOST']._serialized_end=1119
+  _globals['_GETDISTRIBUTIONRESPONSE']._serialized_end=722
+  _globals['_GETMODELINFOREQUEST']._serialized_start=724
+  _globals['_GETMODELINFOREQUEST']._serialized_end=745
+  _globals['_MODELINFO']._serialized_start=748
+  _globals['_MODELINFO']._serialized_end=1095
+  _globals['_PASSCOST']._serialized_start=1097
+  _globals['_PASSCOST']._serialized_end=1138
 # @@protoc_insertion_point(module_scope)

@@ -89,10 +89,12 @@ class GetDistributionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
 
 class GetDistributionResponse(_message.Message):
-    __slots__ = ("probs",)
+    __slots__ = ("probs", "probs_f32")
     PROBS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_F32_FIELD_NUMBER: _ClassVar[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, probs: _Optional[_Iterable[float]] = ...) -> None: ...
+    probs_f32: bytes
+    def __init__(self, probs: _Optional[_Iterable[float]] = ..., probs_f32: _Optional[bytes] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
