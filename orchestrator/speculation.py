@@ -67,7 +67,7 @@ class CallCost:
     active: int = 1
 
     @classmethod
-    def of(cls, wall_s: float, response) -> "CallCost":
+    def of(cls, wall_s: float, response) -> CallCost:
         b = response.batch
         return cls(wall_s, response.compute_seconds, b.queue_seconds, max(b.sessions, 1), max(b.active_sessions, 1))
 

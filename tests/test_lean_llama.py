@@ -10,10 +10,21 @@ import torch.nn.functional as F
 
 import specdec.runners.lean_llama as lean_llama
 from conftest import built_kernels, can_run
-from specdec.runners.lean_llama import (FORMS, SMALL_PASS_ROWS, LeanLlamaRunner, TorchLayerOps, describe_plan,
-                                onednn_linear, pack_onednn, plan_products, quantize_rows, time_passes, weights_first)
 from specdec import models
 from specdec.runners import CausalLMRunner, make_runner, resolve_quantize
+from specdec.runners.lean_llama import (
+    FORMS,
+    SMALL_PASS_ROWS,
+    LeanLlamaRunner,
+    TorchLayerOps,
+    describe_plan,
+    onednn_linear,
+    pack_onednn,
+    plan_products,
+    quantize_rows,
+    time_passes,
+    weights_first,
+)
 
 
 def steps(runner, chunks, crop_at=None):

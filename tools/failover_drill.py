@@ -61,7 +61,7 @@ class Cluster:
         self.wait_serving([f"127.0.0.1:{p}" for p, _ in self.orch_ports])
 
     def _spawn(self, command: str, name: str, env: dict) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "a")
+        log = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 - the process writes to it while it runs
         return subprocess.Popen([sys.executable, "-m", "cli.main", command], cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
 
