@@ -106,7 +106,7 @@ def test_prompt_lookup_rounds_measure_the_target_but_not_the_draft():
     c = _costs()
     c.observe(0.010, _call(0.008, 0.007), _call(0.002, 0.0016))
     c.observe(0.006, _call(0.0055, 0.005, sessions=3, active=3))  # copied tokens: no draft call
-    assert c.draft_call == pytest.approx(0.0004) and c.met == 1 and c.active == 3
+    assert c.draft_call == pytest.approx(0.0004) and c.verify_sessions == 1 and c.active == 3
 
 
 def test_acceptance_estimate_starts_at_its_prior_and_converges_to_the_rounds_alpha():
