@@ -8,7 +8,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install system-deps proto docs clean
+.PHONY: demo test lint install system-deps proto docs clean
 
 $(STAMP): requirements/torch.txt requirements/cpu.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,7 +34,13 @@ system-deps:
 	  else echo "make: prometheus/docker-compose missing (not root); their tests will skip"; fi; \
 	fi
 
-test: $(STAMP) system-deps
+# The linter (rules in pyproject.toml) and tools/check_lengths.py run before the tests, so a new violation
+# fails CI and style is never a review topic.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python tools/check_lengths.py
+
+test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 proto: $(STAMP)

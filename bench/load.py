@@ -91,7 +91,7 @@ def run_jobs(send, jobs: list, workers: int) -> tuple[list[dict], float]:
                 return
             try:
                 results[i] = send(jobs[i])
-            except Exception as e:  # noqa: BLE001 - reported below with the job
+            except Exception as e:  # reported below with the job
                 errors.append((jobs[i], e))
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
@@ -133,7 +133,8 @@ class LlamaServer:
         self.port = free_ports(1)[0]
         self.proc = subprocess.Popen(
             [binary, "-m", gguf, "-t", str(threads), "-np", str(slots), "-c", str(context), "--port", str(self.port),
-             "--host", "127.0.0.1", "--no-webui"], stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+             "--host", "127.0.0.1", "--no-webui"], stdout=open(log_path, "w"),  # noqa: SIM115 - the server writes to it while it runs
+            stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -194,7 +195,7 @@ def run_load(arms: dict, prompts: list[str], concurrency: list[int], reps: int, 
     alone: dict[str, dict] = {name: {} for name in arms}
     for n in sorted(concurrency):
         runs = {name: [] for name in arms}
-        for rep in range(reps):
+        for _ in range(reps):
             for name, (send, job) in arms.items():
                 results, wall = run_jobs(send, [job(p) for p in jobs], n)
                 summary = run_summary(results, wall)

@@ -6,6 +6,7 @@ all run on these.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -42,10 +43,9 @@ def machine() -> dict:
     import transformers
 
     cpu = ""
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    with contextlib.suppress(OSError, StopIteration):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
     return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -61,7 +61,7 @@ def start_services(draft: str, target: str, log_path: Path):
                SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"127.0.0.1:{t}", SPECDEC_DRAFT_MODEL=draft,
                SPECDEC_TARGET_MODEL=target, SPECDEC_ORCHESTRATOR_TOKENIZER=target,
                SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS="8")
-    log = open(log_path, "w")
+    log = open(log_path, "w")  # noqa: SIM115 - the services write to it while they run
     procs = [subprocess.Popen([sys.executable, "-m", "cli.main", "up"], env=env, stdout=log, stderr=subprocess.STDOUT)]
     # The "auto" arm's orchestrator, on the same model servers: adaptive speculation learns its costs and alpha
     # from the rounds it runs, as it would in service, and not from the fixed-K arms' runs of the same prompt.

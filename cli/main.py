@@ -24,9 +24,9 @@ import sys
 import time
 
 # Read by libgomp when torch loads, so set before the imports below. After a parallel region its idle
-# threads spin 300,000 times by default before they sleep, milliseconds on this CPU, and take a core that
-# the other two services need between the target's passes; 30,000 spins still cover the gaps inside a
-# forward pass. Side by side on the 2-core VM: RPC overhead per round 3.1 -> 2.5 ms, verify unchanged.
+# threads spin 300,000 times by default before they sleep, milliseconds on a CPU, and take a core that the
+# other two services need between the target's passes; 30,000 spins still cover the gaps inside a forward
+# pass (docs/performance.md, "Behind the defaults").
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 
@@ -118,8 +118,8 @@ def _child(argv: list[str], **kwargs) -> subprocess.Popen:
     """A service in its own process group, so that a terminal's Ctrl-C reaches `specdec up` alone, which stops
     the services in order; on Linux the service gets SIGTERM should `specdec up` die without stopping it.
 
-    A group, not a session: Linux schedules each session as one group of its own (autogroup), and with the
-    three services in three sessions a round's RPC overhead rose by 0.1 ms (five `bench --quick` pairs)."""
+    A group, not a session: Linux schedules each session as one group of its own (autogroup), and three
+    services in three groups wait longer for each other's cores (docs/performance.md, "Behind the defaults")."""
     return subprocess.Popen(argv, preexec_fn=_own_group_terminated_with_parent, **kwargs)
 
 

@@ -1,9 +1,8 @@
 """Entry point of the draft service."""
 
+from draft_service.servicer import DraftServicer
 from specdec.model_server import ModelServer
 from specdec.v1 import draft_pb2_grpc
-
-from draft_service.servicer import DraftServicer
 
 SERVICE_NAME = "specdec.v1.DraftService"
 

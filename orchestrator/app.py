@@ -15,8 +15,7 @@ from orchestrator.replicas import ReplicaSet, Role
 from orchestrator.servicer import GenerationServicer, capacity
 from specdec import models
 from specdec.config import ConfigError, OrchestratorConfig
-from specdec.server import (create_server, mark_serving, serve, server_credentials, start_health_server,
-                            start_metrics)
+from specdec.server import create_server, mark_serving, serve, server_credentials, start_health_server, start_metrics
 from specdec.v1 import draft_pb2_grpc, generation_pb2_grpc, model_server_pb2 as ms_pb, target_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ class TextStream:
             self.text = text
             return len(new_ids)
         # the first token whose text completes the stop string; tokens after it are dropped
-        idx, stop = hit
+        idx, _ = hit
         for m in range(base + 1, len(self.ids) + 1):
             if self._first_stop(self._decode(self.ids[:m]), max(0, self._sent - self._hold)) is not None:
                 break

@@ -55,7 +55,7 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
     @classmethod
-    def of(cls, e: ServiceError) -> "ApiError":
+    def of(cls, e: ServiceError) -> ApiError:
         status, kind = _STATUS.get(e.code, (500, "internal_error"))
         return cls(status, e.message, kind, code=e.code.name.lower())
 

@@ -30,7 +30,7 @@ class Dist:
     probs: np.ndarray  # [m] float64
 
     @classmethod
-    def from_dense(cls, probs) -> "Dist":
+    def from_dense(cls, probs) -> Dist:
         probs = np.asarray(probs, dtype=np.float64)  # [vocab]
         ids = np.flatnonzero(probs)
         return cls(ids.astype(np.int64), probs[ids])

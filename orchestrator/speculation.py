@@ -67,7 +67,7 @@ class CallCost:
     active: int = 1
 
     @classmethod
-    def of(cls, wall_s: float, response) -> "CallCost":
+    def of(cls, wall_s: float, response) -> CallCost:
         b = response.batch
         return cls(wall_s, response.compute_seconds, b.queue_seconds, max(b.sessions, 1), max(b.active_sessions, 1))
 
@@ -98,8 +98,8 @@ class RoundCosts:
         self.target_curve: list[tuple[float, float]] = []  # (rows, seconds) of a pass, ascending
         self.draft_curve: list[tuple[float, float]] = []
         self.active: float | None = None  # sessions calling the target
-        self.met: float | None = None  # sessions in the target passes of drafted rounds
-        self.draft_met: float | None = None  # sessions in the draft's steps
+        self.verify_sessions: float | None = None  # sessions in the target passes of drafted rounds
+        self.draft_sessions: float | None = None  # sessions in the draft's steps
         self._outside: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # rounds' time outside the passes and the draft call
         self._draft_calls: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # draft calls' time outside their passes
         self._starts: list[float] = []  # the last START_WINDOW measures of a request's first draft call
@@ -112,8 +112,8 @@ class RoundCosts:
 
     def _step(self) -> float:
         """A draft step's seconds for one session: its share of a step pass with the sessions it meets there."""
-        met = max(self.draft_met or self.met or self.active or 1.0, 1.0)
-        return costs.at(self.draft_curve, met)[0] / met
+        sessions = max(self.draft_sessions or self.verify_sessions or self.active or 1.0, 1.0)
+        return costs.at(self.draft_curve, sessions)[0] / sessions
 
     def observe_start(self, k: int, draft_wall_s: float) -> None:
         """The call that built a request's draft session (its prompt's prefill) and drafted k tokens. The
@@ -138,8 +138,8 @@ class RoundCosts:
         outside = round_s - target.queue_s - target.compute_s - (draft.wall_s if draft else 0.0)
         self._outside.append(max(outside, 0.0))
         if draft is not None:
-            self.met = costs.ewma(self.met, target.sessions, self.rate)
-            self.draft_met = costs.ewma(self.draft_met, draft.sessions, self.rate)
+            self.verify_sessions = costs.ewma(self.verify_sessions, target.sessions, self.rate)
+            self.draft_sessions = costs.ewma(self.draft_sessions, draft.sessions, self.rate)
             self._draft_calls.append(draft.overhead_s)
 
     @property
@@ -160,12 +160,12 @@ class RoundCosts:
         if self.draft_call is None or not self.target_curve or not self.draft_curve:
             return None
         active = max(self.active, 1.0)
-        met = max(self.met, 1.0)
+        verifying = max(self.verify_sessions, 1.0)
         out = [(costs.at(self.target_curve, active)[0] + self.round_overhead) / active]
         step = self._step()
         for k in range(1, cap + 1):
-            out.append((costs.at(self.target_curve, met * (k + 1))[0] + self.round_overhead + self.draft_call) / met
-                       + k * step)
+            verify_s = costs.at(self.target_curve, verifying * (k + 1))[0]
+            out.append((verify_s + self.round_overhead + self.draft_call) / verifying + k * step)
         return out
 
 

@@ -13,8 +13,8 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from specdec.runners.lean_llama import MATMUL_FORMS, QUANTIZE
 from specdec.models import DEFAULT_TARGET, DTYPES
+from specdec.runners.lean_llama import MATMUL_FORMS, QUANTIZE
 
 # The embedded default draft: distilled from the embedded target by training/distill.py, shipped in models/.
 DEFAULT_DRAFT = "embedded:smollm2-135m-draft"
@@ -22,7 +22,7 @@ DEFAULT_DRAFT = "embedded:smollm2-135m-draft"
 
 # What differs between the draft and the target server. The draft's forward is a chain of small ops: a second
 # CPU thread adds synchronisation, not speed, and its idle spinning takes the core the target's verify needs
-# (2-core VM: draft step 5.5 -> 4.0 ms, verify of 3 tokens 52 -> 43 ms). --threads changes it.
+# (docs/performance.md, item 7). --threads changes it.
 ROLE_DEFAULTS = {
     "draft": {"port": 50052, "metrics_port": 8002, "model": DEFAULT_DRAFT, "threads": 1},
     "target": {"port": 50053, "metrics_port": 8003},
@@ -183,10 +183,9 @@ class OrchestratorConfig:
     resolve_interval_s: float = field(default=10.0, metadata={
         "help": "how often dns:/// addresses are resolved again, to find replicas that came or went"})
     tokenizer: str = field(default=DEFAULT_TARGET, metadata={"help": "the target's tokenizer: hub id, folder or embedded:NAME"})
-    # 3 for the embedded pair on a 2-core CPU (specdec bench, int8 draft: K = 1, 2, 3, 4 gave 1.49x, 1.35x,
-    # 1.51x, 1.30x greedy and 1.48x, 1.35x, 1.41x, 1.17x at T = 0.7, K = 1 to 3 within each other's spread;
-    # the Leviathan bound at the measured alpha and c peaks at K = 3 greedy, 2-3 sampled). docker-compose.yml
-    # sets 4 for the Llama 3.2 pair on a GPU, where a verify pass costs about one step, and 3 for its CPU profile.
+    # 3 for the embedded pair on a CPU: the fastest K in specdec bench, and where the Leviathan bound at the
+    # measured alpha and c peaks (docs/performance.md, "Behind the defaults"). docker-compose.yml sets 4 for
+    # the Llama 3.2 pair on a GPU, where a verify pass costs about one step, and 3 for its CPU profile.
     num_speculative_tokens: int = field(default=3, metadata={
         "help": "K of a request that leaves it unset: where adaptive speculation is on, the K it starts from "
                 "until the costs are measured"})
@@ -204,9 +203,8 @@ class OrchestratorConfig:
         "help": "default per request: a round proposes the tokens that followed the sequence's last n tokens "
                 "earlier in it, for n from --prompt-lookup-max down to this, before asking the draft (0 = off)"})
     prompt_lookup_max: int = field(default=4, metadata={"help": "longest n-gram prompt lookup matches"})
-    # Off, the first token waits only for the target's prefill, as without speculation: the embedded pair, 12
-    # bench prompts x 2, K = 3, two runs each way: time to first token 93-98 -> 74.5 ms, tokens/s unchanged
-    # within the noise (decoding 139-140 -> 137-138), since the draft's prefill moves to the second round.
+    # Off, the first token waits only for the target's prefill, as without speculation, and tokens/s does not
+    # change, since the draft's prefill moves to the second round (docs/performance.md, 2026-11-24, early morning).
     speculate_first_round: bool = field(default=False, metadata={
         "help": "draft in a request's first round too, so that the first message can carry accepted drafts, "
                 "after the draft's prefill and K steps (false: the first token comes from the target's prefill "

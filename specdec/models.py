@@ -36,7 +36,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Elsewhere torch emulates
-    bf16, and a bf16 forward ran 5-6x slower than fp32 (AVX2-only AMD EPYC, batch 128)."""
+    bf16, several times slower than fp32 (docs/performance.md, "Behind the defaults")."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's own checks, private
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 

@@ -8,9 +8,10 @@ health to NOT_SERVING, stops accepting and gives in-flight calls a grace period.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -108,10 +109,8 @@ async def serve(server: grpc.aio.Server, health_servicer, grace_s: float,
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread (tests)
             loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
-            pass
     await stop.wait()
     log.info("shutting down: NOT_SERVING, draining for up to %.0f s", grace_s)
     await health_servicer.enter_graceful_shutdown()

@@ -2,7 +2,6 @@
 
 from specdec.model_server import ModelServer
 from specdec.v1 import target_pb2_grpc
-
 from target_service.servicer import TargetServicer
 
 SERVICE_NAME = "specdec.v1.TargetService"

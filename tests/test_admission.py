@@ -111,7 +111,7 @@ def test_a_request_that_leaves_the_line_takes_nothing_and_lets_the_next_one_in()
         await a.enter(60)
         order = []
         leaving = _waiting(a, 50, order, "leaving")  # the head of the line: 60 + 50 > 100
-        behind = _waiting(a, 30, order, "behind")  # fits now, but waits behind the head
+        _behind = _waiting(a, 30, order, "behind")  # fits now, but waits behind the head
         await _settle()
         assert order == []
         leaving.cancel()
@@ -130,7 +130,7 @@ def test_a_waiter_cancelled_as_it_is_admitted_hands_its_place_on():
         await a.enter(10)
         order = []
         first = _waiting(a, 10, order, "first")
-        second = _waiting(a, 10, order, "second")
+        _second = _waiting(a, 10, order, "second")  # held: the loop keeps only a weak reference to a task
         await _settle()
         a.leave(10)  # admits first: its future is set, its task not yet resumed
         first.cancel()  # ...and the client leaves at that moment

@@ -13,12 +13,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from conftest import built_kernels
-from specdec.runners import gguf_blocks
 from specdec.engine import Engine, Feed, PassCosts, plan_pass
 from specdec.errors import ServiceError
 from specdec.kv_pool import Session, SessionPool
+from specdec.runners import CausalLMRunner, gguf_blocks
 from specdec.runners.lean_llama import LeanLlamaRunner, TorchLayerOps, quantize_rows
-from specdec.runners import CausalLMRunner
 
 
 # -- the kernels: a row's result does not depend on the rows beside it -----------------------------------------
@@ -116,7 +115,7 @@ def test_without_the_kernels_a_batched_pass_matches_the_lone_ones_to_float_round
     monkeypatch.setattr(specdec.runners.kernels, "cpu_kernels", lambda: None)
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=1024, matmul="linear")
     assert runner.layer_ops is TorchLayerOps and not runner.batch_invariant
-    alone, _, batched, caches = _alone_and_batched(runner)
+    alone, _, batched, _ = _alone_and_batched(runner)
     for a, b in zip(alone, batched):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
@@ -234,7 +233,7 @@ def test_a_long_prompt_shares_passes_with_the_other_sessions_steps():
 
 def test_a_failing_session_fails_its_call_alone_and_the_others_get_their_logits():
     async def main():
-        engine, runner, pool = _engine()
+        engine, _, pool = _engine()
         good, bad = pool.open("good", 0, 0), pool.open("bad", 0, 0)
         results = await asyncio.gather(engine.forward(good, [1, 2], 1), engine.forward(bad, [666], 1),
                                        return_exceptions=True)
@@ -317,9 +316,9 @@ def test_a_session_takes_one_call_at_a_time_and_waiting_calls_hold_their_kv_toke
             call = asyncio.ensure_future(core.forward(s, [1] * 60, 1, CallStats(core.engine)))
             with pytest.raises(ServiceError) as busy:  # a second call on the session while the first waits
                 core.pool.open("a", 0, 0)
-            with pytest.raises(ServiceError) as full:  # 60 tokens held for "a": 50 more do not fit 100
-                with core.session(cursor("b", 50), 50):
-                    pass
+            # 60 tokens held for "a": 50 more do not fit 100
+            with pytest.raises(ServiceError) as full, core.session(cursor("b", 50), 50):
+                pass
             await call
         return busy.value.code, full.value.code
 

@@ -79,7 +79,7 @@ def test_sigterm_finishes_the_generation_in_flight_and_stops_all_three_cleanly(s
     gen.stdout.read(8)  # streaming has begun
     assert gen.poll() is None
     up.send_signal(signal.SIGTERM)
-    out, err = gen.communicate(timeout=60)
+    _, err = gen.communicate(timeout=60)
     assert gen.returncode == 0, err
     assert "tokens/round" in err and "specdec generate:" not in err, err  # it ended with its stats, not an error
     assert up.wait(timeout=60) == 0

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 import torch
-from conftest import can_run, make_stack, stop_stack
 
 from bench.services import forwards
+from conftest import can_run, make_stack, stop_stack
 from orchestrator import generation
 from specdec import models
 from specdec.runners.kernels import cpu_kernels
@@ -85,7 +85,7 @@ def test_with_the_first_round_the_targets_alone_the_first_message_is_its_prefill
         try:
             for text, expected in zip(PROMPTS[:3], reference):
                 carried = [list(m.token_ids) for m in stack.stream(messages=[("user", text)], **kw) if m.token_ids]
-                assert sum(carried, []) == expected[:16]
+                assert [t for ids in carried for t in ids] == expected[:16]
                 assert len(carried[0]) == 1 if not speculate else len(carried[0]) > 1
         finally:
             stop_stack(stack)
@@ -219,8 +219,7 @@ def test_a_restricted_draft_proposes_from_its_whole_vocabulary_distribution(toke
     from specdec.config import ModelServerConfig
     from specdec.model_server import ModelServer
     from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, support, uniform
-    from specdec.v1 import draft_pb2
-    from specdec.v1 import model_server_pb2 as pb
+    from specdec.v1 import draft_pb2, model_server_pb2 as pb
 
     draft = copy.deepcopy(tiny_draft)
     kept = list(range(3, len(tokenizer), 7))  # spread out: a column number is never its token's id

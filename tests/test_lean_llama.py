@@ -10,10 +10,21 @@ import torch.nn.functional as F
 
 import specdec.runners.lean_llama as lean_llama
 from conftest import built_kernels, can_run
-from specdec.runners.lean_llama import (FORMS, SMALL_PASS_ROWS, LeanLlamaRunner, TorchLayerOps, describe_plan,
-                                onednn_linear, pack_onednn, plan_products, quantize_rows, time_passes, weights_first)
 from specdec import models
 from specdec.runners import CausalLMRunner, make_runner, resolve_quantize
+from specdec.runners.lean_llama import (
+    FORMS,
+    SMALL_PASS_ROWS,
+    LeanLlamaRunner,
+    TorchLayerOps,
+    describe_plan,
+    onednn_linear,
+    pack_onednn,
+    plan_products,
+    quantize_rows,
+    time_passes,
+    weights_first,
+)
 
 
 def steps(runner, chunks, crop_at=None):
@@ -132,7 +143,7 @@ def test_a_form_twice_as_slow_after_two_sweeps_is_not_timed_again_at_that_row_co
 
 
 def test_one_held_up_pass_does_not_take_the_fastest_form_out_of_the_race():
-    # As timed at a service's start on the Zen 5 VM: gguf's first 4-row pass held up to 36.6 ms (5 ms alone)
+    # Timings of a service's start on a 2-core CPU, where gguf's first 4-row pass was held up to 36.6 ms (5 ms alone)
     costs = {"linear": {1: 29.7, 4: 70.9}, "fewrow": {1: 14.6, 4: 14.6}, "gguf": {1: 3.4, 4: 5.1}}
     clock = PassClock(costs, hiccups={("gguf", 4): 31.5})
     timings = time_passes(list(costs), run_pass=clock.run_pass, rows=(1, 4), reps=3, clock=clock)

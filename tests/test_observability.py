@@ -17,8 +17,8 @@ import pytest
 import yaml
 from prometheus_client import start_http_server
 
-from conftest import make_stack, stop_stack
 from cli.main import prometheus_config
+from conftest import make_stack, stop_stack
 from specdec.config import OrchestratorConfig
 from specdec.server import free_ports
 

@@ -11,8 +11,14 @@ import pytest
 from conftest import eventually, make_stack, stop_stack
 from draft_service.servicer import DraftServicer
 from specdec.config import ConfigError, OrchestratorConfig
-from specdec.v1 import draft_pb2, draft_pb2_grpc, model_server_pb2 as ms, target_pb2, target_pb2_grpc
-from specdec.v1 import generation_pb2 as gen_pb
+from specdec.v1 import (
+    draft_pb2,
+    draft_pb2_grpc,
+    generation_pb2 as gen_pb,
+    model_server_pb2 as ms,
+    target_pb2,
+    target_pb2_grpc,
+)
 from target_service.servicer import TargetServicer
 
 CHAT = [("user", "Tell me a long story about a cat who sails around the world.")]
@@ -309,13 +315,13 @@ def evicting_stack(event_loop_thread, tokenizer, partial_draft, target_model):
 def test_evicted_sessions_are_rebuilt_and_output_is_unchanged(deployed_draft_stack, evicting_stack, tokenizer, sampling):
     kw = dict(messages=CHAT, max_tokens=40, num_speculative_tokens=4, **sampling)
     expected, _, _ = deployed_draft_stack.generate(**kw)
-    got, _, stats = evicting_stack.generate(**kw)
+    got, _, _ = evicting_stack.generate(**kw)
     assert got == expected
     assert evicting_stack.metric("specdec_session_rebuilds_total", {"service": "draft"}) > 0
     assert evicting_stack.metric("specdec_session_rebuilds_total", {"service": "target"}) > 0
     # a rebuild's round is timed as a prefill, not as a decoding round; every round is timed once
     built = evicting_stack.metric("specdec_prefill_round_seconds_count")
-    requests = sum(evicting_stack.metric("specdec_requests_total", {"finish_reason": r}) for r in gen_pb.FinishReason.keys())
+    requests = sum(evicting_stack.metric("specdec_requests_total", {"finish_reason": r}) for r in gen_pb.FinishReason.keys())  # noqa: SIM118 - a protobuf enum, not a dict
     assert built > requests
     assert built + evicting_stack.metric("specdec_round_seconds_count") == evicting_stack.metric("specdec_rounds_total")
     # KV rollback: at every round each server held exactly the history so far, rejected drafts gone
@@ -445,7 +451,7 @@ def test_health_and_other_generations_answer_while_a_long_prompt_prefills(tiny_s
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(tiny_stack.target_address))
     prompt = [(7 * i) % 5000 + 100 for i in range(2500)]
     sessions = tiny_stack.target.pool._sessions
-    held = lambda sid: len(sessions[sid].tokens) if sid in sessions else 0  # noqa: E731
+    held = lambda sid: len(sessions[sid].tokens) if sid in sessions else 0
     verify = threading.Thread(target=target.Verify, args=(target_pb2.VerifyRequest(
         cursor=ms.SessionCursor(session_id="long", tokens=prompt), sampling=ms.SamplingParams(top_p=1.0)),))
     verify.start()

@@ -6,8 +6,16 @@ import pytest
 import torch
 
 from conftest import built_kernels
-from specdec.sampling import (Purpose, argmax_rows, logits_to_probs, logits_to_probs_torch, sample_dense, sample_sparse,
-                              support, uniform)
+from specdec.sampling import (
+    Purpose,
+    argmax_rows,
+    logits_to_probs,
+    logits_to_probs_torch,
+    sample_dense,
+    sample_sparse,
+    support,
+    uniform,
+)
 
 
 @pytest.fixture(params=["torch", "kernel"])

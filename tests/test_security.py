@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from pathlib import Path
 
 import grpc
 import pytest
@@ -109,13 +110,13 @@ def test_a_plaintext_client_of_a_tls_orchestrator_is_refused(secure_stack):
 
 @pytest.mark.parametrize("client", ["plaintext", "no certificate", "another CA's certificate"])
 def test_a_model_server_refuses_a_client_without_a_certificate_from_its_ca(secure_stack, certs, client, tiny_stack):
-    address = list(secure_stack.servicer.target)[0].address
+    address = next(iter(secure_stack.servicer.target)).address
     if client == "plaintext":
         channel = grpc.insecure_channel(address)
     else:
-        key, cert = (None, None) if client == "no certificate" else (open(certs["other.key"], "rb").read(),
-                                                                      open(certs["other.pem"], "rb").read())
-        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(open(certs["ca.pem"], "rb").read(), key, cert),
+        key, cert = (None, None) if client == "no certificate" else (Path(certs["other.key"]).read_bytes(),
+                                                                      Path(certs["other.pem"]).read_bytes())
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(certs["ca.pem"]).read_bytes(), key, cert),
                                       options=[("grpc.ssl_target_name_override", "specdec-model-server")])
     with channel, pytest.raises(grpc.RpcError) as err:
         target_pb2_grpc.TargetServiceStub(channel).GetModelInfo(ms.GetModelInfoRequest(), timeout=10)

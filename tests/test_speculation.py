@@ -37,8 +37,9 @@ def _call(wall_s=0.0, compute_s=0.0, queue_s=0.0, sessions=1, active=None) -> sp
     return sp.CallCost(wall_s, compute_s, queue_s, sessions, active or sessions)
 
 
-# The embedded target's passes on the 2-core Zen 4 VM (s by rows): a step reads the weights, each further row
-# costs its multiply-adds, about 1.6-2 ms once a pass is compute-bound; the int8 draft's steps.
+# The embedded target's passes on a 2-core CPU (s by rows; docs/performance.md, 2026-11-25): a step reads the
+# weights, each further row costs its multiply-adds, about 1.6-2 ms once a pass is compute-bound; the int8
+# draft's steps.
 TARGET_CURVE = [(1, 0.0069), (2, 0.0079), (4, 0.0109), (8, 0.0181), (16, 0.0334), (32, 0.0644)]
 DRAFT_CURVE = [(1, 0.0010), (2, 0.0011), (4, 0.0013), (8, 0.0017), (16, 0.0026)]
 
@@ -106,7 +107,7 @@ def test_prompt_lookup_rounds_measure_the_target_but_not_the_draft():
     c = _costs()
     c.observe(0.010, _call(0.008, 0.007), _call(0.002, 0.0016))
     c.observe(0.006, _call(0.0055, 0.005, sessions=3, active=3))  # copied tokens: no draft call
-    assert c.draft_call == pytest.approx(0.0004) and c.met == 1 and c.active == 3
+    assert c.draft_call == pytest.approx(0.0004) and c.verify_sessions == 1 and c.active == 3
 
 
 def test_acceptance_estimate_starts_at_its_prior_and_converges_to_the_rounds_alpha():

@@ -61,7 +61,7 @@ class Cluster:
         self.wait_serving([f"127.0.0.1:{p}" for p, _ in self.orch_ports])
 
     def _spawn(self, command: str, name: str, env: dict) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "a")
+        log = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 - the process writes to it while it runs
         return subprocess.Popen([sys.executable, "-m", "cli.main", command], cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
 
@@ -151,69 +151,81 @@ def run_drill(streams: int = 16, max_tokens: int = 48, log_dir: Path | None = No
         orchestrators = [f"127.0.0.1:{p}" for p, _ in cluster.orch_ports]
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(streams)]
         expected = {p: generate(orchestrators[0], p, max_tokens, 0)[0] for p in set(prompts)}  # the target alone
-
-        placed_at_start = cluster.placed("target")
-        arrivals: list[list[float]] = [[] for _ in range(streams)]
-        results: list = [None] * streams
-
-        def stream(i: int) -> None:
-            results[i] = generate(orchestrators[i % 2], prompts[i], max_tokens, 3,
-                                  on_message=lambda: arrivals[i].append(time.monotonic()))
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 300
-        while min(len(a) for a in arrivals) < 2 and time.monotonic() < deadline and any(t.is_alive() for t in threads):
-            time.sleep(0.01)
-        placed_before = {r: n - placed_at_start.get(r, 0.0) for r, n in cluster.placed("target").items()}
-        sessions_before = cluster.server_sessions("target")
-        killed_at = time.monotonic()
-        cluster.kill("target", 0)
-        cluster.kill("draft", 0)
-        for t in threads:
-            t.join()
-
-        failed = [r[1] for r in results if r[1] is not None]
-        wrong = sum(1 for i, r in enumerate(results) if r[1] is None and r[0] != expected[prompts[i]])
-        # The wait of each stream still running at the kill, from the kill to its next message: the streams on
-        # the killed target rebuild on the other (their longest waits), the others wait for its larger batches.
-        waits = [min(t for t in a if t > killed_at) - killed_at for a in arrivals if a and a[-1] > killed_at]
-        moved = sum(float(line.rsplit(" ", 1)[1]) for j in range(2) for line in cluster.metrics(j).splitlines()
-                    if line.startswith("specdec_replica_failovers_total{") and 'role="target"' in line)
-
-        # The killed target comes back on its port and takes new generations again.
-        cluster.start_server("target", 0)
-        cluster.wait_serving([cluster.address("target", 0)])
-        time.sleep(2.5)  # the orchestrators' next reports see it up
-        back = cluster.address("target", 0)
-        before = cluster.placed("target").get(back, 0.0)
-        after_results = [None] * 8
-
-        def again(i: int) -> None:
-            after_results[i] = generate(orchestrators[i % 2], prompts[i], max_tokens, 3)
-
-        threads = [threading.Thread(target=again, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return {
-            "streams": streams, "max_tokens": max_tokens,
-            "failed_requests": len(failed), "failure_codes": failed, "wrong_outputs": wrong,
-            "moved_generations": moved,
-            "recovery_seconds": {"max": max(waits, default=0.0), "median": sorted(waits)[len(waits) // 2] if waits else 0.0,
-                                 "streams": len(waits)},
-            "placement_before_kill": placed_before,
-            "target_sessions_before_kill": sessions_before,
-            "restarted_replica_took": cluster.placed("target").get(back, 0.0) - before,
-            "after_restart_failed": sum(1 for r in after_results if r[1] is not None),
-            "after_restart_wrong": sum(1 for i, r in enumerate(after_results)
-                                       if r[1] is None and r[0] != expected[prompts[i]]),
-            "logs": str(log_dir),
-        }
+        report = {"streams": streams, "max_tokens": max_tokens}
+        report |= kill_mid_stream(cluster, orchestrators, prompts, max_tokens, expected)
+        report |= after_restart(cluster, orchestrators, prompts, max_tokens, expected)
+        return report | {"logs": str(log_dir)}
     finally:
         cluster.stop()
+
+
+def kill_mid_stream(cluster: Cluster, orchestrators: list[str], prompts: list[str], max_tokens: int,
+                    expected: dict) -> dict:
+    """Kill the first target and draft once every stream has its first messages; what the streams saw."""
+    streams = len(prompts)
+    placed_at_start = cluster.placed("target")
+    arrivals: list[list[float]] = [[] for _ in range(streams)]
+    results: list = [None] * streams
+
+    def stream(i: int) -> None:
+        results[i] = generate(orchestrators[i % 2], prompts[i], max_tokens, 3,
+                              on_message=lambda: arrivals[i].append(time.monotonic()))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 300
+    while min(len(a) for a in arrivals) < 2 and time.monotonic() < deadline and any(t.is_alive() for t in threads):
+        time.sleep(0.01)
+    placed_before = {r: n - placed_at_start.get(r, 0.0) for r, n in cluster.placed("target").items()}
+    sessions_before = cluster.server_sessions("target")
+    killed_at = time.monotonic()
+    cluster.kill("target", 0)
+    cluster.kill("draft", 0)
+    for t in threads:
+        t.join()
+
+    failed = [r[1] for r in results if r[1] is not None]
+    wrong = sum(1 for i, r in enumerate(results) if r[1] is None and r[0] != expected[prompts[i]])
+    # The wait of each stream still running at the kill, from the kill to its next message: the streams on
+    # the killed target rebuild on the other (their longest waits), the others wait for its larger batches.
+    waits = [min(t for t in a if t > killed_at) - killed_at for a in arrivals if a and a[-1] > killed_at]
+    moved = sum(float(line.rsplit(" ", 1)[1]) for j in range(2) for line in cluster.metrics(j).splitlines()
+                if line.startswith("specdec_replica_failovers_total{") and 'role="target"' in line)
+    return {
+        "failed_requests": len(failed), "failure_codes": failed, "wrong_outputs": wrong,
+        "moved_generations": moved,
+        "recovery_seconds": {"max": max(waits, default=0.0), "median": sorted(waits)[len(waits) // 2] if waits else 0.0,
+                             "streams": len(waits)},
+        "placement_before_kill": placed_before,
+        "target_sessions_before_kill": sessions_before,
+    }
+
+
+def after_restart(cluster: Cluster, orchestrators: list[str], prompts: list[str], max_tokens: int,
+                  expected: dict) -> dict:
+    """The killed target comes back on its port and takes new generations again."""
+    cluster.start_server("target", 0)
+    cluster.wait_serving([cluster.address("target", 0)])
+    time.sleep(2.5)  # the orchestrators' next reports see it up
+    back = cluster.address("target", 0)
+    before = cluster.placed("target").get(back, 0.0)
+    after_results = [None] * 8
+
+    def again(i: int) -> None:
+        after_results[i] = generate(orchestrators[i % 2], prompts[i], max_tokens, 3)
+
+    threads = [threading.Thread(target=again, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {
+        "restarted_replica_took": cluster.placed("target").get(back, 0.0) - before,
+        "after_restart_failed": sum(1 for r in after_results if r[1] is not None),
+        "after_restart_wrong": sum(1 for i, r in enumerate(after_results)
+                                   if r[1] is None and r[0] != expected[prompts[i]]),
+    }
 
 
 def main() -> None:

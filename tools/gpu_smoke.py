@@ -133,7 +133,7 @@ class Services:
         self.metrics = {None: f"http://127.0.0.1:{om}/metrics", "draft": f"http://127.0.0.1:{dm}/metrics",
                         "target": f"http://127.0.0.1:{tm}/metrics"}
         self.log_path = log_path
-        self._log = open(log_path, "w")
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop(), once the services have exited
         self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_serving(self, timeout_s: float) -> str | None:
@@ -203,7 +203,7 @@ def run_requests(services: Services, args: argparse.Namespace, check: Checks) ->
     greedy = dict(max_tokens=n, temperature=0.0, prompt_lookup_min=0)
     # the target alone, the reference of every greedy request
     ref = {p: generate(address, p, num_speculative_tokens=0, **greedy) for p in PROMPTS}
-    for p, (ids, text, stats) in ref.items():
+    for p, (ids, _, stats) in ref.items():
         check(f"K = 0 greedy {p[:24]!r}", len(ids) > 0 and stats is not None and stats.draft_tokens == 0,
               f"{len(ids)} tokens in {stats.total_seconds:.2f} s")
     # alone

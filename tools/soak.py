@@ -17,6 +17,7 @@ import random
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 
@@ -34,7 +35,7 @@ def service_pids() -> dict[str, int]:
     found = {}
     for pid in out:
         try:
-            argv = open(f"/proc/{pid}/cmdline").read().split("\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
         except OSError:
             continue
         for role in ("draft", "target", "orchestrator"):

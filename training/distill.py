@@ -35,9 +35,8 @@ import torch
 from specdec import models
 from specdec.runners.lean_llama import LeanLlamaRunner
 from training import batched
-from training.prompts import VERSION as PROMPTS_VERSION, make_prompts
-
 from training.common import SEED, log
+from training.prompts import VERSION as PROMPTS_VERSION, make_prompts
 
 
 def work_dir() -> Path:

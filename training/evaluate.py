@@ -24,8 +24,7 @@ from bench.metrics import leviathan_alpha, leviathan_bound
 from bench.production import pass_ms
 from bench.services import load_prompts
 from specdec import models
-from specdec.config import ROLE_DEFAULTS
-from specdec.config import ModelServerConfig
+from specdec.config import ROLE_DEFAULTS, ModelServerConfig
 from specdec.runners import make_runner, resolve_quantize
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 from training.prompts import make_prompts

@@ -225,9 +225,9 @@ def _passage(rng: random.Random, subject: str) -> str:
             f"A new exhibition about {subject} opened this week in {place}.",
             f"The organisers expected a few hundred visitors, but {n * 40} people came on the first weekend.",
             f"The exhibition was planned for {rng.randint(2, 6)} years by a team led by {name}.",
-            f"Visitors can try hands-on experiments and listen to short talks every afternoon.",
+            "Visitors can try hands-on experiments and listen to short talks every afternoon.",
             f"Local schools have booked {n} class visits, and tickets are free for children.",
-            f"The exhibition will stay open until the end of the year.",
+            "The exhibition will stay open until the end of the year.",
         ]
     elif kind == 2:  # a short narrative
         sentences = [
@@ -243,8 +243,8 @@ def _passage(rng: random.Random, subject: str) -> str:
             f"The team met on {rng.choice(['Monday', 'Tuesday', 'Thursday'])} to plan the project on {subject}.",
             f"{name} reported that the first draft is {n}% complete and that two sections still need data.",
             f"The budget is {n * 100} dollars, and the deadline was moved by one week.",
-            f"Everyone agreed to share their notes in a common folder before Friday.",
-            f"The next meeting will review the results and decide on the final format.",
+            "Everyone agreed to share their notes in a common folder before Friday.",
+            "The next meeting will review the results and decide on the final format.",
         ]
     return " ".join(sentences[: rng.randint(4, len(sentences))])
 
@@ -296,7 +296,7 @@ def _code(rng, p: _Pools) -> str:
     a, b = rng.choice(["total", "count", "result", "x"]), rng.choice(["items", "numbers", "values", "data"])
     snippet = rng.choice([f"def f({b}):\n    {a} = 0\n    for v in {b}:\n        if v % 2 == 0:\n            {a} += v\n    return {a}",
                           f"def f({b}):\n    return [v * v for v in {b} if v > 0]",
-                          f"def f(s):\n    return s == s[::-1]",
+                          "def f(s):\n    return s == s[::-1]",
                           f"def f({b}):\n    {a} = {{}}\n    for v in {b}:\n        {a}[v] = {a}.get(v, 0) + 1\n    return {a}"])
     return rng.choice([f"Explain what this code does:\n\n```python\n{snippet}\n```",
                        f"Can you improve this function and explain the change?\n\n```python\n{snippet}\n```",

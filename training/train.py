@@ -142,21 +142,7 @@ def stage_train(args, tokenizer, data_paths: list[Path]) -> None:
         v, t = split(torch.load(path, weights_only=False), random.Random(SEED))
         val += v
         train += t
-    rng = random.Random(SEED)
-    if args.init:  # continue: the checkpoint's architecture and output vocabulary
-        from transformers import LlamaForCausalLM
-
-        draft = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
-        kept = sorted(draft.config.specdec_output_token_ids)
-        log(f"train: continuing {args.init}")
-    else:
-        kept = kept_vocabulary(train)
-        target = models.load_model(models.DEFAULT_TARGET)
-        if args.init_from == "slice":
-            draft = build_sliced_draft(target, kept, train, args.layers, args.intermediate).float()
-        else:
-            draft = build_draft(target, kept)
-        del target
+    draft, kept = initial_draft(args, train)
     log(f"train: {len(train)} answers ({sum(len(r['completion']) for r in train)} tokens), "
         f"output layer keeps {len(kept)} tokens ({COVERAGE:.1%} of answer tokens)")
     dev = torch.device(args.device)
@@ -170,10 +156,38 @@ def stage_train(args, tokenizer, data_paths: list[Path]) -> None:
         f"({c.num_key_value_heads} KV) of {c.head_dim}, on {dev}")
     # bf16 products on a GPU; on a CPU only where they are in hardware (emulated bf16 is slower than fp32)
     bf16 = dev.type == "cuda" or models.cpu_has_native_bf16()
-    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    validate = validator(draft, kept_t, slot, dev, bf16)
+    log(f"train: before training, {validate(val)[0]}")
+    step, epoch = train_steps(args, draft, kept_t, slot, train, validate, val[:VAL_CHECK], bf16)
+    log(f"train: after {step} steps, {validate(val)[0]}")
+    draft.eval()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    draft.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    log(f"saved {out} after {step} steps, {epoch} epochs")
+
+
+def initial_draft(args, train) -> tuple[torch.nn.Module, list[int]]:
+    """(draft, its output vocabulary): the checkpoint --init continues, or a new draft built from the target."""
+    if args.init:  # continue: the checkpoint's architecture and output vocabulary
+        from transformers import LlamaForCausalLM
+
+        draft = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        log(f"train: continuing {args.init}")
+        return draft, sorted(draft.config.specdec_output_token_ids)
+    kept = kept_vocabulary(train)
+    target = models.load_model(models.DEFAULT_TARGET)
+    if args.init_from == "slice":
+        return build_sliced_draft(target, kept, train, args.layers, args.intermediate).float(), kept
+    return build_draft(target, kept), kept
+
+
+def validator(draft, kept_t, slot, dev: torch.device, bf16: bool):
+    """validate(records) -> (summary text, agreement): the draft's loss and top-1 agreement on records."""
     val_rows = 8 if dev.type == "cpu" else 64
 
-    def validate(records=val) -> tuple[str, float]:
+    def validate(records) -> tuple[str, float]:
         draft.eval()
         with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
             vl, va = zip(*(loss_on(draft, kept_t, slot, records[i:i + val_rows])
@@ -182,10 +196,17 @@ def stage_train(args, tokenizer, data_paths: list[Path]) -> None:
         agree = float(sum(va) / len(va))
         return f"val loss {sum(vl) / len(vl):.3f} agree {agree:.3f}", agree
 
-    # the checks during training read at most VAL_CHECK answers (a GPU run's slice is thousands); the best
-    # checkpoint by them is kept, so a run that starts to overfit late does not lose its best weights
-    check = val[:VAL_CHECK]
-    log(f"train: before training, {validate()[0]}")
+    return validate
+
+
+def train_steps(args, draft, kept_t, slot, train, validate, check, bf16: bool) -> tuple[int, int]:
+    """Train for args.train_minutes (warm-up, then a cosine learning rate); (steps, epochs) run.
+
+    The checks during training read `check`, at most VAL_CHECK answers (a GPU run's slice is thousands); the
+    best checkpoint by them is kept, so a run that starts to overfit late does not lose its best weights."""
+    dev = next(draft.parameters()).device
+    rng = random.Random(SEED)
+    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     budget = 60 * args.train_minutes
     t0, step, epoch = time.monotonic(), 0, 0
     best, best_state, best_step = -1.0, None, 0
@@ -219,10 +240,4 @@ def stage_train(args, tokenizer, data_paths: list[Path]) -> None:
     if best_state is not None and best > last:
         draft.load_state_dict(best_state)
         log(f"train: the end ({last:.3f}) checks worse than step {best_step} ({best:.3f}): keeping step {best_step}")
-    log(f"train: after {step} steps, {validate()[0]}")
-    draft.eval()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    draft.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    log(f"saved {out} after {step} steps, {epoch} epochs")
+    return step, epoch
