@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--draft-model", default="embedded:smollm2-135m-draft")
     p.add_argument("--target-model", default=models.DEFAULT_TARGET)
-    p.add_argument("--out", default="bench-results/exactness")
+    p.add_argument("--out", default="results/exactness")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
