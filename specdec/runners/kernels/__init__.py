@@ -26,7 +26,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = ("module.cpp", "products.cpp", "layer.cpp", "sampling.cpp")
+SOURCES = ("module.cpp", "products.cpp", "q8_products.cpp", "layer.cpp", "sampling.cpp")
 HEADERS = ("vec.h", "layer.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 

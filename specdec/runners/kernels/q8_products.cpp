@@ -1,0 +1,310 @@
+// y = x @ w^T with x quantized to 8 bits: [M, K] float32 x, w in blocks of 32 along K, y [M, N] float32.
+//
+// A row of x is cut into blocks of 32 and each block quantized on its own (quantize_q8: q = round(x * 127 / amax)
+// ties to even, d = amax / 127, and the block's integer sum of q), so a row's numbers depend on that row alone.
+// Each block of weights is multiplied with it in integers, exactly, and the block's sum joins the row's float32
+// result by the same two fused multiply-adds in every instruction-set form:
+//   y += float(sum_k qw qx) * (dw * dx)        then, where the weights have a minimum (Q4_1),
+//   y += mw * (dx * float(sum_k qx))
+// Integer sums have no order, and the float steps are the same, so each output is the same bit for bit whatever
+// the rows beside it, the form that ran it, or the thread that did: batch-invariant, and a verify row equals
+// the step at its position.
+//
+// The weights are repacked in tiles of 16 output rows (q8_blocks.py): per tile and block of 32, groups of 4
+// consecutive k for all 16 rows, [row][4] bytes, so one 4-byte broadcast of x and one dot-product instruction
+// give 16 rows' partial sums, one per 32-bit lane, and a block's scales apply to 16 rows in one FMA, with no
+// horizontal sums. Q4_1 keeps its 4 bits: the low nibbles of a group's 64 bytes hold k = 4g..4g+3, the high
+// ones k = 16+4g..16+4g+3. Q8_0 (and int8 rows) are signed bytes: the VNNI forms multiply unsigned x + 128 by
+// them and take off 128 * sum_k qw (exact, packed beside them); AVX2's maddubs would saturate there, so it
+// moves w's sign onto x instead (the sign trick) and multiplies |w|.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kBlock = 32, kTileRows = 16, kMaxRows = 8;
+
+// One row's blocks: q [K] int8, d [K / 32] and the integer sums [K / 32].
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* s) {
+  for (int64_t b = 0; b < K / kBlock; b++) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.0f;
+    for (int i = 0; i < kBlock; i++) amax = std::fmax(amax, std::fabs(xb[i]));
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < kBlock; i++) {
+      const int32_t v = (int32_t)std::nearbyint(xb[i] * id);  // the default rounding: to nearest, ties to even
+      q[b * kBlock + i] = (int8_t)v;
+      sum += v;
+    }
+    d[b] = amax / 127.0f;
+    s[b] = sum;
+  }
+}
+
+struct Quantized {
+  torch::Tensor q, d, s, ds;
+};
+
+Quantized quantize(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  Quantized out{torch::empty({M, K}, x.options().dtype(torch::kChar)), torch::empty({M, K / kBlock}, x.options()),
+                torch::empty({M, K / kBlock}, x.options().dtype(torch::kInt))};
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; m++)
+    quantize_row(xp + m * K, K, out.q.data_ptr<int8_t>() + m * K, out.d.data_ptr<float>() + m * (K / kBlock),
+                 out.s.data_ptr<int32_t>() + m * (K / kBlock));
+  out.ds = out.d * out.s.to(torch::kFloat);  // one rounding each, as d * float(s)
+  return out;
+}
+
+enum class Format { Q4_1, Q8_0 };
+enum class Isa { Avx512Vnni, AvxVnni, Avx2 };
+
+// What one tile's products read: per block, the weights' bytes, 16 scales (fp16 or float32), and either 16
+// minimums (Q4_1) or 16 corrections 128 * sum_k qw (Q8_0).
+struct Tile {
+  const uint8_t* w;
+  const void* d;
+  const void* extra;
+  bool half;  // scales and minimums as fp16 (a GGUF file's own), else float32
+  int64_t w_block_bytes;
+};
+
+// Rows x of a tile-row's quantized x, row-major with K / 32 blocks a row.
+struct Rows {
+  const int8_t* q;
+  const float* d;
+  const int32_t* s;
+  const float* ds;  // d * float(s): a block's minimum term's factor
+  int64_t K;
+};
+
+constexpr int64_t kAhead = 4;  // blocks a tile's sweep prefetches ahead, in each of its streams
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+inline __m512 scales16(const void* p, bool half, int64_t b) {
+  return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + b * 16)))
+              : _mm512_loadu_ps((const float*)p + b * 16);
+}
+
+template <int M, Format F>
+void tile_avx512(const Rows& x, const Tile& t, float* y, int64_t N, int64_t valid) {
+  const int64_t blocks = x.K / kBlock;
+  __m512 acc[M];
+  for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+  const int64_t scale_bytes = 16 * (t.half ? 2 : 4);
+  for (int64_t b = 0; b < blocks; b++) {
+    const uint8_t* wb = t.w + b * t.w_block_bytes;
+    for (int64_t line = 0; line < t.w_block_bytes; line += 64) __builtin_prefetch(wb + kAhead * t.w_block_bytes + line, 0, 3);
+    __builtin_prefetch((const char*)t.d + (b + kAhead) * scale_bytes, 0, 3);
+    __builtin_prefetch((const char*)t.extra + (b + kAhead) * scale_bytes, 0, 3);
+    __m512i w[8];
+    if (F == Format::Q4_1) {
+      for (int g = 0; g < 4; g++) {
+        const __m512i p = _mm512_loadu_si512(wb + g * 64);
+        w[g] = _mm512_and_si512(p, nibble);
+        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), nibble);
+      }
+    } else {
+      for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(wb + g * 64);
+    }
+    const __m512 dw = scales16(t.d, t.half, b);
+    const __m512 mw = F == Format::Q4_1 ? scales16(t.extra, t.half, b) : _mm512_setzero_ps();
+    const __m512i correction = F == Format::Q8_0 ? _mm512_loadu_si512((const int32_t*)t.extra + b * 16)
+                                                 : _mm512_setzero_si512();
+    for (int m = 0; m < M; m++) {
+      const int32_t* x4 = (const int32_t*)(x.q + m * x.K + b * kBlock);
+      __m512i s[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+      if (F == Format::Q4_1) {  // unsigned nibbles times signed x
+        for (int g = 0; g < 8; g++) s[g % 4] = _mm512_dpbusd_epi32(s[g % 4], w[g], _mm512_set1_epi32(x4[g]));
+      } else {  // unsigned x + 128 times signed w, less 128 * sum_k qw
+        for (int g = 0; g < 8; g++)
+          s[g % 4] = _mm512_dpbusd_epi32(s[g % 4], _mm512_xor_si512(_mm512_set1_epi32(x4[g]), flip), w[g]);
+        s[0] = _mm512_sub_epi32(s[0], correction);
+      }
+      const float dx = x.d[m * blocks + b];
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(s[0], s[1]), _mm512_add_epi32(s[2], s[3])));
+      acc[m] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[m]);
+      if (F == Format::Q4_1) acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.ds[m * blocks + b]), acc[m]);
+    }
+  }
+  const __mmask16 keep = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
+  for (int m = 0; m < M; m++) _mm512_mask_storeu_ps(y + m * N, keep, acc[m]);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+inline __m256 scales8(const void* p, bool half, int64_t b, int h) {
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + b * 16 + h * 8)))
+              : _mm256_loadu_ps((const float*)p + b * 16 + h * 8);
+}
+
+// 8 of a tile's 16 rows (h: which half), in 256-bit registers: AVX-VNNI's dot products, or AVX2's
+// maddubs (pairs to 16 bits) and madd (to 32).
+template <int M, Format F, bool Vnni>
+void half_tile_avx2(const Rows& x, const Tile& t, float* y, int64_t N, int64_t valid, int h) {
+  const int64_t blocks = x.K / kBlock;
+  __m256 acc[M];
+  for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < blocks; b++) {
+    const uint8_t* wb = t.w + b * t.w_block_bytes + h * 32;
+    __builtin_prefetch(wb + 4 * t.w_block_bytes, 0, 3);
+    __m256i w[8];
+    if (F == Format::Q4_1) {
+      for (int g = 0; g < 4; g++) {
+        const __m256i p = _mm256_loadu_si256((const __m256i*)(wb + g * 64));
+        w[g] = _mm256_and_si256(p, nibble);
+        w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), nibble);
+      }
+    } else {
+      for (int g = 0; g < 8; g++) w[g] = _mm256_loadu_si256((const __m256i*)(wb + g * 64));
+    }
+    const __m256 dw = scales8(t.d, t.half, b, h);
+    for (int m = 0; m < M; m++) {
+      int32_t x4[8];
+      std::memcpy(x4, x.q + m * x.K + b * kBlock, sizeof x4);
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+      for (int g = 0; g < 8; g++) {
+        const __m256i xb = _mm256_set1_epi32(x4[g]);
+        __m256i part;
+        if (F == Format::Q4_1) {
+#ifdef __AVXVNNI__
+          if (Vnni) part = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[g], xb);
+          else
+#endif
+            part = _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], xb), ones);
+        } else {
+#ifdef __AVXVNNI__
+          if (Vnni) part = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_xor_si256(xb, flip), w[g]);
+          else
+#endif
+            part = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[g]), _mm256_sign_epi8(xb, w[g])), ones);
+        }
+        if (g % 2) s1 = _mm256_add_epi32(s1, part);
+        else s0 = _mm256_add_epi32(s0, part);
+      }
+      if (F == Format::Q8_0 && Vnni)
+        s0 = _mm256_sub_epi32(s0, _mm256_loadu_si256((const __m256i*)((const int32_t*)t.extra + b * 16 + h * 8)));
+      const float dx = x.d[m * blocks + b];
+      const __m256 sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+      acc[m] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[m]);
+      if (F == Format::Q4_1) acc[m] = _mm256_fmadd_ps(scales8(t.extra, t.half, b, h), _mm256_set1_ps(x.ds[m * blocks + b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; m++) {
+    float out[8];
+    _mm256_storeu_ps(out, acc[m]);
+    for (int r = 0; r < 8 && h * 8 + r < valid; r++) y[m * N + h * 8 + r] = out[r];
+  }
+}
+#endif
+
+template <int M, Format F>
+void tile(Isa isa, const Rows& x, const Tile& t, float* y, int64_t N, int64_t valid) {
+  switch (isa) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    case Isa::Avx512Vnni: return tile_avx512<M, F>(x, t, y, N, valid);
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#ifdef __AVXVNNI__
+    case Isa::AvxVnni:
+      for (int h = 0; h < 2 && h * 8 < valid; h++) half_tile_avx2<M, F, true>(x, t, y, N, valid, h);
+      return;
+#endif
+    case Isa::Avx2:
+      for (int h = 0; h < 2 && h * 8 < valid; h++) half_tile_avx2<M, F, false>(x, t, y, N, valid, h);
+      return;
+#endif
+    default: TORCH_CHECK(false, "q8 products: this instruction set was not built here");
+  }
+}
+
+Isa parse_isa(const std::string& name) {
+  if (name == "avx512-vnni") return Isa::Avx512Vnni;
+  if (name == "avx-vnni") return Isa::AvxVnni;
+  if (name == "avx2") return Isa::Avx2;
+  TORCH_CHECK(false, "q8 products: isa avx512-vnni, avx-vnni or avx2, not ", name);
+}
+
+}  // namespace
+
+// The instruction-set forms this build runs, best first (CPU and compiler both: -march=native).
+std::vector<std::string> q8_isas() {
+  std::vector<std::string> out;
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  out.push_back("avx512-vnni");
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#ifdef __AVXVNNI__
+  out.push_back("avx-vnni");
+#endif
+  out.push_back("avx2");
+#endif
+  return out;
+}
+
+// x [M, K] float32 -> (q int8 [M, K], d float32 [M, K / 32], sums int32 [M, K / 32]); K a multiple of 32.
+std::vector<torch::Tensor> quantize_q8(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.device().is_cpu() && x.size(1) % kBlock == 0,
+              "quantize_q8: float32 x [M, K] on CPU, K a multiple of 32");
+  const Quantized q = quantize(x.contiguous());
+  return {q.q, q.d, q.s};
+}
+
+// w [T, K / 32, bytes] (uint8 for Q4_1, int8 for Q8_0), d [T, K / 32, 16] fp16 or float32, extra: the minimums
+// (Q4_1, as d) or 128 * sum_k qw (Q8_0, int32 [T, K / 32, 16]); N output rows of the T * 16 packed.
+torch::Tensor few_rows_q8(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor extra,
+                          const std::string& format, int64_t N, const std::string& isa_name) {
+  TORCH_CHECK(format == "Q4_1" || format == "Q8_0", "few_rows_q8: format Q4_1 or Q8_0, not ", format);
+  const Format f = format == "Q4_1" ? Format::Q4_1 : Format::Q8_0;
+  const Isa isa = parse_isa(isa_name);
+  const int64_t K = x.size(1), blocks = K / kBlock, T = w.size(0);
+  const int64_t w_block_bytes = f == Format::Q4_1 ? 256 : 512;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.device().is_cpu() && K % kBlock == 0,
+              "few_rows_q8: float32 x [M, K] on CPU, K a multiple of 32");
+  TORCH_CHECK(w.dim() == 3 && w.size(1) == blocks && w.size(2) == w_block_bytes && w.is_contiguous() &&
+              d.dim() == 3 && d.size(0) == T && d.size(1) == blocks && d.size(2) == 16 && d.is_contiguous() &&
+              extra.sizes() == d.sizes() && extra.is_contiguous() && N <= T * kTileRows && N > (T - 1) * kTileRows,
+              "few_rows_q8: ", format, " tiles do not match x's width ", K, " and ", N, " rows");
+  const bool half = d.scalar_type() == torch::kHalf;
+  TORCH_CHECK(half || d.scalar_type() == torch::kFloat, "few_rows_q8: scales fp16 or float32");
+  TORCH_CHECK(f == Format::Q8_0 ? extra.scalar_type() == torch::kInt : extra.scalar_type() == d.scalar_type(),
+              "few_rows_q8: Q4_1 minimums as its scales, Q8_0 corrections int32");
+  const Quantized q = quantize(x.contiguous());
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* wp = (const uint8_t*)w.data_ptr();
+  const char* dp = (const char*)d.data_ptr();
+  const char* ep = (const char*)extra.data_ptr();
+  const int64_t d_tile = blocks * 16 * d.element_size(), e_tile = blocks * 16 * extra.element_size();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      const Tile tile_w{wp + t * blocks * w_block_bytes, dp + t * d_tile, ep + t * e_tile, half, w_block_bytes};
+      const int64_t valid = std::min<int64_t>(kTileRows, N - t * kTileRows);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const Rows rows{q.q.data_ptr<int8_t>() + m0 * K, q.d.data_ptr<float>() + m0 * blocks,
+                        q.s.data_ptr<int32_t>() + m0 * blocks, q.ds.data_ptr<float>() + m0 * blocks, K};
+        float* yt = yp + m0 * N + t * kTileRows;
+        switch (std::min<int64_t>(kMaxRows, M - m0)) {
+#define ROWS(m)                                                            \
+  case m:                                                                  \
+    if (f == Format::Q4_1) tile<m, Format::Q4_1>(isa, rows, tile_w, yt, N, valid); \
+    else tile<m, Format::Q8_0>(isa, rows, tile_w, yt, N, valid);           \
+    break;
+          ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+        }
+      }
+    }
+  });
+  return y;
+}

@@ -1,0 +1,108 @@
+"""Products with 8-bit activations (kernels/q8_products.cpp, runners/q8_blocks.py): every instruction-set form
+this CPU runs is forced in turn and held to the others bit for bit, and to a torch reference of the same
+quantized numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.runners import q8_blocks as qb
+from tests.conftest import built_kernels
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return built_kernels()
+
+
+@pytest.fixture(scope="module")
+def isas(kernels):
+    forms = list(kernels.q8_isas())
+    if not forms:
+        pytest.skip("this CPU has no AVX2: the float32 product forms serve it")
+    return forms
+
+
+def _q4_1(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (n, k // 32 * 16), dtype=torch.uint8, generator=g)
+    scales = (torch.randn(n, k // 32 * 2, generator=g) * 0.05).half().float()  # a file's fp16 values
+    return q, scales
+
+
+def _q8_0(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    return q.view(torch.uint8), (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+
+
+def _weights(kind: str, n: int, k: int) -> qb.Q8Weights:
+    if kind == "Q4_1":
+        return qb.pack_q4_1(*_q4_1(n, k))
+    if kind == "Q8_0":
+        return qb.pack_q8_0(*_q8_0(n, k))
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (n, -(-k // 16) * 16), dtype=torch.int8, generator=g)
+    return qb.pack_int8_rows(q, torch.rand(n, generator=g) * 0.01, k)
+
+
+def test_the_quantizer_rounds_each_block_of_a_row_on_its_own_ties_to_even(kernels):
+    x = torch.randn(3, 64)
+    x[1, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5] + [0.0] * 26)  # amax 127: q = x, ties exact
+    x[2, 32:] = 0.0  # an all-zero block: d 0, q 0
+    q, d, s = kernels.quantize_q8(x)
+    rq, rd, rs = qb.quantize_reference(x)
+    assert torch.equal(q, rq) and torch.equal(d, rd) and torch.equal(s, rs)
+    assert q[1, :6].tolist() == [127, 0, 2, 2, 0, -2]
+    assert d[2, 1] == 0 and not q[2, 32:].any() and s[2, 1] == 0
+    assert torch.equal(s, q.reshape(3, 2, 32).sum(-1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "int8 rows"])
+@pytest.mark.parametrize("n, k", [(48, 64), (37, 96), (8, 32)])  # 37 and 8: a last tile partly filled
+def test_every_instruction_set_form_gives_the_same_products_bit_for_bit(kernels, isas, kind, n, k):
+    w = _weights(kind, n, k)
+    x = torch.randn(11, k)  # 11 rows: a tile of 8 rows and one of 3
+    ys = {isa: w.product(kernels, x, isa) for isa in isas}
+    first = ys[isas[0]]
+    assert first.shape == (11, n)
+    for isa, y in ys.items():
+        assert torch.equal(y, first), isa
+    torch.testing.assert_close(first, qb.reference(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_rows_product_is_the_one_it_gets_alone_whatever_the_rows_beside_it(kernels, isas, kind):
+    w = _weights(kind, 40, 128)
+    x = torch.randn(20, 128)
+    for isa in isas:
+        together = w.product(kernels, x, isa)
+        for m in (0, 7, 8, 19):
+            assert torch.equal(w.product(kernels, x[m:m + 1], isa)[0], together[m])
+            assert torch.equal(w.product(kernels, x[m:], isa)[0], together[m])
+
+
+def test_the_products_approximate_the_float_ones_of_the_dequantized_weights(kernels, isas):
+    # 8-bit activations lose about 1/254 of a block's largest value per input: the product stays within a
+    # few per cent of the float product's scale.
+    q, scales = _q4_1(64, 256)
+    b, s = q.reshape(64, 8, 16), scales.reshape(64, 8, 2)
+    w = (torch.cat([b & 15, b >> 4], 2).float() * s[..., :1] + s[..., 1:]).reshape(64, 256)
+    x = torch.randn(4, 256)
+    exact = x @ w.T
+    got = qb.pack_q4_1(q, scales).product(kernels, x, isas[0])
+    assert float((got - exact).abs().max()) < 0.02 * float(exact.abs().max())
+
+
+def test_q4_1s_minimum_term_takes_the_blocks_integer_sum(kernels, isas):
+    # weights all equal to their block's minimum (q = 0, d = 1, m = 0.25): y = 0.25 * dx * sum(qx) exactly.
+    n, k = 16, 64
+    q = torch.zeros(n, k // 32 * 16, dtype=torch.uint8)
+    scales = torch.tensor([1.0, 0.25]).repeat(n, k // 32)
+    x = torch.randn(2, k)
+    qx, dx, sx = qb.quantize_reference(x)
+    want = (0.25 * (dx * sx.float())).sum(-1)
+    for isa in isas:
+        got = qb.pack_q4_1(q, scales).product(kernels, x, isa)
+        torch.testing.assert_close(got, want[:, None].expand(2, n), rtol=1e-6, atol=0)
