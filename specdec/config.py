@@ -13,7 +13,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from specdec.runners.lean_llama import MATMUL_FORMS, QUANTIZE
+from specdec.runners.products import MATMUL_FORMS, QUANTIZE
 from specdec.models import DEFAULT_TARGET, DTYPES
 
 # The embedded default draft: distilled from the embedded target by training/distill.py, shipped in models/.

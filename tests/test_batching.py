@@ -17,7 +17,8 @@ from specdec.runners import gguf_blocks
 from specdec.engine import Engine, Feed, PassCosts, plan_pass
 from specdec.errors import ServiceError
 from specdec.kv_pool import Session, SessionPool
-from specdec.runners.lean_llama import LeanLlamaRunner, TorchLayerOps, quantize_rows
+from specdec.runners.lean_llama import LeanLlamaRunner, TorchLayerOps
+from specdec.runners.products import quantize_rows
 from specdec.runners import CausalLMRunner
 
 

@@ -24,13 +24,12 @@ class CausalLMRunner:
         self.vocab_size = vocab_size
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
-        kept = output_token_ids(model)
-        self.scored_ids = kept  # the tokens the model scores, ascending, on the CPU; None: all of them
-        self._kept = None if kept is None else kept.to(self.device)
+        self.scored_ids = output_token_ids(model)  # the tokens the model scores, ascending, on the CPU; None: all
+        self._scored_ids_on_device = None if self.scored_ids is None else self.scored_ids.to(self.device)
         self._outside = None
-        if kept is not None:  # a draft that scores only these tokens: everything else gets probability 0
+        if self.scored_ids is not None:  # a draft that scores only these tokens: everything else gets probability 0
             self._outside = torch.ones(vocab_size, dtype=torch.bool, device=self.device)
-            self._outside[self._kept] = False
+            self._outside[self._scored_ids_on_device] = False
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -111,8 +110,8 @@ class CausalLMRunner:
                 for i, (n, k) in enumerate(zip(ns, num_logits))]
 
     def _columns(self, logits: torch.Tensor, scored_only: bool) -> torch.Tensor:
-        if scored_only and self._kept is not None:
-            return logits[:, self._kept]
+        if scored_only and self._scored_ids_on_device is not None:
+            return logits[:, self._scored_ids_on_device]
         if self._outside is not None:
             logits.masked_fill_(self._outside, float("-inf"))
         return logits
