@@ -94,7 +94,7 @@ class LeanCache:
     """Keys and values of one session: [layers, kv_heads, capacity, head_dim].
 
     The capacity grows in steps of GROW tokens, not by doubling: the pool budgets memory by tokens held,
-    and doubling could hold up to twice that (a 16 GB GPU's budget has no room for it). Copying the cache
+    and doubling could hold up to twice that, which a GPU's budget has no room for. Copying the cache
     once every GROW tokens costs under 1% of the decoding time of those tokens."""
 
     GROW = 256

@@ -228,7 +228,8 @@ def _stack(layer_kernels, name: str, products: Products, n_heads: int, eps: floa
 
 
 # -- timing and planning ---------------------------------------------------------------------------------------
-def time_passes(forms, run_pass, rows=TIMED_ROWS, reps: int = 3, clock=time.perf_counter) -> dict[str, dict[int, float]]:
+def time_passes(forms, run_pass, rows=TIMED_ROWS, reps: int = 3,
+                clock=time.perf_counter) -> dict[str, dict[int, float]]:
     """forms: product form names; run_pass(form, n) runs one whole forward pass of n rows with every product
     in that form. The best of `reps` timed sweeps, in ms, per form and row count; the sweeps alternate forms,
     so a slow moment of the machine hits all of them. After two sweeps, a form still more than OUT_OF_THE_RACE
@@ -404,7 +405,7 @@ def _gguf_products(kernels, layers: list[LayerWeights], head, gguf: str | None, 
 
 def _second_copy_fits(layers: list[LayerWeights], head) -> bool:
     """Whether a packed copy of every matrix takes at most a quarter of the memory available now."""
-    size = sum(w.numel() * w.element_size() for layer in layers for w in layer.matrices) + head.numel() * head.element_size()
+    size = sum(w.numel() * w.element_size() for w in [*(w for layer in layers for w in layer.matrices), head])
     room = memory_available()
     if room is not None and size > room // 4:
         log.info("lean runner: not timing oneDNN's packed products, a second copy of %.2f GB with %.2f GB "
