@@ -13,8 +13,7 @@ import torch
 
 from specdec.errors import invalid
 from specdec.model_server import CallStats, ModelServer, SessionRpcs
-from specdec.sampling import (Purpose, argmax_rows, logits_to_probs, sample_sparse, support, top_probability,
-                              uniform)
+from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, support, top_probability, uniform
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from specdec.models import DEFAULT_TARGET, DTYPES
-from specdec.runners.lean_llama import MATMUL_FORMS, QUANTIZE
+from specdec.runners.products import MATMUL_FORMS, QUANTIZE
 
 # The embedded default draft: distilled from the embedded target by training/distill.py, shipped in models/.
 DEFAULT_DRAFT = "embedded:smollm2-135m-draft"

@@ -13,7 +13,7 @@ Where the runner is batch-invariant (specdec's CPU kernels: every row summed on 
 are bit for bit what it gets alone, whatever it is batched with and however its feed is cut: greedy output
 does not change with load, and a seeded request replays.
 
-All of it runs on the server's event loop thread, as the model work did before: the pass is a plain call that
+All of it runs on the server's event loop thread (see specdec/model_server.py): the pass is a plain call that
 holds the loop, and the loop is free between passes (health checks, cancellations, new calls). A call that is
 cancelled leaves the queue; a session released while its call waits fails that call alone with NOT_FOUND; a
 pass that fails is run again session by session, so that a defect fails only the call that causes it.
@@ -43,9 +43,9 @@ log = logging.getLogger(__name__)
 # synchronises, and its spinning would take the core the target's verify needs.
 LONG_PASS_TOKENS = 32
 
-# Rows per pass when --max-batch-tokens is 0. On the 2-core Zen 4 VM a row of the embedded target costs about
-# 2 ms once a pass is compute-bound, so 64 rows hold a pass near 130 ms while a prompt's prefill goes on beside
-# 16 sessions' steps; an accelerator takes thousands of rows in a few tens of ms.
+# Rows per pass when --max-batch-tokens is 0. Once a pass is compute-bound each row costs its multiply-adds, so
+# the budget bounds how long every session waits for a pass while a prompt's prefill goes on beside their steps:
+# on a CPU a few tens of rows (docs/performance.md), on an accelerator thousands in a few tens of ms.
 MAX_BATCH_TOKENS = {"cpu": 64, "accelerator": 2048}
 
 # After a pass, the loop runs at most this many steps before the next one (see Engine._gather).
@@ -157,6 +157,8 @@ class Engine:
         self.metrics = metrics
         self.threads = threads
         self.long_pass_threads = long_pass_threads
+        self._long_pass_threads = (TorchThreads(long_pass_threads, threads)
+                                   if long_pass_threads and long_pass_threads != threads else _SAME_THREADS)
         self.costs = PassCosts()
         self._queue: list[Feed] = []
         self._task: asyncio.Task | None = None
@@ -213,10 +215,8 @@ class Engine:
         """Fail what still waits with UNAVAILABLE and stop (after the server's grace period)."""
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         for feed in self._queue:
             if not feed.future.done():
                 feed.future.set_exception(ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down"))
@@ -277,7 +277,7 @@ class Engine:
         Each round of a generation crosses the orchestrator between two passes: the answer goes out, the
         accept step runs, the next call comes in. Started at once, the next pass would serve only the sessions
         already back, the rest would wait for the one after, and the batch would split into halves that each
-        pay a pass's fixed cost (on the 2-core VM, 8 streams at K = 0 ran passes of 4 sessions at 195 tokens/s).
+        pay a pass's fixed cost.
         So while the calls come back sooner than splitting the batch would cost (one more pass, less the row it
         would have added to this one, from the measured costs), the engine waits for them, at most that long: a
         window that follows the measured costs, and none where the calls come back slowly (the draft's sessions,
@@ -304,7 +304,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         for _ in range(GATHER_STEPS):
             await asyncio.sleep(0)
-            if not getattr(loop, "_ready", None):
+            if not has_ready_callbacks(loop):
                 break
 
     def _pass(self, pieces: list[Piece]) -> None:
@@ -338,20 +338,13 @@ class Engine:
 
     def _run_pieces(self, pieces: list[Piece]) -> None:
         rows = sum(p.n for p in pieces)
-        widen = (rows > LONG_PASS_TOKENS and self.long_pass_threads and self.long_pass_threads != self.threads)
-        if widen:
-            torch.set_num_threads(self.long_pass_threads)  # the loop thread's OpenMP team grows; no second team
         start = time.perf_counter()
-        try:
-            with self.pass_context():
-                logits = to_host(self.runner.forward_batch(
-                    [p.feed.session.cache for p in pieces],
-                    [p.feed.tokens[p.feed.done: p.feed.done + p.n] for p in pieces],
-                    [p.feed.num_logits if p.last else 1 for p in pieces],
-                    pieces[0].feed.scored_only))
-        finally:
-            if widen:
-                torch.set_num_threads(self.threads)
+        with self._long_pass_threads if rows > LONG_PASS_TOKENS else _SAME_THREADS, self.pass_context():
+            logits = to_host(self.runner.forward_batch(
+                [p.feed.session.cache for p in pieces],
+                [p.feed.tokens[p.feed.done: p.feed.done + p.n] for p in pieces],
+                [p.feed.num_logits if p.last else 1 for p in pieces],
+                pieces[0].feed.scored_only))
         seconds = time.perf_counter() - start
         self.passes += 1
         self.last_pass_s, self.last_rows = seconds, rows
@@ -361,8 +354,7 @@ class Engine:
             self.metrics.observe_pass(rows, len(pieces), seconds)
         for p, last, out in zip(pieces, [p.last for p in pieces], logits):
             f = p.feed
-            f.session.tokens.extend(f.tokens[f.done: f.done + p.n])
-            f.session.reserved = max(f.session.reserved - p.n, 0)
+            f.session.append(f.tokens[f.done: f.done + p.n])
             if f.started_at is None:
                 f.started_at = start
                 if self.metrics is not None:
@@ -381,6 +373,31 @@ class Engine:
             feed.future.set_exception(error)
         if feed in self._queue:
             self._queue.remove(feed)
+
+
+class TorchThreads:
+    """A context that runs its body on `n` torch threads and goes back to `back` after, an exception included:
+    the calling thread's OpenMP team grows and shrinks, and no second team starts. Reusable, so entering it
+    allocates nothing."""
+
+    def __init__(self, n: int, back: int):
+        self.n, self.back = n, back
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.back)
+
+
+_SAME_THREADS = contextlib.nullcontext()  # a pass that keeps the server's thread count
+
+
+def has_ready_callbacks(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether the loop has callbacks ready to run at its next step. asyncio offers no public way to ask, so this
+    reads BaseEventLoop's queue of ready handles (``_ready``); tests/test_batching.py fails if that changes. A loop
+    without it (another implementation) reads as having none."""
+    return bool(getattr(loop, "_ready", None))
 
 
 def _internal() -> ServiceError:

@@ -10,8 +10,9 @@ tokens across sessions and per session; idle sessions expire.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 
@@ -20,6 +21,8 @@ from specdec.errors import ServiceError, invalid
 
 @dataclass
 class Session:
+    """One session's cache and what it holds. Read its fields freely; it changes only through its methods."""
+
     id: str
     cache: Any  # the runner's KV cache object
     tokens: list[int] = field(default_factory=list)  # ids whose KV the cache holds
@@ -29,6 +32,30 @@ class Session:
     probs_ids: Any = None  # the token of each column of probs, when it holds only the tokens a draft scores
     reserved: int = 0  # tokens a call in progress may still add (counted against the pool's limit)
     busy: bool = False  # a call is using the session
+
+    def begin_call(self) -> None:
+        """A call takes the session; another call on it meanwhile is refused (SessionPool.get)."""
+        self.busy = True
+
+    def end_call(self) -> None:
+        """The call is over: the session is free, and what it held for the call is given back."""
+        self.busy, self.reserved = False, 0
+
+    def hold(self, n: int) -> None:
+        """Count n more tokens against the pool for the call in progress (SessionPool.reserve checks they fit)."""
+        self.reserved = n
+
+    def append(self, tokens: list[int]) -> None:
+        """Tokens now in the cache: they count as held, no longer as reserved."""
+        self.tokens.extend(tokens)
+        self.reserved = max(self.reserved - len(tokens), 0)
+
+    def cut(self, length: int) -> None:
+        """Keep the first `length` tokens (the cache is cropped to them by the pool)."""
+        del self.tokens[length:]
+
+    def touch(self, now: float) -> None:
+        self.last_used = now
 
     def keep_probs(self, probs, start: int = 0, ids=None) -> None:
         """Keep the last call's distributions (None: none) for GetDistribution."""
@@ -72,7 +99,7 @@ class SessionPool:
             raise ServiceError(grpc.StatusCode.NOT_FOUND,
                                f"no session {session_id!r} (expired, released or the server restarted); "
                                "resend the history with expected_length 0")
-        s.last_used = self._clock()
+        s.touch(self._clock())
         return s
 
     def get(self, session_id: str, expected_length: int) -> Session:
@@ -120,12 +147,12 @@ class SessionPool:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"KV pool full: {held} of {self.max_tokens} tokens in use or held for calls, "
                                f"{n_new} more asked; retry later")
-        s.reserved = n_new
+        s.hold(n_new)
 
     def truncate(self, s: Session, length: int) -> None:
         if length < len(s.tokens):
             self._crop(s.cache, length)
-            del s.tokens[length:]
+            s.cut(length)
 
     def release(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None

@@ -1,11 +1,10 @@
 """What the draft and target servers share: a model, its session pool, its batching engine, the session RPCs.
 
-All model and pool work runs on the server's event loop thread, with no hand-off. A hand-off to a worker
-thread and back costs two thread wake-ups, measured at 0.6-1.0 ms per call on the 2-core CPU machine, and a
-round makes two calls. One thread also keeps one OpenMP team per process: a second thread that runs one
-parallel op starts a second team, libgomp then counts more threads than cores and stops spinning at its
-barriers, and every forward pass became 1.6-1.8x slower here for good (a 1-token target step: 26 -> 41 ms
-with the lean forward, 31 -> 55 ms with the stock one). So the model loads on the loop thread too.
+All model and pool work runs on the server's event loop thread, with no hand-off: a hand-off to a worker
+thread and back costs two thread wake-ups a call, and a round makes two calls. One thread also keeps one
+OpenMP team per process: a second thread that runs one parallel op starts a second team, libgomp then counts
+more threads than cores and stops spinning at its barriers, and every forward pass is slower for good
+(docs/performance.md, items 5 and 6). So the model loads on the loop thread too.
 
 The calls do not run forward passes themselves: they queue their tokens with the engine (specdec/engine.py),
 which runs each pass over the rows of every call waiting, and await their logits. So the server's throughput
@@ -74,8 +73,8 @@ class ModelServerMetrics:
                                    registry=registry)
         self.prefix_tokens = Gauge("specdec_prefix_cache_tokens", "Tokens held in the prefix cache", registry=registry)
         # Each width's series exists from the start at zero, so that rate() counts a series' first passes: one
-        # created by its first observation, between two scrapes, starts at that value and rate() never sees it
-        # (on a fast CPU a short request's passes all fell between two scrapes, and the dashboard showed no data).
+        # created by its first observation, between two scrapes, starts at that value and rate() never sees it,
+        # and a short request whose passes all fall between two scrapes would show no data.
         for width in _TOKENS_BUCKETS:
             self.forward_seconds.labels(width)
 
@@ -137,7 +136,7 @@ class ModelServer:
         self.draining = False
 
     @classmethod
-    def load(cls, cfg: ModelServerConfig, registry: CollectorRegistry | None = None) -> "ModelServer":
+    def load(cls, cfg: ModelServerConfig, registry: CollectorRegistry | None = None) -> ModelServer:
         """Load on the calling thread, which must be the loop's: it runs every forward pass (see the module)."""
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -233,7 +232,8 @@ class ModelServer:
             if cursor.expected_length == 0:  # do not keep an empty session the call just created
                 self.pool.release(s.id)
             raise
-        length, s.busy = len(s.tokens), True
+        length = len(s.tokens)
+        s.begin_call()
         try:
             yield s
         except BaseException:
@@ -241,9 +241,9 @@ class ModelServer:
                 self.pool.release(s.id)
             raise
         finally:
-            s.busy, s.reserved = False, 0
+            s.end_call()
 
-    async def forward(self, s: Session, token_ids: list[int], num_logits: int, stats: "CallStats",
+    async def forward(self, s: Session, token_ids: list[int], num_logits: int, stats: CallStats,
                       scored_only: bool = False) -> torch.Tensor:
         """Feed tokens to the session in the engine's next passes; [num_logits, vocab] logits, or
         [num_logits, len(runner.scored_ids)] with scored_only (see the runners). A new session first takes the
@@ -251,8 +251,7 @@ class ModelServer:
         drops the session."""
         fresh = not s.tokens and self.prefix is not None
         if fresh and (n := self.prefix.attach(s.cache, token_ids, len(token_ids) - num_logits)):
-            s.tokens.extend(token_ids[:n])
-            s.reserved = max(s.reserved - n, 0)
+            s.append(token_ids[:n])
             token_ids = token_ids[n:]
             self.metrics.prefix_hits.inc(n)
         feed = await self.engine.forward(s, token_ids, num_logits, scored_only)

@@ -13,11 +13,12 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from conftest import built_kernels
-from specdec.engine import Engine, Feed, PassCosts, plan_pass
+from specdec.engine import Engine, Feed, PassCosts, TorchThreads, has_ready_callbacks, plan_pass
 from specdec.errors import ServiceError
 from specdec.kv_pool import Session, SessionPool
 from specdec.runners import CausalLMRunner, gguf_blocks
-from specdec.runners.lean_llama import LeanLlamaRunner, TorchLayerOps, quantize_rows
+from specdec.runners.lean_llama import LeanLlamaRunner, TorchLayerOps
+from specdec.runners.products import quantize_rows
 
 
 # -- the kernels: a row's result does not depend on the rows beside it -----------------------------------------
@@ -415,3 +416,31 @@ def test_the_prefix_cache_reuses_a_block_only_after_the_same_tokens_and_drops_a_
     assert len(prefix) == 12
     assert probe([1, 2, 3, 4, 10, 11, 12, 13, 14, 15, 16, 17, 0]) == 12
     assert probe([1, 2, 3, 4, 5, 6, 7, 8, 0]) == 4  # the old chain lost its end, not the block both hang on
+
+
+def test_the_engine_sees_a_callback_scheduled_with_call_soon_as_ready_and_none_on_an_idle_loop():
+    """Engine._gather reads asyncio's private queue of ready callbacks (has_ready_callbacks): if asyncio changes
+    it, this fails rather than the engine quietly splitting batches."""
+    async def check():
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(0)
+        idle = has_ready_callbacks(loop)
+        loop.call_soon(lambda: None)
+        return idle, has_ready_callbacks(loop)
+
+    assert asyncio.run(check()) == (False, True)
+
+
+def test_a_pass_on_other_threads_goes_back_to_the_servers_count_after_an_error():
+    before = torch.get_num_threads()
+    threads = TorchThreads(2, 1)
+    try:
+        with pytest.raises(RuntimeError), threads:
+            assert torch.get_num_threads() == 2
+            raise RuntimeError("a pass that fails")
+        assert torch.get_num_threads() == 1
+        with threads:  # reusable
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

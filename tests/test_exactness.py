@@ -12,7 +12,7 @@ from conftest import can_run, make_stack, stop_stack
 from orchestrator import generation
 from specdec import models
 from specdec.runners.kernels import cpu_kernels
-from specdec.runners.lean_llama import FORMS
+from specdec.runners.products import FORMS
 from specdec.v1 import generation_pb2 as gen_pb
 
 PROMPTS = [  # each at least 64 tokens after the chat template; answers run past 64 tokens
@@ -102,7 +102,7 @@ def test_greedy_output_equals_target_alone_with_every_product_form(event_loop_th
                        draft_cfg={"matmul": draft_form, "quantize": "none"},
                        target_cfg={"matmul": matmul, "model": models.DEFAULT_TARGET})
     try:
-        assert set(stack.target.runner.plan[1:]) == {matmul} and set(stack.draft.runner.plan[1:]) == {draft_form}
+        assert set(stack.target.runner.plan.forms[1:]) == {matmul} and set(stack.draft.runner.plan.forms[1:]) == {draft_form}
         # what the benchmark's report says ran: each server's ModelInfo.forward
         kernels = cpu_kernels() is not None
         layer = lambda form: ((" with specdec's CPU layer kernels" if kernels else "")

@@ -44,7 +44,7 @@ def test_the_gguf_form_gives_the_fewrow_logits_bit_for_bit(tiny_gguf, tokenizer)
     built_kernels()
     model, path = tiny_gguf
     runners = [LeanLlamaRunner(model, len(tokenizer), 512, matmul=form, gguf=path) for form in ("fewrow", "gguf")]
-    assert runners[1].gguf_blocks.startswith("Q4_1 layers, Q8_0 head")
+    assert runners[1].plan.gguf_blocks.startswith("Q4_1 layers, Q8_0 head")
     ids = list(range(300, 340))
     outs = []
     for runner in runners:
@@ -61,7 +61,7 @@ def test_a_file_that_does_not_hold_the_loaded_weights_is_refused(tiny_draft, tin
     with pytest.raises(ValueError, match="do not reproduce the loaded weights"):
         LeanLlamaRunner(tiny_draft, len(tokenizer), 512, matmul="gguf", gguf=path)
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), 512, matmul="auto", gguf=path)
-    assert "gguf" not in runner.products and runner.gguf_blocks is None  # auto goes on without the form
+    assert "gguf" not in runner.plan.products and runner.plan.gguf_blocks is None  # auto goes on without the form
 
 
 def test_block_types_the_kernel_does_not_read_are_refused(tiny_draft, tokenizer, tmp_path):
@@ -126,7 +126,7 @@ def test_every_block_of_the_embedded_target_reproduces_its_weights(target_model,
     layers, head = gguf_blocks.read_llama_blocks(path, runner.layers, runner.lm_head, runner.n_heads, runner.n_kv)
     assert gguf_blocks.describe(layers, head) == "Q4_1 layers, Q8_0 head, 111 MB"
     for fused, weights in zip(layers, runner.layers):
-        for split, w in zip(fused, (weights[1], weights[2], weights[4], weights[5])):
+        for split, w in zip(fused, weights.matrices):
             assert np.array_equal(dequantized(*split), w.numpy())
     assert np.array_equal(dequantized(*head), runner.lm_head.numpy())
 

@@ -29,7 +29,7 @@ def pool(clock):
 def grow(pool, s, tokens):
     pool.reserve(s, len(tokens))
     s.cache.extend(tokens)
-    s.tokens.extend(tokens)
+    s.append(tokens)
 
 
 def code(fn):
@@ -73,3 +73,15 @@ def test_idle_sessions_expire_and_free_room(pool, clock):
     clock[0] = 100
     pool.open("c", 0, 0)  # b expired on the way: room again
     assert "b" not in pool and len(pool) == 1
+
+
+def test_a_calls_held_tokens_count_until_fed_and_are_given_back_when_it_ends(pool):
+    s = pool.open("a", 0, 0)
+    pool.reserve(s, 5)
+    s.begin_call()
+    assert s.busy and pool.tokens_reserved == 5
+    assert code(lambda: pool.get("a", 0)) == grpc.StatusCode.ABORTED  # one call at a time
+    s.append([1, 2])
+    assert s.tokens == [1, 2] and s.reserved == 3 and pool.tokens_in_use == 2
+    s.end_call()
+    assert not s.busy and pool.tokens_reserved == 0 and pool.get("a", 2) is s

@@ -3,21 +3,24 @@ with every form of its few-row products and the per-row-count plan `auto` makes 
 work between the products in specdec's CPU kernels or in torch; its int8 products stay close to them."""
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import specdec.runners.lean_llama as lean_llama
+import specdec.runners.products as product_forms
 from conftest import built_kernels, can_run
 from specdec import models
 from specdec.runners import CausalLMRunner, make_runner, resolve_quantize
-from specdec.runners.lean_llama import (
+from specdec.runners.lean_llama import LeanLlamaRunner, TorchLayerOps
+from specdec.runners.products import (
     FORMS,
     SMALL_PASS_ROWS,
-    LeanLlamaRunner,
-    TorchLayerOps,
+    Form,
+    Products,
     describe_plan,
+    one_form_plan,
     onednn_linear,
     pack_onednn,
     plan_products,
@@ -155,12 +158,12 @@ def test_auto_times_whole_passes_in_each_form_and_leaves_the_session_state_alone
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=512, matmul="linear")
     run_pass = runner._scratch_pass()
     seen = []
-    runner.products["probe"] = (lambda x, w: seen.append(x.shape[0]) or F.linear(x, w), *runner.products["linear"][1:])
-    run_pass("probe", 3)
+    probe = Products(lambda x, w: seen.append(x.shape[0]) or F.linear(x, w), runner.layers, runner.lm_head)
+    run_pass(one_form_plan(Form("probe", probe), runner.plan.long), 3)
     assert seen == [3] * (4 * len(runner.layers) + 1)  # every product of the pass, the head included, in that form
-    assert runner.plan == ("linear",) * (SMALL_PASS_ROWS + 1)  # the plan is restored
+    assert runner.plan.forms == ("linear",) * (SMALL_PASS_ROWS + 1)  # the runner's own plan is untouched
     small = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=20, matmul="auto")  # no room for 32 rows: times what fits
-    assert set(small.matmul_timings_ms["linear"]) == {1, 2, 3, 4, 6, 9, 16}
+    assert set(small.plan.timings_ms["linear"]) == {1, 2, 3, 4, 6, 9, 16}
 
 
 def test_plan_keeps_linear_unless_another_form_clearly_wins_at_that_row_count():
@@ -203,9 +206,9 @@ def layer_kernels():
 def test_auto_follows_its_plan_and_drops_a_packed_copy_it_does_not_use(tiny_draft, tokenizer, monkeypatch, no_kernel):
     wins_from_3 = lambda forms, **_: {name: {n: (10.0 if name == "onednn" and n >= 3 else 20.0) for n in (1, 2, 3, 32)}
                                       for name in forms}
-    monkeypatch.setattr(lean_llama, "time_passes", wins_from_3)
+    monkeypatch.setattr(product_forms, "time_passes", wins_from_3)
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=512, matmul="auto")
-    assert runner.plan[1:3] == ("linear", "linear") and set(runner.plan[3:]) == {"onednn"}
+    assert runner.plan.forms[1:3] == ("linear", "linear") and set(runner.plan.forms[3:]) == {"onednn"}
     stock = CausalLMRunner(tiny_draft, len(tokenizer))
     ids = list(range(100, 160))
     chunks = [ids[:40], ids[40:41], ids[41:46]]  # long pass and step in linear, a 5-row pass in onednn
@@ -213,19 +216,19 @@ def test_auto_follows_its_plan_and_drops_a_packed_copy_it_does_not_use(tiny_draf
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
     never = lambda forms, **_: {name: {n: (30.0 if name == "onednn" else 20.0) for n in (1, SMALL_PASS_ROWS)}
                                 for name in forms}
-    monkeypatch.setattr(lean_llama, "time_passes", never)
+    monkeypatch.setattr(product_forms, "time_passes", never)
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=512, matmul="auto")
-    assert set(runner.plan) == {"linear"} and "onednn" not in runner.products
+    assert set(runner.plan.forms) == {"linear"} and "onednn" not in runner.plan.products
 
 
 def test_auto_leaves_out_the_packed_copy_when_memory_is_short(tiny_draft, tokenizer, monkeypatch, no_kernel):
     timed = []
-    monkeypatch.setattr(lean_llama, "time_passes", lambda forms, **_: timed.append(set(forms)) or
+    monkeypatch.setattr(product_forms, "time_passes", lambda forms, **_: timed.append(set(forms)) or
                         {name: {1: 20.0, SMALL_PASS_ROWS: 20.0} for name in forms})
-    monkeypatch.setattr(lean_llama, "memory_available", lambda: 10 ** 6)  # 1 MB: a copy of the weights would not fit
+    monkeypatch.setattr(product_forms, "memory_available", lambda: 10 ** 6)  # 1 MB: a copy of the weights would not fit
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="auto")
-    assert timed == [{"linear", "weights-first"}] and "onednn" not in runner.products
-    monkeypatch.setattr(lean_llama, "memory_available", lambda: 10 ** 12)
+    assert timed == [{"linear", "weights-first"}] and "onednn" not in runner.plan.products
+    monkeypatch.setattr(product_forms, "memory_available", lambda: 10 ** 12)
     LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="auto")
     assert timed[-1] == {"linear", "weights-first", "onednn"}
 
@@ -234,13 +237,13 @@ def test_auto_runs_every_pass_in_the_kernel_where_it_builds_and_times_nothing(ti
                                                                               monkeypatch, kernel):
     """Where specdec's kernel builds, every pass of any width runs in it: its rows are summed each on its own,
     which is what makes a session's logits independent of the batch (see test_batching.py)."""
-    monkeypatch.setattr(lean_llama, "time_passes", lambda *a, **k: pytest.fail("auto timed forms"))
+    monkeypatch.setattr(product_forms, "time_passes", lambda *a, **k: pytest.fail("auto timed forms"))
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="auto")
-    assert set(runner.plan) == {"fewrow"} and runner.long_pass == "fewrow" and runner.batch_invariant
-    assert set(runner.products) == {"fewrow"}
+    assert set(runner.plan.forms) == {"fewrow"} and runner.plan.long.name == "fewrow" and runner.batch_invariant
+    assert set(runner.plan.products) == {"fewrow"}
     model, gguf = tiny_gguf
     runner = LeanLlamaRunner(model, len(tokenizer), max_len=64, matmul="auto", gguf=gguf)
-    assert set(runner.plan) == {"gguf"} and runner.long_pass == "gguf" and runner.batch_invariant
+    assert set(runner.plan.forms) == {"gguf"} and runner.plan.long.name == "gguf" and runner.batch_invariant
     assert runner.describe().endswith("products: every pass gguf (gguf: the file's Q4_1 layers, Q8_0 head, 4 MB)")
     assert LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, quantize="int8").batch_invariant
     assert not LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="linear").batch_invariant
@@ -394,11 +397,13 @@ def test_the_layers_loop_in_cpp_gives_the_python_loops_logits_bit_for_bit(tiny_d
     model, gguf = tiny_gguf if form == "gguf" else (tiny_draft, None)
     kw = dict(quantize="int8") if form == "int8" else dict(matmul=form, gguf=gguf)
     runner = LeanLlamaRunner(model, len(tokenizer), max_len=1024, **kw)
-    assert form in runner.stacks
+    assert form in runner.plan.stacks
     ids = list(range(100, 400))
     chunks = [ids[:250], ids[250:251], ids[251:255], ids[255:264], ids[264:265], ids[200:203]]
     with_stack = steps(runner, chunks, crop_at=(5, 200))
-    runner.stacks = {}
+    no_stack = runner.plan.long._replace(stack=None)  # the same products, the layers' loop in Python
+    runner.plan = dataclasses.replace(runner.plan, by_rows=(no_stack,) * (SMALL_PASS_ROWS + 1), long=no_stack)
+    assert not runner.plan.stacks
     for a, b in zip(with_stack, steps(runner, chunks, crop_at=(5, 200))):
         assert torch.equal(a, b)
 

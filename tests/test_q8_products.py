@@ -101,7 +101,7 @@ def test_q4_1s_minimum_term_takes_the_blocks_integer_sum(kernels, isas):
     q = torch.zeros(n, k // 32 * 16, dtype=torch.uint8)
     scales = torch.tensor([1.0, 0.25]).repeat(n, k // 32)
     x = torch.randn(2, k)
-    qx, dx, sx = qb.quantize_reference(x)
+    _, dx, sx = qb.quantize_reference(x)
     want = (0.25 * (dx * sx.float())).sum(-1)
     for isa in isas:
         got = qb.pack_q4_1(q, scales).product(kernels, x, isa)

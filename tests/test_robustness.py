@@ -289,7 +289,7 @@ class EvictingTarget(_Recorder, TargetServicer):
 # probabilities the original (steps and catch-ups) gave to float rounding. The int8 draft as deployed does, in
 # specdec's kernel, which keeps x in float32; fbgemm's int8 product, the fallback where the kernels cannot be built,
 # quantizes each pass on its own range, so a rebuild moves q by ~1e-2 and may change which tokens a seed draws,
-# never their distribution (specdec/runners/lean_llama.py, int8_linear). There both stacks run a float draft.
+# never their distribution (specdec/runners/products.py, int8_linear). There both stacks run a float draft.
 def replaying_draft_cfg() -> dict:
     from specdec.runners.kernels import cpu_kernels
 

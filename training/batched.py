@@ -25,7 +25,7 @@ def _rms(r: LeanLlamaRunner, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _forward(r: LeanLlamaRunner, ids, pos, k_cache, v_cache, start: int, key_valid):
     """ids, pos: [B, n]; caches [L, B, kv, T, d]; key_valid [B, T]. Returns logits of the last position
-    [B, vocab], or [B, kept] for a draft that scores only its kept tokens (r.kept)."""
+    [B, vocab], or [B, scored] for a draft that scores only some tokens (r.scored_ids)."""
     return F.linear(_rms(r, _hidden(r, ids, pos, k_cache, v_cache, start, key_valid)[:, -1], r.norm), r.lm_head).float()
 
 
@@ -90,7 +90,7 @@ def generate(r: LeanLlamaRunner, prompts: list[list[int]], max_new: int, tempera
     rows = torch.arange(B)  # original index of each row still in the batch
     done = torch.zeros(B, dtype=torch.bool)
     eos = torch.tensor(sorted(eos_ids))
-    token_of = r.kept.to(dev) if r.kept is not None else None  # a draft's logits index its kept tokens
+    token_of = r.scored_ids.to(dev) if r.scored_ids is not None else None  # a draft's logits index its scored ids
     for t in range(max_new):
         if top_k_labels:
             top = torch.topk(torch.log_softmax(logits, dim=-1), top_k_labels, dim=-1)

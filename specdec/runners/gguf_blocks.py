@@ -159,11 +159,10 @@ def _check(blocks: tuple[np.ndarray, str], weight: torch.Tensor, name: str) -> N
 
 def read_llama_blocks(path: str, layers: list, head: torch.Tensor, n_heads: int, n_kv: int):
     """([(qkv, o, gate_up, down) per layer], head), each matrix as split_blocks gives it, from the GGUF file
-    at path; layers: the lean runner's (ln1, wqkv, wo, ln2, wgu, wd) float32 weights, head: its output
-    matrix. Raises BlocksUnavailable."""
+    at path; layers: the lean runner's float32 LayerWeights, head: its output matrix. Raises BlocksUnavailable."""
     tensors = read_tensors(path)
     out = []
-    for i, (_, wqkv, wo, _, wgu, wd) in enumerate(layers):
+    for i, layer in enumerate(layers):
         p = f"blk.{i}."
         q, k, v = (_tensor(tensors, p + f"attn_{x}.weight") for x in "qkv")
         q = (q[0][qk_row_order(q[0].shape[0], n_heads)], q[1])
@@ -171,7 +170,7 @@ def read_llama_blocks(path: str, layers: list, head: torch.Tensor, n_heads: int,
         fused = (_fuse([q, k, v], p + "attn_qkv"), _fuse([_tensor(tensors, p + "attn_output.weight")], p + "attn_output"),
                  _fuse([_tensor(tensors, p + f"ffn_{x}.weight") for x in ("gate", "up")], p + "ffn_gate_up"),
                  _fuse([_tensor(tensors, p + "ffn_down.weight")], p + "ffn_down"))
-        for blocks, weight, name in zip(fused, (wqkv, wo, wgu, wd), ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")):
+        for blocks, weight, name in zip(fused, layer.matrices, ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")):
             _check(blocks, weight, p + name)
         out.append(tuple(split_blocks(*blocks) for blocks in fused))
     name = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied embeddings: no output

@@ -7,7 +7,6 @@ import torch.nn.functional as F
 
 from specdec.runners.vocab import output_token_ids
 
-
 # A feed of at most this many tokens (a step, a verify) joins the padded batch; a longer one runs alone.
 PADDED_FEED = 32
 
@@ -24,13 +23,12 @@ class CausalLMRunner:
         self.vocab_size = vocab_size
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
-        kept = output_token_ids(model)
-        self.scored_ids = kept  # the tokens the model scores, ascending, on the CPU; None: all of them
-        self._kept = None if kept is None else kept.to(self.device)
+        self.scored_ids = output_token_ids(model)  # the tokens the model scores, ascending, on the CPU; None: all
+        self._scored_ids_on_device = None if self.scored_ids is None else self.scored_ids.to(self.device)
         self._outside = None
-        if kept is not None:  # a draft that scores only these tokens: everything else gets probability 0
+        if self.scored_ids is not None:  # a draft that scores only these tokens: everything else gets probability 0
             self._outside = torch.ones(vocab_size, dtype=torch.bool, device=self.device)
-            self._outside[self._kept] = False
+            self._outside[self._scored_ids_on_device] = False
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -95,11 +93,14 @@ class CausalLMRunner:
         batch = DynamicCache(config=self.model.config)
         if past:
             shape = next(c.layers[0].keys.shape for c, n in zip(caches, lens) if n)
+            def pad(c, n, layer, kind):  # a session's cached keys or values, left-padded to `past`
+                if not n:
+                    return torch.zeros(1, shape[1], past, shape[3], dtype=self.dtype, device=dev)
+                return F.pad(getattr(c.layers[layer], kind), (0, 0, past - n, 0))
+
             for layer in range(len(next(c for c, n in zip(caches, lens) if n).layers)):
-                pad = lambda c, n, kind: (F.pad(getattr(c.layers[layer], kind), (0, 0, past - n, 0)) if n else
-                                          torch.zeros(1, shape[1], past, shape[3], dtype=self.dtype, device=dev))
-                batch.update(torch.cat([pad(c, n, "keys") for c, n in zip(caches, lens)]),
-                             torch.cat([pad(c, n, "values") for c, n in zip(caches, lens)]), layer)
+                batch.update(torch.cat([pad(c, n, layer, "keys") for c, n in zip(caches, lens)]),
+                             torch.cat([pad(c, n, layer, "values") for c, n in zip(caches, lens)]), layer)
         first = min(n - k for n, k in zip(ns, num_logits))  # the first position any session needs logits at
         out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=positions.to(dev),
                          past_key_values=batch, use_cache=True, logits_to_keep=torch.arange(first, new, device=dev))
@@ -111,8 +112,8 @@ class CausalLMRunner:
                 for i, (n, k) in enumerate(zip(ns, num_logits))]
 
     def _columns(self, logits: torch.Tensor, scored_only: bool) -> torch.Tensor:
-        if scored_only and self._kept is not None:
-            return logits[:, self._kept]
+        if scored_only and self._scored_ids_on_device is not None:
+            return logits[:, self._scored_ids_on_device]
         if self._outside is not None:
             logits.masked_fill_(self._outside, float("-inf"))
         return logits

@@ -35,7 +35,7 @@ def _cpu_signature() -> str:
     """The CPU's model and instruction-set flags: -march=native code is valid for these only."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return "|".join(next(l for l in lines if l.startswith(key)) for key in ("model name", "flags"))
+        return "|".join(next(line for line in lines if line.startswith(key)) for key in ("model name", "flags"))
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
 
