@@ -34,8 +34,10 @@ PROMPTS = [
 def per_round(before: dict, after: dict) -> dict:
     d = delta(before, after)
     rounds = value(d, "specdec_wire_bytes_per_round_count") or 1.0
-    res = {"wire_bytes_per_round_mean": value(d, "specdec_wire_bytes_per_round_sum") / rounds,
-           "rpcs_per_round_mean": value(d, "specdec_rpcs_per_round_sum") / rounds}
+    res = {
+        "wire_bytes_per_round_mean": value(d, "specdec_wire_bytes_per_round_sum") / rounds,
+        "rpcs_per_round_mean": value(d, "specdec_rpcs_per_round_sum") / rounds,
+    }
     decoding = value(d, "specdec_round_phase_seconds_count", phase="verify") or 1.0  # rounds that prefilled are apart
     for phase in ("draft", "verify", "accept", "rpc"):
         res[f"{phase}_ms_per_round_mean"] = 1000 * value(d, "specdec_round_phase_seconds_sum", phase=phase) / decoding
@@ -51,8 +53,11 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--metrics-url", default="http://localhost:8001/metrics",
-                    help="the orchestrator's metrics, scraped for bytes, RPCs and phase times per round ('' skips)")
+    ap.add_argument(
+        "--metrics-url",
+        default="http://localhost:8001/metrics",
+        help="the orchestrator's metrics, scraped for bytes, RPCs and phase times per round ('' skips)",
+    )
     args = ap.parse_args()
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(args.address))
     run = lambda prompt, k: generate(stub, prompt, k, args.temperature, args.top_p, args.seed, args.max_tokens)
@@ -67,14 +72,23 @@ def main() -> None:
                 r = run(prompt, k)
                 rate[k] = r["tokens"] / r["seconds"]
                 if k:
-                    acc, drafted, rejected = acc + r["accepted"], drafted + r["drafted"], rejected + r["rejected_rounds"]
+                    acc, drafted, rejected = (
+                        acc + r["accepted"],
+                        drafted + r["drafted"],
+                        rejected + r["rejected_rounds"],
+                    )
                     rounds, emitted = rounds + r["rounds"], emitted + r["emitted"]
             ratios.append(rate[args.k] / rate[0])
     wire = per_round(before, scrape(args.metrics_url)) if before is not None else {}  # K = 0 rounds included
     q = statistics.quantiles(ratios, n=4)
     report = {
-        "k": args.k, "temperature": args.temperature, "top_p": args.top_p, "pairs": len(ratios),
-        "speedup_median": statistics.median(ratios), "speedup_p25": q[0], "speedup_p75": q[2],
+        "k": args.k,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "pairs": len(ratios),
+        "speedup_median": statistics.median(ratios),
+        "speedup_p25": q[0],
+        "speedup_p75": q[2],
         "acceptance_rate": acc / drafted if drafted else 0.0,
         "alpha": leviathan_alpha(acc, rejected),
         "tokens_per_round": emitted / rounds if rounds else 0.0,

@@ -74,8 +74,15 @@ def main(argv: list[str] | None = None) -> dict:
             proc.terminate()
         for proc in procs:
             proc.wait(60)
-    report = {"machine": machine(), "dtype": args.dtype, "forward": forward, "prompts": len(prompts),
-              "tokens": args.tokens, "concurrency": args.concurrency, **report}
+    report = {
+        "machine": machine(),
+        "dtype": args.dtype,
+        "forward": forward,
+        "prompts": len(prompts),
+        "tokens": args.tokens,
+        "concurrency": args.concurrency,
+        **report,
+    }
     (out / "exactness.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
     return report

@@ -70,10 +70,16 @@ def run_summary(requests: list[dict], wall_s: float) -> dict:
     tokens = sum(r["tokens"] for r in requests)
     gaps = [g for r in requests for g in r["gaps"]]
     ttfts = [r["ttft"] for r in requests if r["ttft"] is not None]
-    return {"aggregate_tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0, "tokens": tokens, "wall_s": wall_s,
-            "request_tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in requests),
-            "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
-            "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99)}
+    return {
+        "aggregate_tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "tokens": tokens,
+        "wall_s": wall_s,
+        "request_tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in requests),
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
+        "itl_p50": percentile(gaps, 50),
+        "itl_p99": percentile(gaps, 99),
+    }
 
 
 def run_jobs(send, jobs: list, workers: int) -> tuple[list[dict], float]:
@@ -132,9 +138,25 @@ class LlamaServer:
 
         self.port = free_ports(1)[0]
         self.proc = subprocess.Popen(
-            [binary, "-m", gguf, "-t", str(threads), "-np", str(slots), "-c", str(context), "--port", str(self.port),
-             "--host", "127.0.0.1", "--no-webui"], stdout=open(log_path, "w"),  # noqa: SIM115 - the server writes to it while it runs
-            stderr=subprocess.STDOUT)
+            [
+                binary,
+                "-m",
+                gguf,
+                "-t",
+                str(threads),
+                "-np",
+                str(slots),
+                "-c",
+                str(context),
+                "--port",
+                str(self.port),
+                "--host",
+                "127.0.0.1",
+                "--no-webui",
+            ],
+            stdout=open(log_path, "w"),  # noqa: SIM115 - the server writes to it while it runs
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 300
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -152,9 +174,19 @@ class LlamaServer:
 
     def sender(self, max_tokens: int):
         """send(token ids) for run_jobs: a streamed /completion of the same prompt tokens, greedy."""
+
         def send(ids: list[int]) -> dict:
-            body = json.dumps({"prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
-                               "stream": True, "cache_prompt": True, "return_tokens": True})
+            body = json.dumps(
+                {
+                    "prompt": ids,
+                    "n_predict": max_tokens,
+                    "temperature": 0.0,
+                    "top_k": 1,
+                    "stream": True,
+                    "cache_prompt": True,
+                    "return_tokens": True,
+                }
+            )
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=900)
             start, messages, out = time.perf_counter(), [], []
             conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
@@ -182,8 +214,11 @@ class LlamaServer:
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                              return_dict=True)["input_ids"])
+    return list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+    )
 
 
 def run_load(arms: dict, prompts: list[str], concurrency: list[int], reps: int, progress=print) -> dict:
@@ -202,12 +237,15 @@ def run_load(arms: dict, prompts: list[str], concurrency: list[int], reps: int, 
                 if n == min(concurrency):
                     for p, r in zip(jobs, results):
                         alone[name].setdefault(p, r["ids"])
-                summary["differ_from_alone"] = sum(r["ids"] != alone[name].get(p, r["ids"])
-                                                   for p, r in zip(jobs, results))
+                summary["differ_from_alone"] = sum(
+                    r["ids"] != alone[name].get(p, r["ids"]) for p, r in zip(jobs, results)
+                )
                 runs[name].append(summary)
-                progress(f"  N = {n:2d} {name:>12}: {summary['aggregate_tokens_per_s']:7.1f} tokens/s aggregate, "
-                         f"ITL p50 {1e3 * (summary['itl_p50'] or 0):.1f} ms, p99 {1e3 * (summary['itl_p99'] or 0):.1f} ms, "
-                         f"{summary['differ_from_alone']} of {len(jobs)} outputs differ from alone")
+                progress(
+                    f"  N = {n:2d} {name:>12}: {summary['aggregate_tokens_per_s']:7.1f} tokens/s aggregate, "
+                    f"ITL p50 {1e3 * (summary['itl_p50'] or 0):.1f} ms, p99 {1e3 * (summary['itl_p99'] or 0):.1f} ms, "
+                    f"{summary['differ_from_alone']} of {len(jobs)} outputs differ from alone"
+                )
         for name in arms:
             out[name][n] = summarize(runs[name])
             out[name][n]["requests"] = len(jobs) * reps
@@ -240,19 +278,27 @@ def main(args, progress=print) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     concurrency = sorted({int(c) for c in args.concurrency.split(",")})
     prompts = [p["prompt"] for p in load_prompts(args.load_prompts)]
-    procs, address, _, (auto_address, _), forward = start_services(args.draft_model, args.target_model,
-                                                                   out_dir / "services.log")
+    procs, address, _, (auto_address, _), forward = start_services(
+        args.draft_model, args.target_model, out_dir / "services.log"
+    )
     peer = None
     try:
-        arms = {"0": (grpc_sender(address, 0, args.load_tokens), lambda p: p),
-                "auto": (grpc_sender(auto_address, None, args.load_tokens), lambda p: p)}
+        arms = {
+            "0": (grpc_sender(address, 0, args.load_tokens), lambda p: p),
+            "auto": (grpc_sender(auto_address, None, args.load_tokens), lambda p: p),
+        }
         if args.llama_server:
             gguf = models.gguf_file(args.target_model)
             if gguf is None:
                 raise SystemExit("--llama-server needs an embedded target: it serves the same GGUF file")
             tokenizer = models.load_tokenizer(args.target_model)
-            peer = LlamaServer(args.llama_server, gguf, slots=max(concurrency), threads=os.cpu_count() or 1,
-                               log_path=out_dir / "llama-server.log")
+            peer = LlamaServer(
+                args.llama_server,
+                gguf,
+                slots=max(concurrency),
+                threads=os.cpu_count() or 1,
+                log_path=out_dir / "llama-server.log",
+            )
             ids = {p: chat_ids(tokenizer, p) for p in prompts}
             arms[PEER] = (peer.sender(args.load_tokens), lambda p: ids[p])
         for send, job in arms.values():  # warm-up: the first run is not a cold start
@@ -265,8 +311,15 @@ def main(args, progress=print) -> dict:
             p.terminate()
         for p in procs:
             p.wait(60)
-    report = {"machine": machine(), "forward": forward, "concurrency": concurrency, "prompts": len(prompts),
-              "max_tokens": args.load_tokens, "reps": args.reps, "arms": results}
+    report = {
+        "machine": machine(),
+        "forward": forward,
+        "concurrency": concurrency,
+        "prompts": len(prompts),
+        "max_tokens": args.load_tokens,
+        "reps": args.reps,
+        "arms": results,
+    }
     (out_dir / "load.json").write_text(json.dumps(report, indent=1))
     (out_dir / "load.md").write_text(markdown(report))
     plot(report, out_dir / "load.png")
@@ -279,28 +332,41 @@ def _ms(x) -> str:
 
 def markdown(report: dict) -> str:
     m = report["machine"]
-    lines = [f"# specdec bench --concurrency: {m['cpu']} ({m['cores']} cores), {m['date']}", "",
-             f"{report['prompts']} chat prompts, greedy, up to {report['max_tokens']} tokens each, N requests at a "
-             f"time; {report['reps']} runs per N and arm, median [min, max] over the runs.", "",
-             "| arm | N | aggregate tokens/s | over N = 1 | per request tokens/s | TTFT p50 / p99 ms | "
-             "ITL p50 / p99 ms | outputs that differ from alone |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# specdec bench --concurrency: {m['cpu']} ({m['cores']} cores), {m['date']}",
+        "",
+        f"{report['prompts']} chat prompts, greedy, up to {report['max_tokens']} tokens each, N requests at a "
+        f"time; {report['reps']} runs per N and arm, median [min, max] over the runs.",
+        "",
+        "| arm | N | aggregate tokens/s | over N = 1 | per request tokens/s | TTFT p50 / p99 ms | "
+        "ITL p50 / p99 ms | outputs that differ from alone |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, by_n in report["arms"].items():
         for n in report["concurrency"]:
             r = by_n[n]
             agg, sc = r["aggregate_tokens_per_s"], r.get("scaling")
-            lines.append(f"| {name} | {n} | {agg['median']:.1f} [{agg['min']:.1f}, {agg['max']:.1f}] | "
-                         + (f"{sc['median']:.2f}x [{sc['min']:.2f}, {sc['max']:.2f}]" if sc else "") + " | "
-                         f"{r['request_tokens_per_s']['median']:.1f} | {_ms(r.get('ttft_p50'))} / {_ms(r.get('ttft_p99'))} | "
-                         f"{_ms(r.get('itl_p50'))} / {_ms(r.get('itl_p99'))} | {r['differ_from_alone']} of "
-                         f"{r['requests']} |")
+            lines.append(
+                f"| {name} | {n} | {agg['median']:.1f} [{agg['min']:.1f}, {agg['max']:.1f}] | "
+                + (f"{sc['median']:.2f}x [{sc['min']:.2f}, {sc['max']:.2f}]" if sc else "")
+                + " | "
+                f"{r['request_tokens_per_s']['median']:.1f} | {_ms(r.get('ttft_p50'))} / {_ms(r.get('ttft_p99'))} | "
+                f"{_ms(r.get('itl_p50'))} / {_ms(r.get('itl_p99'))} | {r['differ_from_alone']} of "
+                f"{r['requests']} |"
+            )
     if PEER in report["arms"]:
         lines += ["", "specdec over llama-server, aggregate tokens/s, same N:", ""]
         for name in report["arms"]:
             if name == PEER:
                 continue
-            ratios = [report["arms"][name][n]["aggregate_tokens_per_s"]["median"]
-                      / report["arms"][PEER][n]["aggregate_tokens_per_s"]["median"] for n in report["concurrency"]]
-            lines.append(f"- K = {name}: " + ", ".join(f"N = {n}: {r:.2f}x" for n, r in zip(report["concurrency"], ratios)))
+            ratios = [
+                report["arms"][name][n]["aggregate_tokens_per_s"]["median"]
+                / report["arms"][PEER][n]["aggregate_tokens_per_s"]["median"]
+                for n in report["concurrency"]
+            ]
+            lines.append(
+                f"- K = {name}: " + ", ".join(f"N = {n}: {r:.2f}x" for n, r in zip(report["concurrency"], ratios))
+            )
     lines += ["", "Forward passes: " + "; ".join(f"{k}: {v}" for k, v in report["forward"].items())]
     return "\n".join(lines) + "\n"
 
@@ -316,8 +382,13 @@ def plot(report: dict, path: Path) -> None:
         ns = report["concurrency"]
         agg = [by_n[n]["aggregate_tokens_per_s"] for n in ns]
         label = name if name == PEER else f"specdec, K = {name}"
-        ax.errorbar(ns, [a["median"] for a in agg], yerr=[[a["median"] - a["min"] for a in agg],
-                                                          [a["max"] - a["median"] for a in agg]], marker="o", label=label)
+        ax.errorbar(
+            ns,
+            [a["median"] for a in agg],
+            yerr=[[a["median"] - a["min"] for a in agg], [a["max"] - a["median"] for a in agg]],
+            marker="o",
+            label=label,
+        )
         ax2.plot(ns, [1e3 * by_n[n]["itl_p99"]["median"] for n in ns], marker="o", label=label)
     ax.set(xlabel="concurrent requests", ylabel="aggregate tokens/s", title="Throughput under load")
     ax2.set(xlabel="concurrent requests", ylabel="ms", title="Inter-token latency, p99")

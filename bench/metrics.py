@@ -12,8 +12,12 @@ def scrape(url: str, job: str | None = None) -> dict:
     labels, as Prometheus labels each target's samples, so that several servers' samples fit one dict."""
     text = urllib.request.urlopen(url, timeout=5).read().decode()
     extra = {"job": job} if job else {}
-    return {(s.name, tuple(sorted({**s.labels, **extra}.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples if s.name.startswith("specdec_")}
+    return {
+        (s.name, tuple(sorted({**s.labels, **extra}.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("specdec_")
+    }
 
 
 def scrape_all(urls: dict) -> dict:

@@ -33,16 +33,44 @@ import torch
 
 from bench.metrics import expected_tokens_per_round, leviathan_bound
 
-_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "high_freq_factor": 4.0,
-         "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
-_COMMON = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
-               hidden_act="silu", rope_parameters=_ROPE, bos_token_id=128000, eos_token_id=128009)
+_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 32.0,
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192,
+}
+_COMMON = dict(
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    rope_parameters=_ROPE,
+    bos_token_id=128000,
+    eos_token_id=128009,
+)
 # the published config.json of meta-llama/Llama-3.2-{1B,3B}-Instruct
 CONFIGS = {
-    "Llama-3.2-1B": dict(_COMMON, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=64),
-    "Llama-3.2-3B": dict(_COMMON, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-                         num_attention_heads=24, num_key_value_heads=8, head_dim=128),
+    "Llama-3.2-1B": dict(
+        _COMMON,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+    ),
+    "Llama-3.2-3B": dict(
+        _COMMON,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
 }
 PUBLISHED_ALPHAS = (0.6, 0.7, 0.8, 0.9)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -134,26 +162,48 @@ def summarize(timings: dict, overhead_ms: float, max_k: int) -> dict:
     c = draft_ms / verify_ms[0]
     projection = {}
     for alpha in PUBLISHED_ALPHAS:
-        rows = {k: {"projected": projected_speedup(alpha, k, draft_ms, verify_ms, overhead_ms),
-                    "leviathan_bound": leviathan_bound(alpha, k, c)} for k in range(1, max_k + 1)}
+        rows = {
+            k: {
+                "projected": projected_speedup(alpha, k, draft_ms, verify_ms, overhead_ms),
+                "leviathan_bound": leviathan_bound(alpha, k, c),
+            }
+            for k in range(1, max_k + 1)
+        }
         best = max(rows, key=lambda k: rows[k]["projected"])
-        projection[str(alpha)] = {"per_k": {str(k): v for k, v in rows.items()}, "best_k": best,
-                                  "best_projected": rows[best]["projected"]}
-    return dict(draft_step_ms=draft_ms, target_step_ms=verify_ms[0], c=c,
-                verify_ms={str(k): v for k, v in verify_ms.items()},
-                verify_over_step={str(k): v / verify_ms[0] for k, v in verify_ms.items()}, projection=projection)
+        projection[str(alpha)] = {
+            "per_k": {str(k): v for k, v in rows.items()},
+            "best_k": best,
+            "best_projected": rows[best]["projected"],
+        }
+    return dict(
+        draft_step_ms=draft_ms,
+        target_step_ms=verify_ms[0],
+        c=c,
+        verify_ms={str(k): v for k, v in verify_ms.items()},
+        verify_over_step={str(k): v / verify_ms[0] for k, v in verify_ms.items()},
+        projection=projection,
+    )
 
 
-def profile(device: str, dtype: str, context: int, reps: int, overhead_ms: float, max_k: int = 8,
-            shrink_by: int = 1) -> dict:
+def profile(
+    device: str, dtype: str, context: int, reps: int, overhead_ms: float, max_k: int = 8, shrink_by: int = 1
+) -> dict:
     from specdec.runners import make_runner
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     cfgs = {name: (shrink(cfg, shrink_by) if shrink_by > 1 else cfg) for name, cfg in CONFIGS.items()}
-    result = {"device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu", "dtype": dtype,
-              "context": context, "reps": reps, "overhead_ms": overhead_ms, "shrunk_by": shrink_by,
-              "models": {name: {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size")}
-                         for name, cfg in cfgs.items()}}
+    result = {
+        "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
+        "dtype": dtype,
+        "context": context,
+        "reps": reps,
+        "overhead_ms": overhead_ms,
+        "shrunk_by": shrink_by,
+        "models": {
+            name: {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size")}
+            for name, cfg in cfgs.items()
+        },
+    }
     timings, graphs = {}, {}
     for role, name in (("draft", "Llama-3.2-1B"), ("target", "Llama-3.2-3B")):
         model = build(cfgs[name], DTYPES[dtype], device)
@@ -178,14 +228,20 @@ def profile(device: str, dtype: str, context: int, reps: int, overhead_ms: float
 
 def _section(r: dict, overhead_ms: float) -> list[str]:
     ks = list(r["verify_ms"])
-    lines = [f"Draft step {r['draft_step_ms']:.2f} ms, target step {r['target_step_ms']:.2f} ms: **c = {r['c']:.3f}**.", "",
-             "| K (tokens in the verify pass) | " + " | ".join(f"{k} ({int(k) + 1})" for k in ks) + " |",
-             "|---|" + "---|" * len(ks),
-             "| verify ms | " + " | ".join(f"{r['verify_ms'][k]:.2f}" for k in ks) + " |",
-             "| verify / one step | " + " | ".join(f"{r['verify_over_step'][k]:.2f}" for k in ks) + " |", "",
-             f"**Projected** speedup (not measured): measured costs, {overhead_ms} ms of RPC overhead per round, "
-             "and published acceptance rates; Leviathan's bound in brackets.", "",
-             "| alpha | " + " | ".join(f"K = {k}" for k in ks[1:]) + " | best |", "|---|" + "---|" * len(ks)]
+    lines = [
+        f"Draft step {r['draft_step_ms']:.2f} ms, target step {r['target_step_ms']:.2f} ms: **c = {r['c']:.3f}**.",
+        "",
+        "| K (tokens in the verify pass) | " + " | ".join(f"{k} ({int(k) + 1})" for k in ks) + " |",
+        "|---|" + "---|" * len(ks),
+        "| verify ms | " + " | ".join(f"{r['verify_ms'][k]:.2f}" for k in ks) + " |",
+        "| verify / one step | " + " | ".join(f"{r['verify_over_step'][k]:.2f}" for k in ks) + " |",
+        "",
+        f"**Projected** speedup (not measured): measured costs, {overhead_ms} ms of RPC overhead per round, "
+        "and published acceptance rates; Leviathan's bound in brackets.",
+        "",
+        "| alpha | " + " | ".join(f"K = {k}" for k in ks[1:]) + " | best |",
+        "|---|" + "---|" * len(ks),
+    ]
     for alpha, p in r["projection"].items():
         cells = [f"{v['projected']:.2f}x [{v['leviathan_bound']:.2f}]" for v in p["per_k"].values()]
         lines.append(f"| {alpha} | " + " | ".join(cells) + f" | {p['best_projected']:.2f}x (K = {p['best_k']}) |")
@@ -193,11 +249,16 @@ def _section(r: dict, overhead_ms: float) -> list[str]:
 
 
 def markdown(r: dict) -> str:
-    lines = [f"# specdec production-size profile ({time.strftime('%Y-%m-%d')})", "",
-             "Llama-3.2-1B drafting for Llama-3.2-3B, built from their published configurations with random weights"
-             + (f" shrunk {r['shrunk_by']}x (a smoke check, not production sizes)" if r["shrunk_by"] > 1 else "")
-             + f"; {r['dtype']} on {r['device']}; lean forward; context {r['context']} tokens; medians of {r['reps']}.", "",
-             "## Eager (how specdec's model servers run today: one Python call per kernel)", ""]
+    lines = [
+        f"# specdec production-size profile ({time.strftime('%Y-%m-%d')})",
+        "",
+        "Llama-3.2-1B drafting for Llama-3.2-3B, built from their published configurations with random weights"
+        + (f" shrunk {r['shrunk_by']}x (a smoke check, not production sizes)" if r["shrunk_by"] > 1 else "")
+        + f"; {r['dtype']} on {r['device']}; lean forward; context {r['context']} tokens; medians of {r['reps']}.",
+        "",
+        "## Eager (how specdec's model servers run today: one Python call per kernel)",
+        "",
+    ]
     lines += _section(r, r["overhead_ms"])
     if "graphs" in r:
         lines += ["", "## Each pass replayed as a CUDA graph (how vLLM and TGI run decode steps)", ""]
@@ -208,15 +269,20 @@ def markdown(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="specdec bench --production", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="specdec bench --production", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     ap.add_argument("--context", type=int, default=512, help="tokens already in the cache when timing")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--max-k", type=int, default=8)
-    ap.add_argument("--overhead-ms", type=float, default=2.5,
-                    help="orchestration + RPC per round (default: the CPU bench's median, loopback)")
+    ap.add_argument(
+        "--overhead-ms",
+        type=float,
+        default=2.5,
+        help="orchestration + RPC per round (default: the CPU bench's median, loopback)",
+    )
     ap.add_argument("--shrink", type=int, default=1, help="divide every width by this (a smoke check)")
     ap.add_argument("--out", default=None, help="results folder (default results/production-DATE)")
     args = ap.parse_args(argv)

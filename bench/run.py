@@ -51,11 +51,26 @@ from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 TEMPERATURES = ((0.0, 1.0), (0.7, 0.9))
 
 
-def generate(stub, prompt: str, k: int | None, temperature: float, top_p: float, seed: int, max_tokens: int,
-             draft_confidence: float = 0.0, lookup_min: int = 0) -> dict:
+def generate(
+    stub,
+    prompt: str,
+    k: int | None,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    max_tokens: int,
+    draft_confidence: float = 0.0,
+    lookup_min: int = 0,
+) -> dict:
     """k None leaves num_speculative_tokens unset: the orchestrator's default, or its adaptive choice."""
-    req = pb.GenerateRequest(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             draft_confidence_threshold=draft_confidence, prompt_lookup_min=lookup_min)
+    req = pb.GenerateRequest(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        draft_confidence_threshold=draft_confidence,
+        prompt_lookup_min=lookup_min,
+    )
     if k is not None:
         req.num_speculative_tokens = k
     req.messages.add(role="user", content=prompt)
@@ -67,12 +82,19 @@ def generate(stub, prompt: str, k: int | None, temperature: float, top_p: float,
         if msg.HasField("stats"):
             stats = msg.stats
     seconds = time.perf_counter() - t
-    return {"tokens": stats.completion_tokens, "seconds": seconds,
-            "decode_tokens_per_s": decode_rate(stats.completion_tokens, seconds, first_tokens, first_s),
-            "accepted": stats.accepted_tokens,
-            "drafted": stats.draft_tokens, "rejected_rounds": stats.rejected_rounds, "rounds": stats.rounds,
-            "emitted": stats.mean_tokens_per_round * stats.rounds, "ttft": stats.time_to_first_token_seconds,
-            "lookup_tokens": stats.lookup_tokens, "lookup_accepted": stats.lookup_accepted_tokens}
+    return {
+        "tokens": stats.completion_tokens,
+        "seconds": seconds,
+        "decode_tokens_per_s": decode_rate(stats.completion_tokens, seconds, first_tokens, first_s),
+        "accepted": stats.accepted_tokens,
+        "drafted": stats.draft_tokens,
+        "rejected_rounds": stats.rejected_rounds,
+        "rounds": stats.rounds,
+        "emitted": stats.mean_tokens_per_round * stats.rounds,
+        "ttft": stats.time_to_first_token_seconds,
+        "lookup_tokens": stats.lookup_tokens,
+        "lookup_accepted": stats.lookup_accepted_tokens,
+    }
 
 
 def decode_rate(tokens: int, seconds: float, first_tokens: int, first_s: float | None) -> float | None:
@@ -104,7 +126,8 @@ def run_services(args, prompts, arms, progress) -> dict:
     """arms: (K, prompt_lookup_min) pairs besides K = 0."""
     out_dir = Path(args.out)
     procs, address, metrics_urls, (auto_address, auto_urls), forward = start_services(
-        args.draft_model, args.target_model, out_dir / "services.log")
+        args.draft_model, args.target_model, out_dir / "services.log"
+    )
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
     auto_stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(auto_address))
     results = {}
@@ -126,9 +149,17 @@ def run_services(args, prompts, arms, progress) -> dict:
                         name = arm_name(k, lookup_min)
                         urls = auto_urls if k is None else metrics_urls
                         before = scrape_all(urls)
-                        r = generate(auto_stub if k is None else stub, p["prompt"], k, temperature, top_p,
-                                     seed=1000 * rep + i, max_tokens=args.max_tokens,
-                                     draft_confidence=args.draft_confidence, lookup_min=lookup_min)
+                        r = generate(
+                            auto_stub if k is None else stub,
+                            p["prompt"],
+                            k,
+                            temperature,
+                            top_p,
+                            seed=1000 * rep + i,
+                            max_tokens=args.max_tokens,
+                            draft_confidence=args.draft_confidence,
+                            lookup_min=lookup_min,
+                        )
                         d = delta(before, scrape_all(urls))
                         for key, v in d.items():
                             metric[name][key] = metric[name].get(key, 0.0) + v
@@ -178,17 +209,21 @@ def summarize(runs, metric, speedups, decode_speedups, temperature, top_p) -> di
         draft_step_s = mean_step_s(m, "draft")
         c = draft_step_s / target_step_s if target_step_s else 0.0
         row = {
-            "k": k, "lookup": lookup,
+            "k": k,
+            "lookup": lookup,
             "tokens_per_s": quartiles([r["tokens"] / r["seconds"] for r in rs]),
             "decode_tokens_per_s": quartiles([r["decode_tokens_per_s"] for r in rs if r["decode_tokens_per_s"]]),
             "latency_s": quartiles([r["seconds"] for r in rs]),
             "ttft_s": quartiles([r["ttft"] for r in rs]),
-            "alpha": alpha, "accepted_over_drafted": acc / drafted if drafted else 0.0,
+            "alpha": alpha,
+            "accepted_over_drafted": acc / drafted if drafted else 0.0,
             "tokens_per_round": sum(r["emitted"] for r in rs) / max(sum(r["rounds"] for r in rs), 1),
             "c": c,
             "draft_step_ms": 1000 * draft_step_s,
-            "round_ms": {ph: 1000 * value(m, "specdec_round_phase_seconds_sum", phase=ph) / decoding_rounds
-                         for ph in ("draft", "verify", "accept", "rpc")},
+            "round_ms": {
+                ph: 1000 * value(m, "specdec_round_phase_seconds_sum", phase=ph) / decoding_rounds
+                for ph in ("draft", "verify", "accept", "rpc")
+            },
             "wire_bytes_per_round_mean": value(m, "specdec_wire_bytes_per_round_sum") / rounds,
             "wire_bytes_per_round_median_at_most": histogram_median(m, "specdec_wire_bytes_per_round"),
             "rpcs_per_round_mean": value(m, "specdec_rpcs_per_round_sum") / rounds,
@@ -215,8 +250,14 @@ def summarize(runs, metric, speedups, decode_speedups, temperature, top_p) -> di
     fixed = lambda row: row["k"] and not row["lookup"] and not row.get("adaptive")
     best = max((n for n, row in per_k.items() if fixed(row)), key=speed, default=None)
     best_lookup = max((n for n, row in per_k.items() if row["lookup"]), key=speed, default=None)
-    return {"temperature": temperature, "top_p": top_p, "per_k": per_k,
-            "best_k": int(best) if best else None, "best_lookup": best_lookup, "target_step_ms": 1000 * target_step_s}
+    return {
+        "temperature": temperature,
+        "top_p": top_p,
+        "per_k": per_k,
+        "best_k": int(best) if best else None,
+        "best_lookup": best_lookup,
+        "target_step_ms": 1000 * target_step_s,
+    }
 
 
 class _FirstChunk:
@@ -246,12 +287,18 @@ def run_peer(args, prompts, progress) -> dict:
     for temperature, top_p in TEMPERATURES:
         ratios, decode_ratios, rates = [], [], {"plain": [], "assisted": []}
         for i, p in enumerate(prompts):
-            ids = tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True)["input_ids"]
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": p["prompt"]}],
+                add_generation_prompt=True,
+                return_tensors="pt",
+                return_dict=True,
+            )["input_ids"]
             kw = dict(max_new_tokens=args.max_tokens, pad_token_id=tok.eos_token_id)
-            kw.update(do_sample=True, temperature=temperature, top_p=top_p) if temperature else kw.update(do_sample=False)
+            kw.update(do_sample=True, temperature=temperature, top_p=top_p) if temperature else kw.update(
+                do_sample=False
+            )
             rate, decode = {}, {}
-            for mode in (("plain", "assisted") if i % 2 == 0 else ("assisted", "plain")):
+            for mode in ("plain", "assisted") if i % 2 == 0 else ("assisted", "plain"):
                 torch.manual_seed(i)
                 first = _FirstChunk()
                 t = time.perf_counter()
@@ -264,9 +311,12 @@ def run_peer(args, prompts, progress) -> dict:
             ratios.append(rate["assisted"] / rate["plain"])
             if decode["assisted"] and decode["plain"]:
                 decode_ratios.append(decode["assisted"] / decode["plain"])
-        out[f"T={temperature}"] = {"speedup": quartiles(ratios), "decode_speedup": quartiles(decode_ratios),
-                                   "plain_tokens_per_s": quartiles(rates["plain"]),
-                                   "assisted_tokens_per_s": quartiles(rates["assisted"])}
+        out[f"T={temperature}"] = {
+            "speedup": quartiles(ratios),
+            "decode_speedup": quartiles(decode_ratios),
+            "plain_tokens_per_s": quartiles(rates["plain"]),
+            "assisted_tokens_per_s": quartiles(rates["assisted"]),
+        }
     return out
 
 
@@ -276,33 +326,60 @@ def main(argv=None) -> int:
         from bench.production import main as production_main
 
         return production_main([a for a in argv if a != "--production"])
-    ap = argparse.ArgumentParser(prog="specdec bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a smoke check under 5 minutes: 6 prompts, K in {2, 4}, one repetition")
+    ap = argparse.ArgumentParser(
+        prog="specdec bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="a smoke check under 5 minutes: 6 prompts, K in {2, 4}, one repetition"
+    )
     ap.add_argument("--out", default=None, help="results folder (default results/bench-DATE)")
     ap.add_argument("--draft-model", default=os.environ.get("SPECDEC_DRAFT_MODEL", DEFAULT_DRAFT))
     ap.add_argument("--target-model", default=os.environ.get("SPECDEC_TARGET_MODEL", models.DEFAULT_TARGET))
-    ap.add_argument("--prompts", type=int, default=None, help="prompts, round-robin over the families (default 42; --quick 6)")
+    ap.add_argument(
+        "--prompts", type=int, default=None, help="prompts, round-robin over the families (default 42; --quick 6)"
+    )
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per generation (default 40)")
     ap.add_argument("--ks", default=None, help="comma-separated K values (default 1..8)")
-    ap.add_argument("--lookup-ks", default=None,
-                    help="comma-separated K values also run with prompt lookup, as arms K+lookup (default 2,3,4; "
-                         "--quick 3; '' for none)")
-    ap.add_argument("--prompt-lookup-min", type=int, default=2,
-                    help="prompt_lookup_min of the K+lookup arms: the shortest repeat they copy from (default 2)")
+    ap.add_argument(
+        "--lookup-ks",
+        default=None,
+        help="comma-separated K values also run with prompt lookup, as arms K+lookup (default 2,3,4; "
+        "--quick 3; '' for none)",
+    )
+    ap.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=2,
+        help="prompt_lookup_min of the K+lookup arms: the shortest repeat they copy from (default 2)",
+    )
     ap.add_argument("--no-peer", action="store_true", help="skip the transformers assisted-generation peer")
-    ap.add_argument("--no-auto", action="store_true",
-                    help="skip the arm 'auto', whose K a second orchestrator with adaptive speculation chooses")
-    ap.add_argument("--draft-confidence", type=float, default=0.0,
-                    help="draft_confidence_threshold of every request: rounds stop drafting early below it (default 0: always K)")
+    ap.add_argument(
+        "--no-auto",
+        action="store_true",
+        help="skip the arm 'auto', whose K a second orchestrator with adaptive speculation chooses",
+    )
+    ap.add_argument(
+        "--draft-confidence",
+        type=float,
+        default=0.0,
+        help="draft_confidence_threshold of every request: rounds stop drafting early below it (default 0: always K)",
+    )
     load = ap.add_argument_group("load (bench/load.py): throughput and latency with N requests at a time")
-    load.add_argument("--concurrency", default=None,
-                      help="comma-separated N, e.g. 1,4,8,16: run the load benchmark instead of the speedup one")
-    load.add_argument("--load-prompts", type=int, default=8, help="chat prompts, round-robin over the families (default 8)")
+    load.add_argument(
+        "--concurrency",
+        default=None,
+        help="comma-separated N, e.g. 1,4,8,16: run the load benchmark instead of the speedup one",
+    )
+    load.add_argument(
+        "--load-prompts", type=int, default=8, help="chat prompts, round-robin over the families (default 8)"
+    )
     load.add_argument("--load-tokens", type=int, default=96, help="max_tokens of each request (default 96)")
-    load.add_argument("--llama-server", default=None,
-                      help="a llama.cpp llama-server binary: the same load against it on the target's GGUF file")
+    load.add_argument(
+        "--llama-server",
+        default=None,
+        help="a llama.cpp llama-server binary: the same load against it on the target's GGUF file",
+    )
     args = ap.parse_args(argv)
     if args.concurrency:
         from bench.load import main as load_main
@@ -325,8 +402,10 @@ def main(argv=None) -> int:
     lookup_ks = [int(k) for k in lookup_ks.split(",") if k.strip()]
     longest = OrchestratorConfig.prompt_lookup_max  # the orchestrator the bench starts runs with its default
     if not 1 <= args.prompt_lookup_min <= longest:
-        ap.error(f"--prompt-lookup-min must be within [1, {longest}] (the orchestrator's --prompt-lookup-max), "
-                 f"got {args.prompt_lookup_min}")
+        ap.error(
+            f"--prompt-lookup-min must be within [1, {longest}] (the orchestrator's --prompt-lookup-max), "
+            f"got {args.prompt_lookup_min}"
+        )
     if min(ks + lookup_ks) < 1:
         ap.error("every K of --ks and --lookup-ks must be at least 1 (K = 0 always runs)")
     arms = [(k, 0) for k in ks] + [(k, args.prompt_lookup_min) for k in lookup_ks]
@@ -338,13 +417,23 @@ def main(argv=None) -> int:
     peer_prompts = prompts[: 3 if args.quick else 14]
     from tqdm import tqdm
 
-    total = len(TEMPERATURES) * args.reps * len(prompts) * (len(arms) + 2) + (0 if args.no_peer else 2 * 2 * len(peer_prompts))
+    total = len(TEMPERATURES) * args.reps * len(prompts) * (len(arms) + 2) + (
+        0 if args.no_peer else 2 * 2 * len(peer_prompts)
+    )
     t0 = time.monotonic()
     with tqdm(total=total, unit="gen", desc="specdec bench") as progress:
-        report = {"machine": machine(), "draft_model": args.draft_model, "target_model": args.target_model,
-                  "prompts": len(prompts), "reps": args.reps, "max_tokens": args.max_tokens, "ks": ks,
-                  "lookup_ks": lookup_ks, "prompt_lookup_min": args.prompt_lookup_min,
-                  "draft_confidence_threshold": args.draft_confidence}
+        report = {
+            "machine": machine(),
+            "draft_model": args.draft_model,
+            "target_model": args.target_model,
+            "prompts": len(prompts),
+            "reps": args.reps,
+            "max_tokens": args.max_tokens,
+            "ks": ks,
+            "lookup_ks": lookup_ks,
+            "prompt_lookup_min": args.prompt_lookup_min,
+            "draft_confidence_threshold": args.draft_confidence,
+        }
         report["services"], report["forward"] = run_services(args, prompts, arms, progress)
         if not args.no_peer:
             report["transformers_assisted"] = run_peer(args, peer_prompts, progress)

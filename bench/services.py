@@ -46,31 +46,53 @@ def machine() -> dict:
     with contextlib.suppress(OSError, StopIteration):
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "date": time.strftime("%Y-%m-%d %H:%M")}
+    return {
+        "cpu": cpu or platform.processor(),
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
 
 
 def start_services(draft: str, target: str, log_path: Path):
     o, d, t, om, dm, tm, oh, oh2 = free_ports(8)
-    env = dict(os.environ, SPECDEC_ORCHESTRATOR_PORT=str(o), SPECDEC_DRAFT_PORT=str(d), SPECDEC_TARGET_PORT=str(t),
-               SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh),
-               SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om), SPECDEC_DRAFT_METRICS_PORT=str(dm),
-               SPECDEC_TARGET_METRICS_PORT=str(tm), SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=f"127.0.0.1:{d}",
-               SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"127.0.0.1:{t}", SPECDEC_DRAFT_MODEL=draft,
-               SPECDEC_TARGET_MODEL=target, SPECDEC_ORCHESTRATOR_TOKENIZER=target,
-               SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS="8")
+    env = dict(
+        os.environ,
+        SPECDEC_ORCHESTRATOR_PORT=str(o),
+        SPECDEC_DRAFT_PORT=str(d),
+        SPECDEC_TARGET_PORT=str(t),
+        SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh),
+        SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om),
+        SPECDEC_DRAFT_METRICS_PORT=str(dm),
+        SPECDEC_TARGET_METRICS_PORT=str(tm),
+        SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=f"127.0.0.1:{d}",
+        SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"127.0.0.1:{t}",
+        SPECDEC_DRAFT_MODEL=draft,
+        SPECDEC_TARGET_MODEL=target,
+        SPECDEC_ORCHESTRATOR_TOKENIZER=target,
+        SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS="8",
+    )
     log = open(log_path, "w")  # noqa: SIM115 - the services write to it while they run
     procs = [subprocess.Popen([sys.executable, "-m", "cli.main", "up"], env=env, stdout=log, stderr=subprocess.STDOUT)]
     # The "auto" arm's orchestrator, on the same model servers: adaptive speculation learns its costs and alpha
     # from the rounds it runs, as it would in service, and not from the fixed-K arms' runs of the same prompt.
     o2, om2 = free_ports(2)
-    env2 = dict(env, SPECDEC_ORCHESTRATOR_PORT=str(o2), SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om2),
-                SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh2),
-                SPECDEC_ORCHESTRATOR_ADAPTIVE_SPECULATION="true")
-    procs.append(subprocess.Popen([sys.executable, "-m", "cli.main", "orchestrator"], env=env2, stdout=log,
-                                  stderr=subprocess.STDOUT))
+    env2 = dict(
+        env,
+        SPECDEC_ORCHESTRATOR_PORT=str(o2),
+        SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om2),
+        SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh2),
+        SPECDEC_ORCHESTRATOR_ADAPTIVE_SPECULATION="true",
+    )
+    procs.append(
+        subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "orchestrator"], env=env2, stdout=log, stderr=subprocess.STDOUT
+        )
+    )
     deadline = time.monotonic() + 600
     while any(health_status(f"127.0.0.1:{port}", timeout=1) != "SERVING" for port in (o, o2)):
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
@@ -78,8 +100,11 @@ def start_services(draft: str, target: str, log_path: Path):
                 p.terminate()
             raise SystemExit(f"specdec bench: the services did not start; see {log_path}")
         time.sleep(1)
-    urls = {None: f"http://127.0.0.1:{om}/metrics", "draft": f"http://127.0.0.1:{dm}/metrics",
-            "target": f"http://127.0.0.1:{tm}/metrics"}
+    urls = {
+        None: f"http://127.0.0.1:{om}/metrics",
+        "draft": f"http://127.0.0.1:{dm}/metrics",
+        "target": f"http://127.0.0.1:{tm}/metrics",
+    }
     auto = (f"127.0.0.1:{o2}", {**urls, None: f"http://127.0.0.1:{om2}/metrics"})
     return procs, f"127.0.0.1:{o}", urls, auto, forwards(f"127.0.0.1:{d}", f"127.0.0.1:{t}")
 
@@ -89,8 +114,10 @@ def forwards(draft_address: str, target_address: str) -> dict:
     from specdec.v1 import draft_pb2_grpc, model_server_pb2, target_pb2_grpc
 
     out = {}
-    for role, address, stub_class in (("draft", draft_address, draft_pb2_grpc.DraftServiceStub),
-                                      ("target", target_address, target_pb2_grpc.TargetServiceStub)):
+    for role, address, stub_class in (
+        ("draft", draft_address, draft_pb2_grpc.DraftServiceStub),
+        ("target", target_address, target_pb2_grpc.TargetServiceStub),
+    ):
         with grpc.insecure_channel(address) as channel:
             out[role] = stub_class(channel).GetModelInfo(model_server_pb2.GetModelInfoRequest(), timeout=30).forward
     return out

@@ -34,8 +34,11 @@ def main() -> int:
             return 1
         print(f"\n>>> specdec generate --chat {PROMPT!r} --temperature 0\n", flush=True)
         cli(["generate", PROMPT, "--chat", "--temperature", "0", "--max-tokens", "128"])
-        print("\nThe services keep serving on localhost:50051 (metrics on :8001, :8002, :8003). "
-              "Try: .venv/bin/specdec generate --chat \"Write a haiku about the sea.\"\nCtrl-C stops them.", flush=True)
+        print(
+            "\nThe services keep serving on localhost:50051 (metrics on :8001, :8002, :8003). "
+            'Try: .venv/bin/specdec generate --chat "Write a haiku about the sea."\nCtrl-C stops them.',
+            flush=True,
+        )
         signal.signal(signal.SIGINT, lambda *_: up.send_signal(signal.SIGTERM))
         return up.wait()
     finally:

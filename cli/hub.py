@@ -45,8 +45,10 @@ def require_access(spec: str) -> None:
     from huggingface_hub import get_token
 
     if get_token() is None and not _cached(repo_id):
-        raise HubAccessError(f"{repo_id} is gated and not in the local Hugging Face cache: set HF_TOKEN to a token "
-                             f"of an account that accepted its licence on huggingface.co/{repo_id}")
+        raise HubAccessError(
+            f"{repo_id} is gated and not in the local Hugging Face cache: set HF_TOKEN to a token "
+            f"of an account that accepted its licence on huggingface.co/{repo_id}"
+        )
 
 
 def fetch(specs: list[str]) -> int:

@@ -31,8 +31,9 @@ os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 
 def _logging() -> None:
-    logging.basicConfig(level=os.environ.get("SPECDEC_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("SPECDEC_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def _serve_model(role: str, args) -> int:
@@ -68,10 +69,15 @@ def _up(args) -> int:
     from specdec.config import ModelServerConfig, OrchestratorConfig, env_prefix
 
     env = dict(os.environ)
-    for flag, var in ((args.draft_model, "SPECDEC_DRAFT_MODEL"), (args.target_model, "SPECDEC_TARGET_MODEL"),
-                      (args.dtype, "SPECDEC_DRAFT_DTYPE"), (args.dtype, "SPECDEC_TARGET_DTYPE"),
-                      (args.device, "SPECDEC_DRAFT_DEVICE"), (args.device, "SPECDEC_TARGET_DEVICE"),
-                      (args.target_model, "SPECDEC_ORCHESTRATOR_TOKENIZER")):
+    for flag, var in (
+        (args.draft_model, "SPECDEC_DRAFT_MODEL"),
+        (args.target_model, "SPECDEC_TARGET_MODEL"),
+        (args.dtype, "SPECDEC_DRAFT_DTYPE"),
+        (args.dtype, "SPECDEC_TARGET_DTYPE"),
+        (args.device, "SPECDEC_DRAFT_DEVICE"),
+        (args.device, "SPECDEC_TARGET_DEVICE"),
+        (args.target_model, "SPECDEC_ORCHESTRATOR_TOKENIZER"),
+    ):
         if flag:
             env[var] = flag
     if args.target_model is None and "SPECDEC_TARGET_MODEL" in env:
@@ -96,9 +102,12 @@ def _up(args) -> int:
         done = [c for c in children if c.poll() is not None]
         if done:
             code = done[0].returncode or 1
-            print(f"specdec up: a service exited with status {done[0].returncode}; stopping the others", file=sys.stderr)
+            print(
+                f"specdec up: a service exited with status {done[0].returncode}; stopping the others", file=sys.stderr
+            )
             break
         time.sleep(0.2)
+
     # The orchestrator first, so that the generations in flight finish on model servers that are still up
     # (a model server that stops ends its streams at once, for a client that would reconnect elsewhere);
     # then the model servers and Prometheus. Each gets its grace period and a margin before SIGKILL.
@@ -148,11 +157,14 @@ def _stop(processes: list[subprocess.Popen], timeout_s: float) -> None:
 
 def prometheus_config(targets: dict[str, str], rules: str | None, interval: str = "5s") -> str:
     """A scrape configuration for the three services: {job: host:port}."""
-    jobs = "\n".join(f"  - job_name: {job}\n    static_configs: [{{targets: [\"{addr}\"]}}]"
-                     for job, addr in targets.items())
+    jobs = "\n".join(
+        f'  - job_name: {job}\n    static_configs: [{{targets: ["{addr}"]}}]' for job, addr in targets.items()
+    )
     rule_files = f"rule_files:\n  - {rules}\n" if rules else ""
-    return (f"global:\n  scrape_interval: {interval}\n  evaluation_interval: {interval}\n"
-            f"{rule_files}scrape_configs:\n{jobs}\n")
+    return (
+        f"global:\n  scrape_interval: {interval}\n  evaluation_interval: {interval}\n"
+        f"{rule_files}scrape_configs:\n{jobs}\n"
+    )
 
 
 def _start_prometheus(env: dict, port: int) -> subprocess.Popen:
@@ -166,17 +178,28 @@ def _start_prometheus(env: dict, port: int) -> subprocess.Popen:
     binary = shutil.which("prometheus")
     if binary is None:
         raise ConfigError("--with-prometheus needs the prometheus binary on PATH (Debian: apt-get install prometheus)")
-    defaults = {"orchestrator": OrchestratorConfig.metrics_port,
-                **{role: d["metrics_port"] for role, d in ROLE_DEFAULTS.items()}}
+    defaults = {
+        "orchestrator": OrchestratorConfig.metrics_port,
+        **{role: d["metrics_port"] for role, d in ROLE_DEFAULTS.items()},
+    }
     ports = {role: env.get(env_prefix(role) + "METRICS_PORT", str(port)) for role, port in defaults.items()}
     rules = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "alerts.yml"
     folder = cache_dir() / "prometheus"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "prometheus.yml").write_text(prometheus_config(
-        {role: f"localhost:{p}" for role, p in ports.items()}, str(rules) if rules.exists() else None))
+    (folder / "prometheus.yml").write_text(
+        prometheus_config({role: f"localhost:{p}" for role, p in ports.items()}, str(rules) if rules.exists() else None)
+    )
     print(f"specdec up: Prometheus on http://localhost:{port} (data in {folder})", file=sys.stderr)
-    return _child([binary, f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'data'}",
-                   f"--web.listen-address=:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return _child(
+        [
+            binary,
+            f"--config.file={folder / 'prometheus.yml'}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address=:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _generate(args) -> int:
@@ -211,17 +234,31 @@ def _generate(args) -> int:
                 sys.stdout.flush()
                 if msg.HasField("stats"):
                     s = msg.stats
-                    alpha = s.accepted_tokens / (s.accepted_tokens + s.rejected_rounds) if s.accepted_tokens + s.rejected_rounds else 0.0
-                    print(f"\n\n[{pb.FinishReason.Name(s.finish_reason)}] {s.completion_tokens} tokens in "
-                          f"{s.total_seconds:.2f} s ({s.completion_tokens / max(s.total_seconds, 1e-9):.1f} tokens/s), "
-                          f"first token {1000 * s.time_to_first_token_seconds:.0f} ms | {s.rounds} rounds, "
-                          f"{s.mean_tokens_per_round:.2f} tokens/round, acceptance {s.accepted_tokens}/{s.draft_tokens} "
-                          f"= {s.acceptance_rate:.2f}, alpha {alpha:.2f}"
-                          + (f", prompt lookup {s.lookup_accepted_tokens}/{s.lookup_tokens} in {s.lookup_rounds} rounds"
-                             if s.lookup_rounds else "") + f" | seed {s.seed}", file=sys.stderr)
+                    alpha = (
+                        s.accepted_tokens / (s.accepted_tokens + s.rejected_rounds)
+                        if s.accepted_tokens + s.rejected_rounds
+                        else 0.0
+                    )
+                    print(
+                        f"\n\n[{pb.FinishReason.Name(s.finish_reason)}] {s.completion_tokens} tokens in "
+                        f"{s.total_seconds:.2f} s ({s.completion_tokens / max(s.total_seconds, 1e-9):.1f} tokens/s), "
+                        f"first token {1000 * s.time_to_first_token_seconds:.0f} ms | {s.rounds} rounds, "
+                        f"{s.mean_tokens_per_round:.2f} tokens/round, acceptance {s.accepted_tokens}/{s.draft_tokens} "
+                        f"= {s.acceptance_rate:.2f}, alpha {alpha:.2f}"
+                        + (
+                            f", prompt lookup {s.lookup_accepted_tokens}/{s.lookup_tokens} in {s.lookup_rounds} rounds"
+                            if s.lookup_rounds
+                            else ""
+                        )
+                        + f" | seed {s.seed}",
+                        file=sys.stderr,
+                    )
         except grpc.RpcError as e:
-            hint = (f" (is an orchestrator running at {args.address}? `specdec up` starts one)"
-                    if e.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (e.details() or "") else "")
+            hint = (
+                f" (is an orchestrator running at {args.address}? `specdec up` starts one)"
+                if e.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (e.details() or "")
+                else ""
+            )
             print(f"\nspecdec generate: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
             return 1
     return 0
@@ -266,11 +303,14 @@ def parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start draft, target and orchestrator here (foreground)")
     up.add_argument("--draft-model", help=f"draft model (default {DEFAULT_DRAFT})")
     up.add_argument("--target-model", help="target model (default the embedded SmolLM2-135M-Instruct)")
-    up.add_argument("--dtype", help="auto (the default: float32 on CPU, bfloat16 or float16 on a GPU), float32, "
-                                     "bfloat16 or float16")
+    up.add_argument(
+        "--dtype", help="auto (the default: float32 on CPU, bfloat16 or float16 on a GPU), float32, bfloat16 or float16"
+    )
     up.add_argument("--device", help="cpu, cuda...")
     up.add_argument("--threads", type=int, default=0, help="torch threads per model server")
-    up.add_argument("--with-prometheus", action="store_true", help="also start Prometheus (the binary must be installed)")
+    up.add_argument(
+        "--with-prometheus", action="store_true", help="also start Prometheus (the binary must be installed)"
+    )
     up.add_argument("--prometheus-port", type=int, default=9090, help="with --with-prometheus (default %(default)s)")
     for role in ("draft", "target"):
         s = sub.add_parser(role, help=f"start the {role} service")
@@ -280,8 +320,11 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream a completion from a running orchestrator")
     g.add_argument("prompt", help="raw text to continue, or with --chat the user's message")
     g.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
-    g.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "localhost:50051"),
-                   help="the orchestrator's host:port (default %(default)s; env SPECDEC_ADDRESS)")
+    g.add_argument(
+        "--address",
+        default=os.environ.get("SPECDEC_ADDRESS", "localhost:50051"),
+        help="the orchestrator's host:port (default %(default)s; env SPECDEC_ADDRESS)",
+    )
     unset = "; unset: the orchestrator's default"
     g.add_argument("--max-tokens", type=int, help="most tokens to generate" + unset)
     g.add_argument("--temperature", type=float, help="0 is greedy" + unset)
@@ -289,15 +332,29 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, help="sample among the k likeliest tokens, 0 for all" + unset)
     g.add_argument("--seed", type=int, help="makes a sampled completion reproducible; unset: a random one, printed")
     g.add_argument("--stop", action="append", default=[], help="a string that ends the completion (repeatable)")
-    g.add_argument("-k", "--num-speculative-tokens", dest="k", type=int,
-                   help="tokens the draft proposes a round, 0 for the target alone" + unset)
-    g.add_argument("--prompt-lookup-min", type=int,
-                   help="propose tokens copied from earlier in the sequence when its last n >= this tokens repeat (0: off)")
+    g.add_argument(
+        "-k",
+        "--num-speculative-tokens",
+        dest="k",
+        type=int,
+        help="tokens the draft proposes a round, 0 for the target alone" + unset,
+    )
+    g.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        help="propose tokens copied from earlier in the sequence when its last n >= this tokens repeat (0: off)",
+    )
     g.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up (default %(default)s)")
-    g.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY", ""),
-                   help="the orchestrator's --api-key, where it has one (env SPECDEC_API_KEY)")
-    g.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA", ""),
-                   help="PEM CA file: connect over TLS, trusting the certificates it signed (env SPECDEC_TLS_CA)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECDEC_API_KEY", ""),
+        help="the orchestrator's --api-key, where it has one (env SPECDEC_API_KEY)",
+    )
+    g.add_argument(
+        "--tls-ca",
+        default=os.environ.get("SPECDEC_TLS_CA", ""),
+        help="PEM CA file: connect over TLS, trusting the certificates it signed (env SPECDEC_TLS_CA)",
+    )
     sub.add_parser("bench", help="measure the speedup side by side (specdec bench --help)", add_help=False)
     _health_arguments(sub.add_parser("health", help="check a server's gRPC health service"))
     _fetch_arguments(sub.add_parser("fetch", help="download hub models into the Hugging Face cache"))

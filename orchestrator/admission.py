@@ -47,16 +47,20 @@ class Admission:
         """Take a slot and `tokens` of KV, waiting in line for them; RESOURCE_EXHAUSTED when the line is full
         or the request is larger than the pools."""
         if tokens > self.tokens:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"the request may hold {tokens} tokens of KV cache, more than the {self.tokens} the "
-                               "model servers' pools hold (--max-tokens); lower max_tokens or shorten the prompt")
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request may hold {tokens} tokens of KV cache, more than the {self.tokens} the "
+                "model servers' pools hold (--max-tokens); lower max_tokens or shorten the prompt",
+            )
         if not self._line and self._fits(tokens):
             self._take(tokens)
             return
         if len(self._line) >= self.queue:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{self.running} generations are running and {len(self._line)} requests are waiting, "
-                               "as many as this orchestrator queues (--max-queued-requests); retry later")
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.running} generations are running and {len(self._line)} requests are waiting, "
+                "as many as this orchestrator queues (--max-queued-requests); retry later",
+            )
         entry = (tokens, asyncio.get_running_loop().create_future())
         self._line.append(entry)
         try:

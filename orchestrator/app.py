@@ -28,9 +28,14 @@ async def _first_report(replicas: ReplicaSet, timeout_s: float) -> ms_pb.ModelIn
     deadline = loop.time() + timeout_s
     while True:
         await replicas.resolve()
-        calls = {asyncio.ensure_future(r.client.stub.GetModelInfo(
-            ms_pb.GetModelInfoRequest(), wait_for_ready=True, timeout=max(min(deadline - loop.time(), 5.0), 0.1))): r
-            for r in replicas}
+        calls = {
+            asyncio.ensure_future(
+                r.client.stub.GetModelInfo(
+                    ms_pb.GetModelInfoRequest(), wait_for_ready=True, timeout=max(min(deadline - loop.time(), 5.0), 0.1)
+                )
+            ): r
+            for r in replicas
+        }
         try:
             pending = set(calls)
             while pending:
@@ -45,59 +50,96 @@ async def _first_report(replicas: ReplicaSet, timeout_s: float) -> ms_pb.ModelIn
             for call in calls:
                 call.cancel()
         if loop.time() >= deadline:
-            raise ConfigError(f"no {replicas.role} service at {', '.join(e.address for e in replicas.endpoints)} "
-                              f"answered within {timeout_s:.0f} s; is it running?")
+            raise ConfigError(
+                f"no {replicas.role} service at {', '.join(e.address for e in replicas.endpoints)} "
+                f"answered within {timeout_s:.0f} s; is it running?"
+            )
 
 
 def check_compatible(cfg: OrchestratorConfig, tokenizer, draft: ms_pb.ModelInfo, target: ms_pb.ModelInfo) -> None:
     """Refuse a pair that cannot be exact: different tokenizers, or limits below the configured K."""
     if draft.tokenizer_fingerprint != target.tokenizer_fingerprint or draft.vocab_size != target.vocab_size:
-        raise ConfigError(f"the draft {draft.model!r} (vocabulary {draft.vocab_size}, tokenizer {draft.tokenizer_fingerprint}) "
-                          f"and the target {target.model!r} (vocabulary {target.vocab_size}, tokenizer "
-                          f"{target.tokenizer_fingerprint}) do not share a tokenizer; pick a draft from the target's family")
+        raise ConfigError(
+            f"the draft {draft.model!r} (vocabulary {draft.vocab_size}, tokenizer {draft.tokenizer_fingerprint}) "
+            f"and the target {target.model!r} (vocabulary {target.vocab_size}, tokenizer "
+            f"{target.tokenizer_fingerprint}) do not share a tokenizer; pick a draft from the target's family"
+        )
     mine = models.tokenizer_fingerprint(tokenizer)
     if mine != target.tokenizer_fingerprint:
-        raise ConfigError(f"--tokenizer {cfg.tokenizer!r} ({mine}) is not the target's tokenizer "
-                          f"({target.tokenizer_fingerprint}); pass the target model there")
+        raise ConfigError(
+            f"--tokenizer {cfg.tokenizer!r} ({mine}) is not the target's tokenizer "
+            f"({target.tokenizer_fingerprint}); pass the target model there"
+        )
     limit = min(draft.max_draft_tokens, target.max_draft_tokens)
     if cfg.max_speculative_tokens > limit:
-        raise ConfigError(f"--max-speculative-tokens {cfg.max_speculative_tokens} exceeds the servers' "
-                          f"--max-draft-tokens {limit}")
+        raise ConfigError(
+            f"--max-speculative-tokens {cfg.max_speculative_tokens} exceeds the servers' --max-draft-tokens {limit}"
+        )
 
 
 async def start_orchestrator(cfg: OrchestratorConfig, registry: CollectorRegistry, tokenizer=None):
     """Connect, check, bind; returns (server, port, health servicer, servicer). The OpenAI-compatible API, where
     --http-port is set, is servicer.http (an aiohttp runner on this loop)."""
     tokenizer = tokenizer or await asyncio.to_thread(models.load_tokenizer, cfg.tokenizer)
-    draft = ReplicaSet(Role.DRAFT, cfg.draft_address,
-                       lambda a: ModelClient(Role.DRAFT, a, draft_pb2_grpc.DraftServiceStub, cfg),
-                       cfg.resolve_interval_s)
-    target = ReplicaSet(Role.TARGET, cfg.target_address,
-                        lambda a: ModelClient(Role.TARGET, a, target_pb2_grpc.TargetServiceStub, cfg),
-                        cfg.resolve_interval_s)
-    log.info("waiting up to %.0f s for the draft service at %s and the target service at %s",
-             cfg.startup_timeout_s, cfg.draft_address, cfg.target_address)
-    draft_info, target_info = await asyncio.gather(_first_report(draft, cfg.startup_timeout_s),
-                                                   _first_report(target, cfg.startup_timeout_s))
+    draft = ReplicaSet(
+        Role.DRAFT,
+        cfg.draft_address,
+        lambda a: ModelClient(Role.DRAFT, a, draft_pb2_grpc.DraftServiceStub, cfg),
+        cfg.resolve_interval_s,
+    )
+    target = ReplicaSet(
+        Role.TARGET,
+        cfg.target_address,
+        lambda a: ModelClient(Role.TARGET, a, target_pb2_grpc.TargetServiceStub, cfg),
+        cfg.resolve_interval_s,
+    )
+    log.info(
+        "waiting up to %.0f s for the draft service at %s and the target service at %s",
+        cfg.startup_timeout_s,
+        cfg.draft_address,
+        cfg.target_address,
+    )
+    draft_info, target_info = await asyncio.gather(
+        _first_report(draft, cfg.startup_timeout_s), _first_report(target, cfg.startup_timeout_s)
+    )
     check_compatible(cfg, tokenizer, draft_info, target_info)
     draft.fingerprint = target.fingerprint = target_info.tokenizer_fingerprint
     eos = set(target_info.eos_token_ids) | set(models.eos_token_ids(None, tokenizer))
     metrics = OrchestratorMetrics(registry, cfg.max_speculative_tokens)
     slots, kv_tokens = capacity(cfg, draft, target)  # the first replicas' until the others report
-    servicer = GenerationServicer(cfg, tokenizer, draft, target, eos,
-                                  min(draft_info.max_model_len, target_info.max_model_len), metrics,
-                                  Admission(slots, kv_tokens, cfg.max_queued_requests))
+    servicer = GenerationServicer(
+        cfg,
+        tokenizer,
+        draft,
+        target,
+        eos,
+        min(draft_info.max_model_len, target_info.max_model_len),
+        metrics,
+        Admission(slots, kv_tokens, cfg.max_queued_requests),
+    )
     server, port, health_servicer = create_server(
-        f"{cfg.host}:{cfg.port}", [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE_NAME)],
-        max_receive_bytes=cfg.max_request_bytes, credentials=server_credentials(cfg))
+        f"{cfg.host}:{cfg.port}",
+        [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE_NAME)],
+        max_receive_bytes=cfg.max_request_bytes,
+        credentials=server_credentials(cfg),
+    )
     await server.start()
     servicer.start()
-    servicer.http = (await start_http(servicer, target_info.model, cfg.host, cfg.http_port, cfg.api_key)
-                     if cfg.http_port else None)
+    servicer.http = (
+        await start_http(servicer, target_info.model, cfg.host, cfg.http_port, cfg.api_key) if cfg.http_port else None
+    )
     await mark_serving(health_servicer, [SERVICE_NAME])
-    log.info("orchestrator listening on %s:%d (draft %s, target %s; %d generations and %d KV tokens at once, "
-             "%d more requests in line)", cfg.host, port, draft_info.model, target_info.model, slots, kv_tokens,
-             cfg.max_queued_requests)
+    log.info(
+        "orchestrator listening on %s:%d (draft %s, target %s; %d generations and %d KV tokens at once, "
+        "%d more requests in line)",
+        cfg.host,
+        port,
+        draft_info.model,
+        target_info.model,
+        slots,
+        kv_tokens,
+        cfg.max_queued_requests,
+    )
     return server, port, health_servicer, servicer
 
 

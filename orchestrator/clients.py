@@ -25,8 +25,9 @@ def _channel(address: str, cfg: OrchestratorConfig) -> grpc.aio.Channel:
     """Plaintext, or TLS where --upstream-tls-ca is set (mutual with --upstream-tls-cert and --upstream-tls-key)."""
     if not cfg.upstream_tls_ca:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", cfg.upstream_tls_name)]
-                                 if cfg.upstream_tls_name else [])
+    options = CHANNEL_OPTIONS + (
+        [("grpc.ssl_target_name_override", cfg.upstream_tls_name)] if cfg.upstream_tls_name else []
+    )
     credentials = channel_credentials(cfg.upstream_tls_ca, cfg.upstream_tls_cert, cfg.upstream_tls_key)
     return grpc.aio.secure_channel(address, credentials, options=options)
 

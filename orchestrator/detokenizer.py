@@ -52,6 +52,6 @@ class TextStream:
                 end -= 1
         if end <= self._sent:
             return ""
-        out = self.text[self._sent:end]
+        out = self.text[self._sent : end]
         self._sent = end
         return out

@@ -59,29 +59,45 @@ def _rows(roles, phases, actions: dict[grpc.StatusCode, Action]) -> dict:
 
 _CALLS = (Phase.START, Phase.ROUND)
 RULES: dict[tuple[Role, Phase, grpc.StatusCode], Action] = {
-    **_rows((Role.DRAFT,), _CALLS, {
-        Code.NOT_FOUND: Action.REBUILD,  # the server no longer holds the session (restarted, expired, evicted)
-        Code.FAILED_PRECONDITION: Action.REBUILD,  # it holds it at another length
-        Code.UNAVAILABLE: Action.DROP_DRAFT,
-        Code.DEADLINE_EXCEEDED: Action.DROP_DRAFT,
-        Code.INTERNAL: Action.DROP_DRAFT,  # a draft is optional: a defect there costs its speed-up, not the request
-        Code.RESOURCE_EXHAUSTED: Action.REST_DRAFT,
-    }),
-    **_rows((Role.TARGET,), _CALLS, {
-        Code.NOT_FOUND: Action.REBUILD,
-        Code.FAILED_PRECONDITION: Action.REBUILD,
-        Code.UNAVAILABLE: Action.MOVE,
-        Code.DEADLINE_EXCEEDED: Action.MOVE_NO_WAIT,
-    }),
-    **_rows((Role.TARGET,), (Phase.START,), {
-        Code.RESOURCE_EXHAUSTED: Action.MOVE_WHEN_FREE,  # only as the session starts; mid-generation it fails
-    }),
-    **_rows(tuple(Role), (Phase.DISTRIBUTION,), {
-        Code.NOT_FOUND: Action.RERUN,
-        Code.FAILED_PRECONDITION: Action.RERUN,
-        Code.UNAVAILABLE: Action.RERUN_ELSEWHERE,
-        Code.DEADLINE_EXCEEDED: Action.RERUN_ELSEWHERE,
-    }),
+    **_rows(
+        (Role.DRAFT,),
+        _CALLS,
+        {
+            Code.NOT_FOUND: Action.REBUILD,  # the server no longer holds the session (restarted, expired, evicted)
+            Code.FAILED_PRECONDITION: Action.REBUILD,  # it holds it at another length
+            Code.UNAVAILABLE: Action.DROP_DRAFT,
+            Code.DEADLINE_EXCEEDED: Action.DROP_DRAFT,
+            Code.INTERNAL: Action.DROP_DRAFT,  # a draft is optional: a defect there costs its speed-up, not the request
+            Code.RESOURCE_EXHAUSTED: Action.REST_DRAFT,
+        },
+    ),
+    **_rows(
+        (Role.TARGET,),
+        _CALLS,
+        {
+            Code.NOT_FOUND: Action.REBUILD,
+            Code.FAILED_PRECONDITION: Action.REBUILD,
+            Code.UNAVAILABLE: Action.MOVE,
+            Code.DEADLINE_EXCEEDED: Action.MOVE_NO_WAIT,
+        },
+    ),
+    **_rows(
+        (Role.TARGET,),
+        (Phase.START,),
+        {
+            Code.RESOURCE_EXHAUSTED: Action.MOVE_WHEN_FREE  # only as the session starts; mid-generation it fails
+        },
+    ),
+    **_rows(
+        tuple(Role),
+        (Phase.DISTRIBUTION,),
+        {
+            Code.NOT_FOUND: Action.RERUN,
+            Code.FAILED_PRECONDITION: Action.RERUN,
+            Code.UNAVAILABLE: Action.RERUN_ELSEWHERE,
+            Code.DEADLINE_EXCEEDED: Action.RERUN_ELSEWHERE,
+        },
+    ),
 }
 _MOVES = (Action.MOVE, Action.MOVE_NO_WAIT, Action.MOVE_WHEN_FREE)
 
@@ -107,8 +123,11 @@ def place(link: Link) -> None:
     if replica is not None:
         link.bind(replica)
     elif link.role is Role.TARGET:
-        raise ServiceError(Code.UNAVAILABLE, "no target replica is known: "
-                           f"{', '.join(e.address for e in link.replicas.endpoints)} resolves to no address")
+        raise ServiceError(
+            Code.UNAVAILABLE,
+            "no target replica is known: "
+            f"{', '.join(e.address for e in link.replicas.endpoints)} resolves to no address",
+        )
 
 
 async def call(link: Link, make_request, distribution: bool = False):
@@ -197,7 +216,7 @@ async def _move(link: Link, action: Action, code: grpc.StatusCode, deadline: flo
     all_full = action is Action.MOVE_WHEN_FREE and moves + 1 >= len(replicas.placeable())
     if new is None or all_full:  # wait for a replica to come back or to free a session
         loop = asyncio.get_running_loop()
-        delay = min(0.05 * 2 ** moves, 1.0)
+        delay = min(0.05 * 2**moves, 1.0)
         if loop.time() + delay > deadline:
             return False
         await asyncio.sleep(delay)

@@ -41,9 +41,19 @@ class GenerationSpec:
 
 
 class Generation:
-    def __init__(self, spec: GenerationSpec, session_id: str, draft: ReplicaSet, target: ReplicaSet,
-                 tokenizer, eos_ids: set[int], max_model_len: int, metrics: OrchestratorMetrics,
-                 cfg: OrchestratorConfig, speculation: Speculation | None = None):
+    def __init__(
+        self,
+        spec: GenerationSpec,
+        session_id: str,
+        draft: ReplicaSet,
+        target: ReplicaSet,
+        tokenizer,
+        eos_ids: set[int],
+        max_model_len: int,
+        metrics: OrchestratorMetrics,
+        cfg: OrchestratorConfig,
+        speculation: Speculation | None = None,
+    ):
         self.spec = spec
         self.session_id = session_id
         self.draft = Link(Role.DRAFT, draft, session_id, cfg, metrics)
@@ -52,15 +62,22 @@ class Generation:
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.speculation = speculation  # shared across requests: what rounds cost, recent alpha; None: not learned
-        self.adaptive = (AdaptiveK(speculation, spec.sampling.greedy, spec.k, spec.adaptive_start)
-                         if speculation and spec.adaptive_start is not None else None)
+        self.adaptive = (
+            AdaptiveK(speculation, spec.sampling.greedy, spec.k, spec.adaptive_start)
+            if speculation and spec.adaptive_start is not None
+            else None
+        )
         self.text = TextStream(tokenizer, spec.stops)
         self.lookup = PromptLookup(*spec.lookup) if spec.lookup[0] and spec.k else None
         self.history = list(spec.prompt_ids)
         self.stats = gen_pb.GenerationStats(prompt_tokens=len(spec.prompt_ids), seed=spec.sampling.seed)
         self._round_tokens = 0  # tokens the rounds produced, before stop conditions cut any
-        self._params = ms_pb.SamplingParams(temperature=spec.sampling.temperature, top_p=spec.sampling.top_p,
-                                            top_k=spec.sampling.top_k, seed=spec.sampling.seed)
+        self._params = ms_pb.SamplingParams(
+            temperature=spec.sampling.temperature,
+            top_p=spec.sampling.top_p,
+            top_k=spec.sampling.top_k,
+            seed=spec.sampling.seed,
+        )
 
     async def run(self):
         """Yields GenerateResponse messages; the last carries stats."""
@@ -73,8 +90,11 @@ class Generation:
             if not self.spec.speculate_first_round and not self.stats.rounds:
                 wanted = 0  # the first token from the target's prefill alone; the draft prefills in the next round
             else:
-                wanted = (self.adaptive.next_k(remaining, draft_started=bool(self.draft.mirror)) if self.adaptive
-                          else self.spec.k)
+                wanted = (
+                    self.adaptive.next_k(remaining, draft_started=bool(self.draft.mirror))
+                    if self.adaptive
+                    else self.spec.k
+                )
             k = max(0, min(wanted, remaining - 1, self.max_model_len - n_hist - 1))
             t0 = time.perf_counter()
             trace = RoundTrace()
@@ -99,8 +119,12 @@ class Generation:
         draft, history = self.draft, self.history
 
         def request():
-            return draft_pb2.ProposeTokensRequest(cursor=draft.cursor(history), num_tokens=k, sampling=self._params,
-                                                  min_confidence=self.spec.min_confidence)
+            return draft_pb2.ProposeTokensRequest(
+                cursor=draft.cursor(history),
+                num_tokens=k,
+                sampling=self._params,
+                min_confidence=self.spec.min_confidence,
+            )
 
         answered = await failover.call(draft, request)
         if answered is None:
@@ -116,8 +140,10 @@ class Generation:
     async def _verify(self, drafts: list[int], trace: RoundTrace) -> target_pb2.VerifyResponse:
         """The target's verdict on the drafts."""
         target, history = self.target, self.history
-        req, resp, wall = await failover.call(target, lambda: target_pb2.VerifyRequest(
-            cursor=target.cursor(history), draft_tokens=drafts, sampling=self._params))
+        req, resp, wall = await failover.call(
+            target,
+            lambda: target_pb2.VerifyRequest(cursor=target.cursor(history), draft_tokens=drafts, sampling=self._params),
+        )
         trace.target_cost = CallCost.of(wall, resp)
         trace.add_call(req, resp, wall, "verify_s")
         target.mirror = history + drafts
@@ -132,19 +158,25 @@ class Generation:
         if self.spec.sampling.greedy:
             return rs.greedy_accept(drafts, list(verdict.argmax_token_ids))
         seed = self.spec.sampling.seed
-        n = rs.count_accepted(list(proposal.token_probs) if proposal else [1.0] * len(drafts),
-                              list(verdict.draft_token_probs), seed, start)
+        n = rs.count_accepted(
+            list(proposal.token_probs) if proposal else [1.0] * len(drafts),
+            list(verdict.draft_token_probs),
+            seed,
+            start,
+        )
         if n == len(drafts) and verdict.HasField("bonus_token_id"):  # drawn by the target with the same keyed draw
             return n, verdict.bonus_token_id
         p = await self._dist(self.target, verdict.distributions[n], start + n, trace)
         if n < len(drafts):
-            q = (await self._dist(self.draft, proposal.distributions[n], start + n, trace) if proposal
-                 else rs.point_mass(drafts[n]))
+            q = (
+                await self._dist(self.draft, proposal.distributions[n], start + n, trace)
+                if proposal
+                else rs.point_mass(drafts[n])
+            )
             return n, rs.recover(p, q, seed, start + n)
         return n, rs.bonus(p, seed, start + n)
 
-    async def _dist(self, link: Link, sparse: ms_pb.SparseDistribution, position: int,
-                    trace: RoundTrace) -> rs.Dist:
+    async def _dist(self, link: Link, sparse: ms_pb.SparseDistribution, position: int, trace: RoundTrace) -> rs.Dist:
         if sparse.complete:
             return rs.Dist(np.asarray(sparse.token_ids, dtype=np.int64), np.asarray(sparse.probs, dtype=np.float64))
         req = ms_pb.GetDistributionRequest(session_id=self.session_id, position=position)
@@ -171,8 +203,9 @@ class Generation:
                 added, finish = added[:n], gen_pb.FINISH_REASON_STOP_SEQUENCE
         return added, finish
 
-    def _record_round(self, k: int, n: int, added: list[int], trace: RoundTrace, t0: float, t_accept: float,
-                      looked_up: bool) -> None:
+    def _record_round(
+        self, k: int, n: int, added: list[int], trace: RoundTrace, t0: float, t_accept: float, looked_up: bool
+    ) -> None:
         """Count the round in the request's stats and the metrics, and teach adaptive speculation what it cost."""
         s, now = self.stats, time.perf_counter()
         s.rounds += 1
@@ -213,5 +246,6 @@ class Generation:
         for link in links:
             link.unbind()
         req = ms_pb.ReleaseSessionRequest(session_id=self.session_id)
-        await asyncio.gather(*(r.client.call("ReleaseSession", req) for link in links for r in link.hosts),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(r.client.call("ReleaseSession", req) for link in links for r in link.hosts), return_exceptions=True
+        )

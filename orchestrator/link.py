@@ -40,8 +40,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Link:
-    def __init__(self, role: Role, replicas: ReplicaSet, session_id: str, cfg: OrchestratorConfig,
-                 metrics: OrchestratorMetrics):
+    def __init__(
+        self, role: Role, replicas: ReplicaSet, session_id: str, cfg: OrchestratorConfig, metrics: OrchestratorMetrics
+    ):
         self.role = role
         self.replicas = replicas
         self.session_id = session_id
@@ -63,8 +64,7 @@ class Link:
         self.replica = replica
         self.hosts.add(replica)
         streamed, unary = _METHODS[self.role]
-        self.stream = (Duplex(replica.client, streamed) if self.cfg.rpc_streams
-                       else Unary(replica.client, unary))
+        self.stream = Duplex(replica.client, streamed) if self.cfg.rpc_streams else Unary(replica.client, unary)
         self.forget()
         self.metrics.replica_generations.labels(self.role, replica.address).inc()
 
@@ -81,8 +81,14 @@ class Link:
         if new is old:
             return
         if old is not None:
-            log.info("generation %s: %s replica %s %s; going on at %s", self.session_id, self.role, old.address,
-                     why, new.address)
+            log.info(
+                "generation %s: %s replica %s %s; going on at %s",
+                self.session_id,
+                self.role,
+                old.address,
+                why,
+                new.address,
+            )
             self.metrics.replica_failovers.labels(self.role, old.address).inc()
         self.bind(new)
 
@@ -111,8 +117,9 @@ class Link:
         """Where the session must stand, how far to roll it back (the last round's rejected drafts), and the
         tokens it has not seen; an empty mirror makes it (re)build from the whole history."""
         keep = min(common_prefix(self.mirror, history), len(history) - 1) if self.mirror else 0
-        return ms_pb.SessionCursor(session_id=self.session_id, expected_length=len(self.mirror),
-                                   keep_length=keep, tokens=history[keep:])
+        return ms_pb.SessionCursor(
+            session_id=self.session_id, expected_length=len(self.mirror), keep_length=keep, tokens=history[keep:]
+        )
 
     async def send(self, request, distribution: bool = False):
         """A round's call on the stream, or (distribution) a GetDistribution on the replica."""
@@ -155,8 +162,9 @@ class Duplex:
             response = await asyncio.wait_for(_write_read(call, request), self.client.cfg.rpc_timeout_s)
         except asyncio.TimeoutError:
             self.close()
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"no answer within {self.client.cfg.rpc_timeout_s:g} s") from None
+            raise rpc_error(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.client.cfg.rpc_timeout_s:g} s"
+            ) from None
         except grpc.aio.AioRpcError as e:
             self.close()
             raise rpc_error(*broken_stream(e.code(), e.details(), reused)) from None

@@ -65,80 +65,153 @@ class OrchestratorMetrics:
         self.draft_tokens = Counter("specdec_draft_tokens_total", "Draft tokens proposed", registry=r)
         self.accepted_tokens = Counter("specdec_accepted_tokens_total", "Draft tokens accepted", registry=r)
         self.rejected_rounds = Counter("specdec_rejected_rounds_total", "Rounds that ended in a rejection", registry=r)
-        self.draft_per_position = Counter("specdec_draft_tokens_per_position_total",
-                                          "Draft tokens proposed at each draft position", ["position"], registry=r)
-        self.accepted_per_position = Counter("specdec_accepted_tokens_per_position_total",
-                                             "Draft tokens accepted at each draft position", ["position"], registry=r)
-        self.lookup_rounds = Counter("specdec_lookup_rounds_total",
-                                     "Rounds whose proposal came from prompt lookup instead of the draft", registry=r)
-        self.lookup_tokens = Counter("specdec_lookup_tokens_total",
-                                     "Tokens proposed by prompt lookup (also in specdec_draft_tokens_total)", registry=r)
-        self.lookup_accepted_tokens = Counter("specdec_lookup_accepted_tokens_total",
-                                              "Prompt-lookup tokens accepted (also in specdec_accepted_tokens_total)",
-                                              registry=r)
-        self.tokens_per_round = Histogram("specdec_tokens_per_round", "Tokens emitted per round",
-                                          buckets=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17], registry=r)
-        self.request_acceptance = Histogram("specdec_request_acceptance_rate",
-                                            "Acceptance rate (accepted/drafted) of each finished request",
-                                            buckets=[0.1 * i for i in range(11)], registry=r)
+        self.draft_per_position = Counter(
+            "specdec_draft_tokens_per_position_total",
+            "Draft tokens proposed at each draft position",
+            ["position"],
+            registry=r,
+        )
+        self.accepted_per_position = Counter(
+            "specdec_accepted_tokens_per_position_total",
+            "Draft tokens accepted at each draft position",
+            ["position"],
+            registry=r,
+        )
+        self.lookup_rounds = Counter(
+            "specdec_lookup_rounds_total",
+            "Rounds whose proposal came from prompt lookup instead of the draft",
+            registry=r,
+        )
+        self.lookup_tokens = Counter(
+            "specdec_lookup_tokens_total",
+            "Tokens proposed by prompt lookup (also in specdec_draft_tokens_total)",
+            registry=r,
+        )
+        self.lookup_accepted_tokens = Counter(
+            "specdec_lookup_accepted_tokens_total",
+            "Prompt-lookup tokens accepted (also in specdec_accepted_tokens_total)",
+            registry=r,
+        )
+        self.tokens_per_round = Histogram(
+            "specdec_tokens_per_round",
+            "Tokens emitted per round",
+            buckets=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17],
+            registry=r,
+        )
+        self.request_acceptance = Histogram(
+            "specdec_request_acceptance_rate",
+            "Acceptance rate (accepted/drafted) of each finished request",
+            buckets=[0.1 * i for i in range(11)],
+            registry=r,
+        )
         self.generated_tokens = Counter("specdec_generated_tokens_total", "Tokens returned to clients", registry=r)
         self.prompt_tokens = Counter("specdec_prompt_tokens_total", "Prompt tokens of admitted requests", registry=r)
-        self.requests = Counter("specdec_requests_total", "Finished requests by finish reason", ["finish_reason"], registry=r)
-        self.request_errors = Counter("specdec_request_errors_total", "Requests ended by an error status", ["code"], registry=r)
-        self.phase_seconds = Histogram("specdec_round_phase_seconds",
-                                       "Time of one decoding round by phase: draft and verify compute on the servers "
-                                       "(the batched passes the calls ran in), queue (waiting for a pass), accept on "
-                                       "the orchestrator, and rpc (network, serialization, the servers' Python); "
-                                       "rounds that build a session are in specdec_prefill_round_seconds instead",
-                                       ["phase"], buckets=_SECONDS, registry=r)
-        self.round_seconds = Histogram("specdec_round_seconds", "Wall time of one decoding round (as above)",
-                                       buckets=_SECONDS, registry=r)
+        self.requests = Counter(
+            "specdec_requests_total", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.request_errors = Counter(
+            "specdec_request_errors_total", "Requests ended by an error status", ["code"], registry=r
+        )
+        self.phase_seconds = Histogram(
+            "specdec_round_phase_seconds",
+            "Time of one decoding round by phase: draft and verify compute on the servers "
+            "(the batched passes the calls ran in), queue (waiting for a pass), accept on "
+            "the orchestrator, and rpc (network, serialization, the servers' Python); "
+            "rounds that build a session are in specdec_prefill_round_seconds instead",
+            ["phase"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.round_seconds = Histogram(
+            "specdec_round_seconds", "Wall time of one decoding round (as above)", buckets=_SECONDS, registry=r
+        )
         self.prefill_round_seconds = Histogram(
-            "specdec_prefill_round_seconds", "Wall time of a round that built a server's session from the history: "
+            "specdec_prefill_round_seconds",
+            "Wall time of a round that built a server's session from the history: "
             "the rounds that carry the prompt's prefill (by default a request's first two: the target's, then the "
             "draft's), or a rebuild after a server lost it",
-            buckets=_SECONDS, registry=r)
+            buckets=_SECONDS,
+            registry=r,
+        )
         self.speculative_tokens = Histogram(
-            "specdec_speculative_tokens", "Tokens proposed per decoding round (K; with adaptive speculation the "
-            "orchestrator chooses it round by round)", buckets=list(range(max_k + 1)), registry=r)
-        self.ttft = Histogram("specdec_time_to_first_token_seconds", "Time from request to its first token",
-                              buckets=_SECONDS, registry=r)
-        self.inter_token = Histogram("specdec_inter_token_seconds", "Time between streamed messages of a request",
-                                     buckets=_SECONDS, registry=r)
-        self.wire_bytes = Histogram("specdec_wire_bytes_per_round", "Protobuf bytes sent and received per round",
-                                    buckets=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536, 262144, 1 << 20],
-                                    registry=r)
-        self.rpcs_per_round = Histogram("specdec_rpcs_per_round", "Model-server RPCs per round",
-                                        buckets=[1, 2, 3, 4, 6, 8], registry=r)
+            "specdec_speculative_tokens",
+            "Tokens proposed per decoding round (K; with adaptive speculation the "
+            "orchestrator chooses it round by round)",
+            buckets=list(range(max_k + 1)),
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "specdec_time_to_first_token_seconds", "Time from request to its first token", buckets=_SECONDS, registry=r
+        )
+        self.inter_token = Histogram(
+            "specdec_inter_token_seconds", "Time between streamed messages of a request", buckets=_SECONDS, registry=r
+        )
+        self.wire_bytes = Histogram(
+            "specdec_wire_bytes_per_round",
+            "Protobuf bytes sent and received per round",
+            buckets=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536, 262144, 1 << 20],
+            registry=r,
+        )
+        self.rpcs_per_round = Histogram(
+            "specdec_rpcs_per_round", "Model-server RPCs per round", buckets=[1, 2, 3, 4, 6, 8], registry=r
+        )
         self._add_failover_metrics(r)
         self.active = Gauge("specdec_active_requests", "Requests being generated", registry=r)
-        self.waiting = Gauge("specdec_waiting_requests", "Requests waiting in line for a KV session and tokens "
-                             "on the model servers (--max-concurrent-requests)", registry=r)
+        self.waiting = Gauge(
+            "specdec_waiting_requests",
+            "Requests waiting in line for a KV session and tokens on the model servers (--max-concurrent-requests)",
+            registry=r,
+        )
         self._export_zeros()
 
     def _add_failover_metrics(self, r: CollectorRegistry) -> None:
         """Replicas (orchestrator/replicas.py) and failover (orchestrator/failover.py): where generations go, and
         what happens to them when a server fails."""
-        self.rebuilds = Counter("specdec_session_rebuilds_total", "Sessions resent after a server lost them",
-                                ["service"], registry=r)
-        self.draft_fallbacks = Counter("specdec_draft_fallback_rounds_total",
-                                       "Rounds decoded by the target alone because no draft replica was available",
-                                       registry=r)
-        self.replica_up = Gauge("specdec_replica_up", "1 while a model-server replica answers and takes "
-                                "generations, 0 while it is down or draining", ["role", "replica"], registry=r)
-        self.replica_sessions = Gauge("specdec_replica_sessions", "KV sessions a replica holds, from its last "
-                                      "report (all orchestrators' generations)", ["role", "replica"], registry=r)
-        self.replica_generations = Counter("specdec_replica_generations_total", "Generations this orchestrator "
-                                           "placed on a replica, the moved ones included", ["role", "replica"],
-                                           registry=r)
-        self.replica_failovers = Counter("specdec_replica_failovers_total", "Generations moved off a replica "
-                                         "that failed them (down, restarting, draining or full)", ["role", "replica"],
-                                         registry=r)
-        self.replica_rebuilds = Counter("specdec_replica_rebuilds_total", "Sessions resent to a replica that lost "
-                                        "them (restarted, expired, evicted)", ["role", "replica"], registry=r)
-        self.failover_seconds = Histogram("specdec_failover_recovery_seconds", "From a replica's failed call to "
-                                          "the generation's next answered one on another replica (or the same, back)",
-                                          ["role"], buckets=_SECONDS, registry=r)
+        self.rebuilds = Counter(
+            "specdec_session_rebuilds_total", "Sessions resent after a server lost them", ["service"], registry=r
+        )
+        self.draft_fallbacks = Counter(
+            "specdec_draft_fallback_rounds_total",
+            "Rounds decoded by the target alone because no draft replica was available",
+            registry=r,
+        )
+        self.replica_up = Gauge(
+            "specdec_replica_up",
+            "1 while a model-server replica answers and takes generations, 0 while it is down or draining",
+            ["role", "replica"],
+            registry=r,
+        )
+        self.replica_sessions = Gauge(
+            "specdec_replica_sessions",
+            "KV sessions a replica holds, from its last report (all orchestrators' generations)",
+            ["role", "replica"],
+            registry=r,
+        )
+        self.replica_generations = Counter(
+            "specdec_replica_generations_total",
+            "Generations this orchestrator placed on a replica, the moved ones included",
+            ["role", "replica"],
+            registry=r,
+        )
+        self.replica_failovers = Counter(
+            "specdec_replica_failovers_total",
+            "Generations moved off a replica that failed them (down, restarting, draining or full)",
+            ["role", "replica"],
+            registry=r,
+        )
+        self.replica_rebuilds = Counter(
+            "specdec_replica_rebuilds_total",
+            "Sessions resent to a replica that lost them (restarted, expired, evicted)",
+            ["role", "replica"],
+            registry=r,
+        )
+        self.failover_seconds = Histogram(
+            "specdec_failover_recovery_seconds",
+            "From a replica's failed call to the generation's next answered one on another replica (or the same, back)",
+            ["role"],
+            buckets=_SECONDS,
+            registry=r,
+        )
 
     def _export_zeros(self) -> None:
         """Expose the labelled series known from the start at zero, so that rate() works from the first scrape."""
@@ -157,8 +230,9 @@ class OrchestratorMetrics:
         self.replica_failovers.labels(role, replica)
         self.replica_rebuilds.labels(role, replica)
 
-    def record_round(self, k: int, n: int, emitted: int, trace: RoundTrace, round_s: float, accept_s: float,
-                     looked_up: bool) -> None:
+    def record_round(
+        self, k: int, n: int, emitted: int, trace: RoundTrace, round_s: float, accept_s: float, looked_up: bool
+    ) -> None:
         """A finished round: k tokens proposed (by prompt lookup where looked_up), n of them accepted, emitted
         tokens streamed, round_s of wall time, the last accept_s of it on the orchestrator."""
         if looked_up:

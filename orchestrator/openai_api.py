@@ -40,17 +40,40 @@ _STATUS = {  # gRPC status -> (HTTP status, OpenAI error type)
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
-_FINISH = {gen_pb.FINISH_REASON_EOS_TOKEN: "stop", gen_pb.FINISH_REASON_STOP_SEQUENCE: "stop",
-           gen_pb.FINISH_REASON_LENGTH: "length", gen_pb.FINISH_REASON_CONTEXT_LENGTH: "length"}
+_FINISH = {
+    gen_pb.FINISH_REASON_EOS_TOKEN: "stop",
+    gen_pb.FINISH_REASON_STOP_SEQUENCE: "stop",
+    gen_pb.FINISH_REASON_LENGTH: "length",
+    gen_pb.FINISH_REASON_CONTEXT_LENGTH: "length",
+}
 # Fields a client may send that change nothing here when left at these values; other values are refused.
-_NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "echo": False, "best_of": 1,
-            "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None, "top_logprobs": None,
-            "suffix": None, "parallel_tool_calls": None, "functions": None, "function_call": None}
+_NEUTRAL = {
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "logprobs": False,
+    "echo": False,
+    "best_of": 1,
+    "logit_bias": None,
+    "tools": None,
+    "tool_choice": None,
+    "response_format": None,
+    "top_logprobs": None,
+    "suffix": None,
+    "parallel_tool_calls": None,
+    "functions": None,
+    "function_call": None,
+}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
@@ -71,7 +94,11 @@ def _number(body: dict, name: str, kind=float):
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (kind is int and not float(value).is_integer())
+    ):
         raise _invalid(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", name)
     return kind(value)
 
@@ -108,9 +135,15 @@ def generate_request(body: dict, chat: bool) -> gen_pb.GenerateRequest:
         max_tokens = _number(body, "max_tokens", int)
     if max_tokens is not None:
         req.max_tokens = max_tokens
-    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int),
-                       ("num_speculative_tokens", int), ("prompt_lookup_min", int),
-                       ("draft_confidence_threshold", float)):
+    for name, kind in (
+        ("temperature", float),
+        ("top_p", float),
+        ("top_k", int),
+        ("seed", int),
+        ("num_speculative_tokens", int),
+        ("prompt_lookup_min", int),
+        ("draft_confidence_threshold", float),
+    ):
         value = _number(body, name, kind)
         if value is None:
             continue
@@ -137,18 +170,32 @@ def _text(content, param: str) -> str:
 
 
 def speculation_stats(stats: gen_pb.GenerationStats) -> dict:
-    alpha = (stats.accepted_tokens / (stats.accepted_tokens + stats.rejected_rounds)
-             if stats.accepted_tokens + stats.rejected_rounds else None)
-    return {"rounds": stats.rounds, "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
-            "acceptance_rate": stats.acceptance_rate, "alpha": alpha,
-            "mean_tokens_per_round": stats.mean_tokens_per_round, "rejected_rounds": stats.rejected_rounds,
-            "lookup_tokens": stats.lookup_tokens, "time_to_first_token_seconds": stats.time_to_first_token_seconds,
-            "total_seconds": stats.total_seconds, "seed": stats.seed}
+    alpha = (
+        stats.accepted_tokens / (stats.accepted_tokens + stats.rejected_rounds)
+        if stats.accepted_tokens + stats.rejected_rounds
+        else None
+    )
+    return {
+        "rounds": stats.rounds,
+        "draft_tokens": stats.draft_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "acceptance_rate": stats.acceptance_rate,
+        "alpha": alpha,
+        "mean_tokens_per_round": stats.mean_tokens_per_round,
+        "rejected_rounds": stats.rejected_rounds,
+        "lookup_tokens": stats.lookup_tokens,
+        "time_to_first_token_seconds": stats.time_to_first_token_seconds,
+        "total_seconds": stats.total_seconds,
+        "seed": stats.seed,
+    }
 
 
 def usage(stats: gen_pb.GenerationStats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+    }
 
 
 class OpenAIApi:
@@ -189,15 +236,23 @@ class OpenAIApi:
         if not self.api_key:
             return
         if not bearer_matches(request.headers.get("Authorization", ""), self.api_key):
-            raise ApiError(401, "a valid API key is required: send Authorization: Bearer <key>",
-                           "authentication_error", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "a valid API key is required: send Authorization: Bearer <key>",
+                "authentication_error",
+                code="invalid_api_key",
+            )
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": self.created, "owned_by": "specdec"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.model, "object": "model", "created": self.created, "owned_by": "specdec"}],
+            }
+        )
 
     async def complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
@@ -205,8 +260,14 @@ class OpenAIApi:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise _invalid("the request body is not valid JSON") from None
         if isinstance(body, dict) and body.get("model") not in (None, self.model):
-            raise ApiError(404, f"the model {body.get('model')!r} does not exist here; this server serves "
-                                f"{self.model!r} (GET /v1/models)", "invalid_request_error", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"the model {body.get('model')!r} does not exist here; this server serves "
+                f"{self.model!r} (GET /v1/models)",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
         gen_request = generate_request(body, chat)
         stream_options = body.get("stream_options") or {}
         kind = "chat.completion" if chat else "text_completion"
@@ -214,8 +275,9 @@ class OpenAIApi:
         messages = self.servicer.stream(gen_request)
         async with contextlib.aclosing(messages):
             if body.get("stream"):
-                return await self._stream(request, messages, chat, kind, ident,
-                                          bool(stream_options.get("include_usage")))
+                return await self._stream(
+                    request, messages, chat, kind, ident, bool(stream_options.get("include_usage"))
+                )
             text, stats = [], None
             try:
                 async for msg in messages:
@@ -225,11 +287,23 @@ class OpenAIApi:
             except ServiceError as e:
                 raise ApiError.of(e) from None
         content = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}} if chat else
-                  {"index": 0, "text": content, "logprobs": None})
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": content}}
+            if chat
+            else {"index": 0, "text": content, "logprobs": None}
+        )
         choice["finish_reason"] = _FINISH.get(stats.finish_reason, "stop")
-        return web.json_response({"id": ident, "object": kind, "created": int(time.time()), "model": self.model,
-                                  "choices": [choice], "usage": usage(stats), "specdec": speculation_stats(stats)})
+        return web.json_response(
+            {
+                "id": ident,
+                "object": kind,
+                "created": int(time.time()),
+                "model": self.model,
+                "choices": [choice],
+                "usage": usage(stats),
+                "specdec": speculation_stats(stats),
+            }
+        )
 
     async def _stream(self, request, messages, chat: bool, kind: str, ident: str, include_usage: bool):
         created = int(time.time())
@@ -237,10 +311,19 @@ class OpenAIApi:
         chunk_kind = kind + ".chunk" if chat else kind
 
         def chunk(delta: str | None = None, finish: str | None = None, **extra) -> dict:
-            choice = ({"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish}
-                      if chat else {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish})
-            return {"id": ident, "object": chunk_kind, "created": created, "model": self.model, "choices": [choice],
-                    **extra}
+            choice = (
+                {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish}
+                if chat
+                else {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            )
+            return {
+                "id": ident,
+                "object": chunk_kind,
+                "created": created,
+                "model": self.model,
+                "choices": [choice],
+                **extra,
+            }
 
         async def send(data) -> None:
             payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
@@ -260,11 +343,18 @@ class OpenAIApi:
                 if msg.text:
                     await send(chunk(msg.text))
                 if stats is not None:
-                    await send(chunk(finish=_FINISH.get(stats.finish_reason, "stop"),
-                                     specdec=speculation_stats(stats)))
+                    await send(chunk(finish=_FINISH.get(stats.finish_reason, "stop"), specdec=speculation_stats(stats)))
                     if include_usage:
-                        await send({"id": ident, "object": chunk_kind, "created": created, "model": self.model,
-                                    "choices": [], "usage": usage(stats)})
+                        await send(
+                            {
+                                "id": ident,
+                                "object": chunk_kind,
+                                "created": created,
+                                "model": self.model,
+                                "choices": [],
+                                "usage": usage(stats),
+                            }
+                        )
         except ServiceError as e:
             if not started:
                 raise ApiError.of(e) from None

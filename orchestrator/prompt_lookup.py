@@ -28,12 +28,12 @@ class PromptLookup:
         end = len(history)
         for e in range(max(self._indexed, self.n_min), end):  # n-grams that have a continuation: e < end
             for n in range(self.n_min, min(self.n_max, e) + 1):
-                self._ends[tuple(history[e - n:e])] = e
+                self._ends[tuple(history[e - n : e])] = e
         self._indexed = max(self._indexed, end)
         if k <= 0:
             return []
         for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
-            e = self._ends.get(tuple(history[end - n:]))
+            e = self._ends.get(tuple(history[end - n :]))
             if e is not None:
-                return history[e:e + k]
+                return history[e : e + k]
         return []

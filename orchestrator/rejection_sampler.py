@@ -98,8 +98,9 @@ def speculative_round(draft_tokens: list[int], q: list[Dist], p: list[Dist], see
     Returns (accepted count n, the token emitted at position start + n).
     q: [K] draft distributions; p: [K+1] target distributions.
     """
-    n = count_accepted([qi.prob(x) for qi, x in zip(q, draft_tokens)],
-                       [pi.prob(x) for pi, x in zip(p, draft_tokens)], seed, start)
+    n = count_accepted(
+        [qi.prob(x) for qi, x in zip(q, draft_tokens)], [pi.prob(x) for pi, x in zip(p, draft_tokens)], seed, start
+    )
     if n < len(draft_tokens):
         return n, recover(p[n], q[n], seed, start + n)
     return n, bonus(p[n], seed, start + n)

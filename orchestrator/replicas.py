@@ -58,7 +58,7 @@ def parse_addresses(text: str, flag: str = "--target-address") -> list[Endpoint]
     out = []
     for part in (p.strip() for p in text.split(",")):
         dns = part.startswith(DNS_SCHEME)
-        rest = part[len(DNS_SCHEME):] if dns else part
+        rest = part[len(DNS_SCHEME) :] if dns else part
         host, sep, port = rest.rpartition(":")
         host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -166,8 +166,10 @@ class ReplicaSet:
         if time.monotonic() - self._resolved_at >= self.resolve_interval_s:
             await self.resolve()
         replicas = list(self)
-        reports = await asyncio.gather(*(r.client.stub.GetModelInfo(ms_pb.GetModelInfoRequest(), timeout=timeout_s)
-                                         for r in replicas), return_exceptions=True)
+        reports = await asyncio.gather(
+            *(r.client.stub.GetModelInfo(ms_pb.GetModelInfoRequest(), timeout=timeout_s) for r in replicas),
+            return_exceptions=True,
+        )
         for r, info in zip(replicas, reports):
             if isinstance(info, grpc.aio.AioRpcError) and info.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 continue  # slow, not gone (a long pass on a loaded CPU): its calls say if it fails
@@ -183,8 +185,14 @@ class ReplicaSet:
         """A replica whose tokenizer is not the pair's never takes a generation."""
         ok = self.fingerprint is None or info.tokenizer_fingerprint == self.fingerprint
         if r.compatible and not ok:
-            log.error("%s replica %s serves %r with tokenizer %s, not the pair's %s: it takes no generations",
-                      self.role, r.address, info.model, info.tokenizer_fingerprint, self.fingerprint)
+            log.error(
+                "%s replica %s serves %r with tokenizer %s, not the pair's %s: it takes no generations",
+                self.role,
+                r.address,
+                info.model,
+                info.tokenizer_fingerprint,
+                self.fingerprint,
+            )
         r.compatible = ok
 
     def placeable(self) -> list[Replica]:

@@ -46,8 +46,17 @@ def capacity(cfg: OrchestratorConfig, draft: ReplicaSet, target: ReplicaSet) -> 
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, cfg: OrchestratorConfig, tokenizer, draft: ReplicaSet, target: ReplicaSet,
-                 eos_ids: set[int], max_model_len: int, metrics: OrchestratorMetrics, admission: Admission):
+    def __init__(
+        self,
+        cfg: OrchestratorConfig,
+        tokenizer,
+        draft: ReplicaSet,
+        target: ReplicaSet,
+        eos_ids: set[int],
+        max_model_len: int,
+        metrics: OrchestratorMetrics,
+        admission: Admission,
+    ):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.draft = draft
@@ -74,8 +83,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         top_k = req.top_k if req.HasField("top_k") else cfg.top_k
         k = req.num_speculative_tokens if req.HasField("num_speculative_tokens") else cfg.num_speculative_tokens
         adaptive = cfg.adaptive_speculation and not req.HasField("num_speculative_tokens")  # a K asked for is kept
-        confidence = (req.draft_confidence_threshold if req.HasField("draft_confidence_threshold")
-                      else cfg.draft_confidence_threshold)
+        confidence = (
+            req.draft_confidence_threshold
+            if req.HasField("draft_confidence_threshold")
+            else cfg.draft_confidence_threshold
+        )
         lookup_min = req.prompt_lookup_min if req.HasField("prompt_lookup_min") else cfg.prompt_lookup_min
         if not (math.isfinite(temperature) and temperature >= 0):
             raise invalid(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
@@ -88,8 +100,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not 0 <= confidence < 1:
             raise invalid(f"draft_confidence_threshold must be in [0, 1), got {confidence}")
         if lookup_min > cfg.prompt_lookup_max:
-            raise invalid(f"prompt_lookup_min must be within [0, {cfg.prompt_lookup_max}] (0 turns it off), "
-                          f"got {lookup_min}")
+            raise invalid(
+                f"prompt_lookup_min must be within [0, {cfg.prompt_lookup_max}] (0 turns it off), got {lookup_min}"
+            )
         if req.HasField("max_tokens") and req.max_tokens < 1:
             raise invalid("max_tokens must be at least 1")
         if len(req.stop) > cfg.max_stop_strings or any(not s for s in req.stop):
@@ -103,20 +116,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         room = self.max_model_len - len(ids)
         if req.HasField("max_tokens"):
             if req.max_tokens > room:
-                raise ServiceError(grpc.StatusCode.OUT_OF_RANGE,
-                                   f"prompt ({len(ids)} tokens) plus max_tokens ({req.max_tokens}) exceeds the "
-                                   f"context length {self.max_model_len}; shorten one of them")
+                raise ServiceError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"prompt ({len(ids)} tokens) plus max_tokens ({req.max_tokens}) exceeds the "
+                    f"context length {self.max_model_len}; shorten one of them",
+                )
             max_tokens = req.max_tokens
         else:
             if room < 1:
-                raise ServiceError(grpc.StatusCode.OUT_OF_RANGE,
-                                   f"prompt ({len(ids)} tokens) leaves no room in the context length {self.max_model_len}")
+                raise ServiceError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"prompt ({len(ids)} tokens) leaves no room in the context length {self.max_model_len}",
+                )
             max_tokens = min(cfg.max_tokens, room)
         seed = req.seed if req.HasField("seed") else secrets.randbits(63)
-        return GenerationSpec(ids, max_tokens, SamplingParams(temperature, top_p, top_k, seed),
-                              cfg.max_speculative_tokens if adaptive else k, list(req.stop),
-                              min_confidence=confidence, lookup=(lookup_min, cfg.prompt_lookup_max),
-                              speculate_first_round=cfg.speculate_first_round, adaptive_start=k if adaptive else None)
+        return GenerationSpec(
+            ids,
+            max_tokens,
+            SamplingParams(temperature, top_p, top_k, seed),
+            cfg.max_speculative_tokens if adaptive else k,
+            list(req.stop),
+            min_confidence=confidence,
+            lookup=(lookup_min, cfg.prompt_lookup_max),
+            speculate_first_round=cfg.speculate_first_round,
+            adaptive_start=k if adaptive else None,
+        )
 
     def _tokenize(self, req: gen_pb.GenerateRequest) -> list[int]:
         if req.prompt:
@@ -131,11 +155,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return list(out["input_ids"])
 
     async def Generate(self, request, context):
-        if self.cfg.api_key and not bearer_matches(dict(context.invocation_metadata() or ()).get("authorization", ""),
-                                                   self.cfg.api_key):
+        if self.cfg.api_key and not bearer_matches(
+            dict(context.invocation_metadata() or ()).get("authorization", ""), self.cfg.api_key
+        ):
             self.metrics.request_errors.labels("UNAUTHENTICATED").inc()
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "a valid API key is required: send the metadata authorization: Bearer <key>")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "a valid API key is required: send the metadata authorization: Bearer <key>",
+            )
         async with contextlib.aclosing(self.stream(request)) as messages:
             try:
                 async for msg in messages:
@@ -152,8 +179,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         m = self.metrics
         try:
             spec = self.build_spec(request)
-            gen = Generation(spec, uuid.uuid4().hex, self.draft, self.target, self.tokenizer, self.eos_ids,
-                             self.max_model_len, m, self.cfg, self.speculation)
+            gen = Generation(
+                spec,
+                uuid.uuid4().hex,
+                self.draft,
+                self.target,
+                self.tokenizer,
+                self.eos_ids,
+                self.max_model_len,
+                m,
+                self.cfg,
+                self.speculation,
+            )
             kv_tokens = min(len(spec.prompt_ids) + spec.max_tokens + spec.k, self.max_model_len)
             await self.admission.enter(kv_tokens)  # given back once the generation's sessions are freed, below
         except ServiceError as e:
@@ -188,7 +225,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except Exception:  # a defect, not the request's fault: the client gets INTERNAL, the log the traceback
             m.request_errors.labels("INTERNAL").inc()
             log.exception("Generate failed")
-            raise ServiceError(grpc.StatusCode.INTERNAL, "the generation failed on the orchestrator; see its log") from None
+            raise ServiceError(
+                grpc.StatusCode.INTERNAL, "the generation failed on the orchestrator; see its log"
+            ) from None
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away: its handler is cancelled at an await, or this generator closed at a yield
             # (GeneratorExit) when the client cancels while a message is on its way.

@@ -100,7 +100,9 @@ class RoundCosts:
         self.active: float | None = None  # sessions calling the target
         self.verify_sessions: float | None = None  # sessions in the target passes of drafted rounds
         self.draft_sessions: float | None = None  # sessions in the draft's steps
-        self._outside: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # rounds' time outside the passes and the draft call
+        self._outside: deque[float] = deque(
+            maxlen=OVERHEAD_WINDOW
+        )  # rounds' time outside the passes and the draft call
         self._draft_calls: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # draft calls' time outside their passes
         self._starts: list[float] = []  # the last START_WINDOW measures of a request's first draft call
         self._first_start_seen = False
@@ -173,8 +175,9 @@ class Acceptance:
     """alpha = accepted / (accepted + rounds that ended in a rejection), older rounds decayed, starting
     from a prior alpha worth prior_rounds rounds."""
 
-    def __init__(self, prior_alpha: float = DEFAULT_ALPHA, prior_rounds: float = PRIOR_ROUNDS,
-                 decay: float = REQUEST_DECAY):
+    def __init__(
+        self, prior_alpha: float = DEFAULT_ALPHA, prior_rounds: float = PRIOR_ROUNDS, decay: float = REQUEST_DECAY
+    ):
         self.prior_alpha = prior_alpha
         self.prior_rounds = prior_rounds
         self.decay = decay
@@ -201,15 +204,18 @@ class Speculation:
         self.costs = RoundCosts()
         # A prior worth PROCESS_PRIOR_ROUNDS rounds, so that one short request that missed everything (a
         # warm-up) cannot set alpha to 0 and with it every later request's K.
-        self.alpha = {True: Acceptance(prior_rounds=PROCESS_PRIOR_ROUNDS, decay=PROCESS_DECAY),
-                      False: Acceptance(prior_rounds=PROCESS_PRIOR_ROUNDS, decay=PROCESS_DECAY)}
+        self.alpha = {
+            True: Acceptance(prior_rounds=PROCESS_PRIOR_ROUNDS, decay=PROCESS_DECAY),
+            False: Acceptance(prior_rounds=PROCESS_PRIOR_ROUNDS, decay=PROCESS_DECAY),
+        }
         self._requests = {True: 0, False: 0}
 
     def observe_start(self, k: int, draft_wall_s: float) -> None:
         self.costs.observe_start(k, draft_wall_s)
 
-    def observe(self, greedy: bool, k: int, accepted: int, round_s: float, target: CallCost,
-                draft: CallCost | None = None) -> None:
+    def observe(
+        self, greedy: bool, k: int, accepted: int, round_s: float, target: CallCost, draft: CallCost | None = None
+    ) -> None:
         """A decoding round with k proposed tokens; draft is the draft's call when the draft proposed them (else
         they came from prompt lookup, or there were none)."""
         self.costs.observe(round_s, target, draft)

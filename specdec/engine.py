@@ -108,8 +108,37 @@ def plan_pass(feeds: list[Feed], budget: int) -> list[Piece]:
 
 
 # Pass widths the cost table keeps apart; a pass counts in the first at or above its rows.
-WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
-          3072, 4096, 6144, 8192)
+WIDTHS = (
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    8,
+    10,
+    12,
+    16,
+    20,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    192,
+    256,
+    384,
+    512,
+    768,
+    1024,
+    1536,
+    2048,
+    3072,
+    4096,
+    6144,
+    8192,
+)
 COST_RATE = 0.1  # each width's estimate weighs its last ~10 passes most
 
 
@@ -132,8 +161,11 @@ class PassCosts:
 
     def observe(self, rows: int, seconds: float) -> None:
         old = self.seconds.get(key := width_of(rows))
-        self.seconds[key] = (rows, seconds) if old is None else (
-            costs.ewma(old[0], rows, self.rate), costs.ewma(old[1], seconds, self.rate))
+        self.seconds[key] = (
+            (rows, seconds)
+            if old is None
+            else (costs.ewma(old[0], rows, self.rate), costs.ewma(old[1], seconds, self.rate))
+        )
 
     def curve(self) -> list[tuple[float, float]]:
         """(mean rows, mean seconds) of each width measured, ascending."""
@@ -147,8 +179,16 @@ class PassCosts:
 class Engine:
     """Feeds the calls of every session to the runner in batched passes (see the module)."""
 
-    def __init__(self, runner, pool: SessionPool, max_batch_tokens: int, metrics=None,
-                 threads: int | None = None, long_pass_threads: int | None = None, pass_context=contextlib.nullcontext):
+    def __init__(
+        self,
+        runner,
+        pool: SessionPool,
+        max_batch_tokens: int,
+        metrics=None,
+        threads: int | None = None,
+        long_pass_threads: int | None = None,
+        pass_context=contextlib.nullcontext,
+    ):
         """pass_context: a factory of the context each pass runs in (specdec.runners.attention_kernels)."""
         self.runner = runner
         self.pass_context = pass_context
@@ -157,8 +197,11 @@ class Engine:
         self.metrics = metrics
         self.threads = threads
         self.long_pass_threads = long_pass_threads
-        self._long_pass_threads = (TorchThreads(long_pass_threads, threads)
-                                   if long_pass_threads and long_pass_threads != threads else _SAME_THREADS)
+        self._long_pass_threads = (
+            TorchThreads(long_pass_threads, threads)
+            if long_pass_threads and long_pass_threads != threads
+            else _SAME_THREADS
+        )
         self.costs = PassCosts()
         self._queue: list[Feed] = []
         self._task: asyncio.Task | None = None
@@ -176,8 +219,9 @@ class Engine:
         `context` tokens, so that the first calls already report what a row costs; then it learns online."""
         width = max(widths)
         caches = [self.runner.new_cache() for _ in range(width)]
-        self.runner.forward_batch(caches, [[(i + j) % 7 + 1 for j in range(context)] for i in range(width)],
-                                  [1] * width)
+        self.runner.forward_batch(
+            caches, [[(i + j) % 7 + 1 for j in range(context)] for i in range(width)], [1] * width
+        )
         for w in widths:
             best = float("inf")
             for _ in range(2):
@@ -196,8 +240,9 @@ class Engine:
         if not tokens or not 1 <= num_logits <= len(tokens):
             raise ValueError(f"a feed of {len(tokens)} tokens cannot give {num_logits} logits")
         self._start()
-        feed = Feed(s, list(tokens), num_logits, scored_only, asyncio.get_running_loop().create_future(),
-                    time.perf_counter())
+        feed = Feed(
+            s, list(tokens), num_logits, scored_only, asyncio.get_running_loop().create_future(), time.perf_counter()
+        )
         self._queue.append(feed)
         self._arrived(s.id, feed.queued_at)
         feed.logits = await feed.future
@@ -282,8 +327,9 @@ class Engine:
         would have added to this one, from the measured costs), the engine waits for them, at most that long: a
         window that follows the measured costs, and none where the calls come back slowly (the draft's sessions,
         which return only after a target pass). A session alone waits for nothing: its pass starts as it calls."""
-        self._expected = {sid for sid in self._served if sid not in {f.session.id for f in self._queue}
-                          and sid in self.pool}
+        self._expected = {
+            sid for sid in self._served if sid not in {f.session.id for f in self._queue} and sid in self.pool
+        }
         # What splitting the batch costs: one more pass, less the row it would have added to this one.
         limit = max(self.costs.at(1)[0] - self.costs.at(self.last_rows)[1], 0.0)
         if not self._expected or self.turnaround_s is None or self.turnaround_s > limit:
@@ -312,9 +358,14 @@ class Engine:
         for p in pieces:
             s = p.feed.session
             if not self.pool.holds(s):
-                self._fail(p.feed, ServiceError(grpc.StatusCode.NOT_FOUND,
-                                                f"session {s.id!r} was released while its call waited; "
-                                                "resend the history with expected_length 0"))
+                self._fail(
+                    p.feed,
+                    ServiceError(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"session {s.id!r} was released while its call waited; "
+                        "resend the history with expected_length 0",
+                    ),
+                )
             else:
                 live.append(p)
         if not live:
@@ -340,11 +391,14 @@ class Engine:
         rows = sum(p.n for p in pieces)
         start = time.perf_counter()
         with self._long_pass_threads if rows > LONG_PASS_TOKENS else _SAME_THREADS, self.pass_context():
-            logits = to_host(self.runner.forward_batch(
-                [p.feed.session.cache for p in pieces],
-                [p.feed.tokens[p.feed.done: p.feed.done + p.n] for p in pieces],
-                [p.feed.num_logits if p.last else 1 for p in pieces],
-                pieces[0].feed.scored_only))
+            logits = to_host(
+                self.runner.forward_batch(
+                    [p.feed.session.cache for p in pieces],
+                    [p.feed.tokens[p.feed.done : p.feed.done + p.n] for p in pieces],
+                    [p.feed.num_logits if p.last else 1 for p in pieces],
+                    pieces[0].feed.scored_only,
+                )
+            )
         seconds = time.perf_counter() - start
         self.passes += 1
         self.last_pass_s, self.last_rows = seconds, rows
@@ -354,7 +408,7 @@ class Engine:
             self.metrics.observe_pass(rows, len(pieces), seconds)
         for p, last, out in zip(pieces, [p.last for p in pieces], logits):
             f = p.feed
-            f.session.append(f.tokens[f.done: f.done + p.n])
+            f.session.append(f.tokens[f.done : f.done + p.n])
             if f.started_at is None:
                 f.started_at = start
                 if self.metrics is not None:

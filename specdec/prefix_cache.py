@@ -38,7 +38,7 @@ class PrefixCache:
         """(key, block tokens, parent key) of the first n_blocks blocks of tokens."""
         parent = None
         for i in range(n_blocks):
-            chunk = tuple(tokens[i * self.block:(i + 1) * self.block])
+            chunk = tuple(tokens[i * self.block : (i + 1) * self.block])
             key = hash((parent, chunk))
             yield key, chunk, parent
             parent = key

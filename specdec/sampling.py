@@ -108,7 +108,9 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         cum = torch.cumsum(top, dim=-1)
         reached = (cum[:, -1] >= top_p) | (k == vocab)
         done = rows[reached]
-        keep[done] = keep[done].scatter(-1, idx[reached], (cum - top)[reached] < top_p)  # mass before it not yet reached
+        keep[done] = keep[done].scatter(
+            -1, idx[reached], (cum - top)[reached] < top_p
+        )  # mass before it not yet reached
         rows = rows[~reached]
         k = min(4 * k, vocab)
     return keep

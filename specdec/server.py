@@ -45,8 +45,9 @@ def server_credentials(cfg) -> grpc.ServerCredentials | None:
     if not cfg.tls_cert:
         return None
     ca = _read(cfg.tls_client_ca) if cfg.tls_client_ca else None
-    return grpc.ssl_server_credentials([(_read(cfg.tls_key), _read(cfg.tls_cert))], root_certificates=ca,
-                                       require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(_read(cfg.tls_key), _read(cfg.tls_cert))], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 def channel_credentials(ca: str, cert: str = "", key: str = "") -> grpc.ChannelCredentials:
@@ -54,14 +55,22 @@ def channel_credentials(ca: str, cert: str = "", key: str = "") -> grpc.ChannelC
     return grpc.ssl_channel_credentials(_read(ca), _read(key) if key else None, _read(cert) if cert else None)
 
 
-def create_server(address: str, services: list[tuple[Callable, object, str]], *, max_receive_bytes: int = 8 << 20,
-                  credentials: grpc.ServerCredentials | None = None
-                  ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+def create_server(
+    address: str,
+    services: list[tuple[Callable, object, str]],
+    *,
+    max_receive_bytes: int = 8 << 20,
+    credentials: grpc.ServerCredentials | None = None,
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """services: (add_XServicer_to_server, servicer, full service name); credentials: TLS (server_credentials),
     None for plaintext. Returns (server, port, health)."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_receive_bytes),
-                                      ("grpc.max_send_message_length", 64 << 20),
-                                      ("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_receive_bytes),
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = []
@@ -100,9 +109,14 @@ def start_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0")
     return None
 
 
-async def serve(server: grpc.aio.Server, health_servicer, grace_s: float,
-                on_stop: Callable[[], Awaitable[None]] | None = None, stop_event: asyncio.Event | None = None,
-                on_draining: Callable[[], None] | None = None) -> None:
+async def serve(
+    server: grpc.aio.Server,
+    health_servicer,
+    grace_s: float,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    stop_event: asyncio.Event | None = None,
+    on_draining: Callable[[], None] | None = None,
+) -> None:
     """Run a started server until a signal (or stop_event), then shut down gracefully.
 
     on_draining runs as shutdown begins, before the grace period; on_stop after it."""

@@ -36,9 +36,17 @@ def tiny_draft(tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                      tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     return LlamaForCausalLM(cfg).eval().requires_grad_(False)
 
 
@@ -75,8 +83,13 @@ def write_gguf(model, path, formats=("Q4_1", "Q8_0")):
             a, mlp = layer.self_attn, layer.mlp
             store(f"blk.{i}.attn_q.weight", a.q_proj.weight, formats[0], cfg.num_attention_heads)
             store(f"blk.{i}.attn_k.weight", a.k_proj.weight, formats[0], cfg.num_key_value_heads)
-            for name, param in (("attn_v", a.v_proj), ("attn_output", a.o_proj), ("ffn_gate", mlp.gate_proj),
-                                ("ffn_up", mlp.up_proj), ("ffn_down", mlp.down_proj)):
+            for name, param in (
+                ("attn_v", a.v_proj),
+                ("attn_output", a.o_proj),
+                ("ffn_gate", mlp.gate_proj),
+                ("ffn_up", mlp.up_proj),
+                ("ffn_down", mlp.down_proj),
+            ):
                 store(f"blk.{i}.{name}.weight", param.weight, formats[0])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -107,8 +120,10 @@ class _Loop:
 
     def call(self, fn, *args):
         """Run fn on the loop thread (e.g. to touch a server's state) and return its result."""
+
         async def _c():
             return fn(*args)
+
         return self.run(_c())
 
 
@@ -189,8 +204,18 @@ class Stack:
         return self.registry.get_sample_value(name, labels or {}) or 0.0
 
 
-def make_stack(lt: _Loop, tokenizer, draft_model, target_model, *, draft_servicer=None, target_servicer=None,
-               draft_cfg: dict | None = None, target_cfg: dict | None = None, orch_cfg: dict | None = None) -> Stack:
+def make_stack(
+    lt: _Loop,
+    tokenizer,
+    draft_model,
+    target_model,
+    *,
+    draft_servicer=None,
+    target_servicer=None,
+    draft_cfg: dict | None = None,
+    target_cfg: dict | None = None,
+    orch_cfg: dict | None = None,
+) -> Stack:
     from draft_service.app import SERVICE_NAME as DRAFT_NAME
     from draft_service.servicer import DraftServicer
     from orchestrator.app import start_orchestrator
@@ -199,23 +224,45 @@ def make_stack(lt: _Loop, tokenizer, draft_model, target_model, *, draft_service
     from target_service.servicer import TargetServicer
 
     async def start():
-        dcfg = ModelServerConfig(role="draft", model="test-draft", port=0, metrics_port=0,
-                                 **{"threads": 1, **(draft_cfg or {})})  # as deployed: one CPU thread
-        tcfg = ModelServerConfig(role="target", port=0, metrics_port=0, **{"model": "test-target", **(target_cfg or {})})
+        dcfg = ModelServerConfig(
+            role="draft", model="test-draft", port=0, metrics_port=0, **{"threads": 1, **(draft_cfg or {})}
+        )  # as deployed: one CPU thread
+        tcfg = ModelServerConfig(
+            role="target", port=0, metrics_port=0, **{"model": "test-target", **(target_cfg or {})}
+        )
         draft = ModelServer(dcfg, draft_model, tokenizer)
         target = ModelServer(tcfg, target_model, tokenizer)
         d_servicer = (draft_servicer or DraftServicer)(draft)
         t_servicer = (target_servicer or TargetServicer)(target)
         d_srv, d_port, *_ = await start_model_server(
-            draft, [(draft_pb2_grpc.add_DraftServiceServicer_to_server, d_servicer, DRAFT_NAME)], "127.0.0.1", 0)
+            draft, [(draft_pb2_grpc.add_DraftServiceServicer_to_server, d_servicer, DRAFT_NAME)], "127.0.0.1", 0
+        )
         t_srv, t_port, *_ = await start_model_server(
-            target, [(target_pb2_grpc.add_TargetServiceServicer_to_server, t_servicer, TARGET_NAME)], "127.0.0.1", 0)
-        ocfg = OrchestratorConfig(host="127.0.0.1", port=0, metrics_port=0, draft_address=f"127.0.0.1:{d_port}",
-                                  target_address=f"127.0.0.1:{t_port}", **{"http_port": 0, **(orch_cfg or {})})
+            target, [(target_pb2_grpc.add_TargetServiceServicer_to_server, t_servicer, TARGET_NAME)], "127.0.0.1", 0
+        )
+        ocfg = OrchestratorConfig(
+            host="127.0.0.1",
+            port=0,
+            metrics_port=0,
+            draft_address=f"127.0.0.1:{d_port}",
+            target_address=f"127.0.0.1:{t_port}",
+            **{"http_port": 0, **(orch_cfg or {})},
+        )
         registry = CollectorRegistry()
         o_srv, o_port, _, servicer = await start_orchestrator(ocfg, registry, tokenizer)
-        return Stack(lt, draft, target, f"127.0.0.1:{o_port}", registry, servicer, [o_srv, d_srv, t_srv],
-                     f"127.0.0.1:{d_port}", f"127.0.0.1:{t_port}", d_servicer, t_servicer)
+        return Stack(
+            lt,
+            draft,
+            target,
+            f"127.0.0.1:{o_port}",
+            registry,
+            servicer,
+            [o_srv, d_srv, t_srv],
+            f"127.0.0.1:{d_port}",
+            f"127.0.0.1:{t_port}",
+            d_servicer,
+            t_servicer,
+        )
 
     return lt.run(start())
 
@@ -227,6 +274,7 @@ def stop_stack(stack: Stack) -> None:
         await stack.servicer.close()
         for s in stack.servers:
             await s.stop(0)
+
     stack.lt.run(stop())
 
 

@@ -25,6 +25,7 @@ def _waiting(a: Admission, tokens: int, order: list, name: str) -> asyncio.Futur
     async def wait():
         await a.enter(tokens)
         order.append(name)
+
     return asyncio.ensure_future(wait())
 
 

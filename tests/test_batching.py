@@ -37,7 +37,7 @@ def test_each_row_of_a_many_row_product_is_the_row_alone_bit_for_bit(form):
         q, scales, _ = gguf_blocks.split_blocks(quantize(w.numpy(), GGMLQuantizationType[form]), form)
         product = lambda x: kernels.few_rows_gguf(x, q, scales, form)
     x = torch.randn(64, k)
-    alone = torch.cat([product(x[i:i + 1]) for i in range(len(x))])
+    alone = torch.cat([product(x[i : i + 1]) for i in range(len(x))])
     for m in (2, 5, 8, 9, 16, 17, 33, 64):  # one tile of 8, several, and a tail
         assert torch.equal(product(x[:m]), alone[:m]), m
 
@@ -53,16 +53,32 @@ def test_attention_over_several_sessions_gives_each_what_it_gets_alone():
     alone, row = [], 0
     copies = [(k.clone(), v.clone()) for k, v in caches]
     for (n, start), (k, v) in zip(sessions, copies):
-        alone.append(kernels.attend(qkv[row:row + n], k, v, cos[row:row + n], sin[row:row + n], start, heads))
+        alone.append(kernels.attend(qkv[row : row + n], k, v, cos[row : row + n], sin[row : row + n], start, heads))
         row += n
-    together = kernels.attend_batch(qkv, [k for k, _ in caches], [v for _, v in caches], cos, sin,
-                                    [s for _, s in sessions], [n for n, _ in sessions], heads)
+    together = kernels.attend_batch(
+        qkv,
+        [k for k, _ in caches],
+        [v for _, v in caches],
+        cos,
+        sin,
+        [s for _, s in sessions],
+        [n for n, _ in sessions],
+        heads,
+    )
     assert torch.equal(together, torch.cat(alone))
     for (k, v), (k2, v2) in zip(caches, copies):  # each cache written as alone
         assert torch.equal(k, k2) and torch.equal(v, v2)
     with pytest.raises(RuntimeError, match="rows"):
-        kernels.attend_batch(qkv[:-1], [k for k, _ in caches], [v for _, v in caches], cos[:-1], sin[:-1],
-                             [s for _, s in sessions], [n for n, _ in sessions], heads)
+        kernels.attend_batch(
+            qkv[:-1],
+            [k for k, _ in caches],
+            [v for _, v in caches],
+            cos[:-1],
+            sin[:-1],
+            [s for _, s in sessions],
+            [n for n, _ in sessions],
+            heads,
+        )
 
 
 # -- the runners ------------------------------------------------------------------------------------------------
@@ -92,7 +108,7 @@ def test_a_batched_pass_gives_each_session_its_logits_alone_bit_for_bit(tiny_dra
     alone, alone_caches, batched, caches = _alone_and_batched(runner)
     for a, b, ca, cb in zip(alone, batched, alone_caches, caches):
         assert torch.equal(a, b)
-        assert ca.length == cb.length and torch.equal(ca.k[:, :, :ca.length], cb.k[:, :, :cb.length])
+        assert ca.length == cb.length and torch.equal(ca.k[:, :, : ca.length], cb.k[:, :, : cb.length])
     # and the next steps, batched again, still agree: the caches hold the same values
     nxt = runner.forward_batch(caches, [[1], [2], [3], [4]], [1] * 4)
     assert all(torch.equal(runner.forward(c, [t], 1), b) for c, t, b in zip(alone_caches, (1, 2, 3, 4), nxt))
@@ -121,8 +137,9 @@ def test_without_the_kernels_a_batched_pass_matches_the_lone_ones_to_float_round
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
-def test_the_stock_runner_batches_sessions_of_different_lengths_with_their_own_masks_and_positions(tiny_draft,
-                                                                                                   tokenizer):
+def test_the_stock_runner_batches_sessions_of_different_lengths_with_their_own_masks_and_positions(
+    tiny_draft, tokenizer
+):
     runner = CausalLMRunner(tiny_draft, len(tokenizer))
     assert not runner.batch_invariant
     alone, alone_caches, batched, caches = _alone_and_batched(runner)
@@ -197,8 +214,9 @@ class RecordingRunner:
 
 def _engine(budget=64):
     runner = RecordingRunner()
-    pool = SessionPool(runner.new_cache, runner.crop, max_sessions=16, max_tokens=10_000, max_model_len=4096,
-                       idle_ttl_s=60)
+    pool = SessionPool(
+        runner.new_cache, runner.crop, max_sessions=16, max_tokens=10_000, max_model_len=4096, idle_ttl_s=60
+    )
     return Engine(runner, pool, budget), runner, pool
 
 
@@ -236,8 +254,9 @@ def test_a_failing_session_fails_its_call_alone_and_the_others_get_their_logits(
     async def main():
         engine, _, pool = _engine()
         good, bad = pool.open("good", 0, 0), pool.open("bad", 0, 0)
-        results = await asyncio.gather(engine.forward(good, [1, 2], 1), engine.forward(bad, [666], 1),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            engine.forward(good, [1, 2], 1), engine.forward(bad, [666], 1), return_exceptions=True
+        )
         return results, pool, good
 
     (ok, failed), pool, good = asyncio.run(main())
@@ -275,8 +294,14 @@ def test_a_session_released_while_its_call_waits_fails_that_call_with_not_found(
 
 
 # -- through the real services ---------------------------------------------------------------------------------------
-CHATS = ["Why is the ocean salty?", "Write a haiku about autumn.", "List three primary colors.",
-         "What is 12 times 11?", "Explain what a noun is.", "Name a planet with rings."]
+CHATS = [
+    "Why is the ocean salty?",
+    "Write a haiku about autumn.",
+    "List three primary colors.",
+    "What is 12 times 11?",
+    "Explain what a noun is.",
+    "Name a planet with rings.",
+]
 
 
 def test_concurrent_requests_each_get_the_output_they_get_alone_and_share_passes(partial_stack):
@@ -284,10 +309,15 @@ def test_concurrent_requests_each_get_the_output_they_get_alone_and_share_passes
     request at a fixed K replays token for token, whatever runs beside it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    requests = [dict(messages=[("user", text)], max_tokens=24, temperature=0.0, num_speculative_tokens=3)
-                for text in CHATS[:3]]
-    requests += [dict(messages=[("user", text)], max_tokens=24, temperature=0.8, top_p=0.9, seed=11 + i,
-                      num_speculative_tokens=2) for i, text in enumerate(CHATS[3:])]
+    requests = [
+        dict(messages=[("user", text)], max_tokens=24, temperature=0.0, num_speculative_tokens=3) for text in CHATS[:3]
+    ]
+    requests += [
+        dict(
+            messages=[("user", text)], max_tokens=24, temperature=0.8, top_p=0.9, seed=11 + i, num_speculative_tokens=2
+        )
+        for i, text in enumerate(CHATS[3:])
+    ]
     alone = [partial_stack.generate(**r)[0] for r in requests]
     before = _passes(partial_stack.target)
     with ThreadPoolExecutor(len(requests)) as pool:
@@ -308,8 +338,9 @@ def test_a_session_takes_one_call_at_a_time_and_waiting_calls_hold_their_kv_toke
     from specdec.model_server import CallStats, ModelServer
     from specdec.v1 import model_server_pb2 as ms
 
-    core = ModelServer(ModelServerConfig(role="target", model="t", metrics_port=0, max_tokens=100), tiny_draft,
-                       tokenizer)
+    core = ModelServer(
+        ModelServerConfig(role="target", model="t", metrics_port=0, max_tokens=100), tiny_draft, tokenizer
+    )
 
     async def main():
         cursor = lambda sid, n: ms.SessionCursor(session_id=sid, expected_length=0, keep_length=0, tokens=[1] * n)
@@ -327,8 +358,9 @@ def test_a_session_takes_one_call_at_a_time_and_waiting_calls_hold_their_kv_toke
     assert list(core.pool._sessions) == ["a"]
 
 
-def test_the_draft_runs_step_i_of_every_pending_proposal_in_one_pass_and_a_shorter_one_leaves_early(tokenizer,
-                                                                                                     tiny_draft):
+def test_the_draft_runs_step_i_of_every_pending_proposal_in_one_pass_and_a_shorter_one_leaves_early(
+    tokenizer, tiny_draft
+):
     from draft_service.servicer import DraftServicer
     from specdec.config import ModelServerConfig
     from specdec.model_server import ModelServer
@@ -368,8 +400,9 @@ def test_a_new_session_takes_the_longest_cached_prefix_and_gets_the_logits_it_co
 
     built_kernels()
     core = ModelServer(ModelServerConfig(role="target", model="t", metrics_port=0), tiny_draft, tokenizer)
-    alone = ModelServer(ModelServerConfig(role="target", model="t", metrics_port=0, prefix_cache_tokens=0), tiny_draft,
-                        tokenizer)
+    alone = ModelServer(
+        ModelServerConfig(role="target", model="t", metrics_port=0, prefix_cache_tokens=0), tiny_draft, tokenizer
+    )
     assert core.prefix is not None and alone.prefix is None
     fed = []
     forward_batch = core.runner.forward_batch
@@ -383,10 +416,20 @@ def test_a_new_session_takes_the_longest_cached_prefix_and_gets_the_logits_it_co
     async def main():
         first = await verify(core, "a", opening + [7, 8, 9])
         again = await verify(core, "b", opening + [5, 6])  # the same opening, then its own tokens
-        whole = await verify(core, "c", opening[:2 * BLOCK], k=2 * BLOCK)  # at most len - k reused: none
-        return first, again, whole, [await verify(alone, sid, t, k) for sid, t, k in
-                                     (("a", opening + [7, 8, 9], 3), ("b", opening + [5, 6], 3),
-                                      ("c", opening[:2 * BLOCK], 2 * BLOCK))]
+        whole = await verify(core, "c", opening[: 2 * BLOCK], k=2 * BLOCK)  # at most len - k reused: none
+        return (
+            first,
+            again,
+            whole,
+            [
+                await verify(alone, sid, t, k)
+                for sid, t, k in (
+                    ("a", opening + [7, 8, 9], 3),
+                    ("b", opening + [5, 6], 3),
+                    ("c", opening[: 2 * BLOCK], 2 * BLOCK),
+                )
+            ],
+        )
 
     *got, expected = asyncio.run(main())
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
@@ -394,8 +437,7 @@ def test_a_new_session_takes_the_longest_cached_prefix_and_gets_the_logits_it_co
     assert core.metrics.prefix_hits._value.get() == 3 * BLOCK
 
 
-def test_the_prefix_cache_reuses_a_block_only_after_the_same_tokens_and_drops_a_chains_end_first(tiny_draft,
-                                                                                                 tokenizer):
+def test_the_prefix_cache_reuses_a_block_only_after_the_same_tokens_and_drops_a_chains_end_first(tiny_draft, tokenizer):
     from specdec.prefix_cache import PrefixCache
 
     built_kernels()
@@ -421,6 +463,7 @@ def test_the_prefix_cache_reuses_a_block_only_after_the_same_tokens_and_drops_a_
 def test_the_engine_sees_a_callback_scheduled_with_call_soon_as_ready_and_none_on_an_idle_loop():
     """Engine._gather reads asyncio's private queue of ready callbacks (has_ready_callbacks): if asyncio changes
     it, this fails rather than the engine quietly splitting batches."""
+
     async def check():
         loop = asyncio.get_running_loop()
         await asyncio.sleep(0)

@@ -8,8 +8,9 @@ from bench.production import CONFIGS, build, markdown, profile, projected_speedu
 
 
 def test_the_profile_builds_llama_3_2_1b_and_3b_with_their_published_parameter_counts():
-    counts = {name: sum(p.numel() for p in build(cfg, torch.bfloat16, "meta").parameters())
-              for name, cfg in CONFIGS.items()}
+    counts = {
+        name: sum(p.numel() for p in build(cfg, torch.bfloat16, "meta").parameters()) for name, cfg in CONFIGS.items()
+    }
     assert counts == {"Llama-3.2-1B": 1_235_814_400, "Llama-3.2-3B": 3_212_749_824}
 
 
@@ -34,19 +35,34 @@ def test_a_shrunk_profile_times_every_k_and_projects_the_best_one():
     assert "Projected" in markdown(r) and "shrunk 32x" in markdown(r)
 
 
-def _run(tokens, seconds, accepted=0, drafted=0, rejected=0, rounds=1, lookup_tokens=0, lookup_accepted=0,
-         decode=None):
-    return {"tokens": tokens, "seconds": seconds, "accepted": accepted, "drafted": drafted, "rejected_rounds": rejected,
-            "rounds": rounds, "emitted": tokens, "ttft": 0.01, "lookup_tokens": lookup_tokens,
-            "lookup_accepted": lookup_accepted, "decode_tokens_per_s": decode}
+def _run(tokens, seconds, accepted=0, drafted=0, rejected=0, rounds=1, lookup_tokens=0, lookup_accepted=0, decode=None):
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "accepted": accepted,
+        "drafted": drafted,
+        "rejected_rounds": rejected,
+        "rounds": rounds,
+        "emitted": tokens,
+        "ttft": 0.01,
+        "lookup_tokens": lookup_tokens,
+        "lookup_accepted": lookup_accepted,
+        "decode_tokens_per_s": decode,
+    }
 
 
 def _metrics(rounds, decoding_rounds, draft_s, verify_s, step_s, job):
     """The orchestrator's round counters and phase sums, and one server's one-token forward passes."""
     phase = lambda p, kind: (f"specdec_round_phase_seconds_{kind}", (("phase", p),))
     forward = lambda kind: (f"specdec_forward_seconds_{kind}", (("job", job), ("tokens", "1")))
-    return {("specdec_rounds_total", ()): rounds, phase("draft", "sum"): draft_s, phase("verify", "sum"): verify_s,
-            phase("verify", "count"): decoding_rounds, forward("sum"): step_s * 10, forward("count"): 10}
+    return {
+        ("specdec_rounds_total", ()): rounds,
+        phase("draft", "sum"): draft_s,
+        phase("verify", "sum"): verify_s,
+        phase("verify", "count"): decoding_rounds,
+        forward("sum"): step_s * 10,
+        forward("count"): 10,
+    }
 
 
 def test_decoding_rate_leaves_out_the_first_message_and_its_wait():
@@ -64,15 +80,31 @@ def test_the_bench_takes_c_from_the_servers_steps_and_bounds_the_decoding_speedu
     from bench.report import markdown
     from bench.run import summarize
 
-    runs = {"0": [_run(40, 0.4, rounds=40, decode=110.0)],
-            "3": [_run(40, 0.3, accepted=12, drafted=30, rejected=8, rounds=10, decode=160.0)],
-            "3+lookup": [_run(40, 0.25, accepted=15, drafted=30, rejected=5, rounds=10, lookup_tokens=10,
-                              lookup_accepted=6, decode=180.0)]}
-    metric = {"0": _metrics(40, 39, 0.0, 0.36, 0.008, "target"),
-              "3": _metrics(10, 9, 0.03, 0.117, 0.0012, "draft"),
-              "3+lookup": _metrics(10, 9, 0.02, 0.117, 0.0010, "draft")}
-    res = summarize(runs, metric, {"3": [1.3, 1.0], "3+lookup": [1.6, 0.9]},
-                    {"3": [1.4, 1.2], "3+lookup": [1.7, 1.0]}, 0.0, 1.0)
+    runs = {
+        "0": [_run(40, 0.4, rounds=40, decode=110.0)],
+        "3": [_run(40, 0.3, accepted=12, drafted=30, rejected=8, rounds=10, decode=160.0)],
+        "3+lookup": [
+            _run(
+                40,
+                0.25,
+                accepted=15,
+                drafted=30,
+                rejected=5,
+                rounds=10,
+                lookup_tokens=10,
+                lookup_accepted=6,
+                decode=180.0,
+            )
+        ],
+    }
+    metric = {
+        "0": _metrics(40, 39, 0.0, 0.36, 0.008, "target"),
+        "3": _metrics(10, 9, 0.03, 0.117, 0.0012, "draft"),
+        "3+lookup": _metrics(10, 9, 0.02, 0.117, 0.0010, "draft"),
+    }
+    res = summarize(
+        runs, metric, {"3": [1.3, 1.0], "3+lookup": [1.6, 0.9]}, {"3": [1.4, 1.2], "3+lookup": [1.7, 1.0]}, 0.0, 1.0
+    )
     plain, looked = res["per_k"]["3"], res["per_k"]["3+lookup"]
     assert res["target_step_ms"] == pytest.approx(8.0)
     assert plain["c"] == pytest.approx(0.0012 / 0.008) and looked["c"] == pytest.approx(0.0010 / 0.008)
@@ -86,9 +118,18 @@ def test_the_bench_takes_c_from_the_servers_steps_and_bounds_the_decoding_speedu
     ratios = sorted([1.6 / 1.3, 0.9 / 1.0])  # prompt by prompt, not the ratio of the medians
     gain = looked["over_plain_k"]
     assert gain["median"] == pytest.approx(sum(ratios) / 2) and ratios[0] < gain["p25"] < gain["median"]
-    report = {"machine": {"date": "d", "cpu": "c", "cores": 2, "gpu": None, "torch": "t", "transformers": "t"},
-              "draft_model": "d", "target_model": "t", "prompts": 1, "reps": 1, "max_tokens": 40, "lookup_ks": [3],
-              "prompt_lookup_min": 2, "services": {"T=0.0": res}, "wall_seconds": 60}
+    report = {
+        "machine": {"date": "d", "cpu": "c", "cores": 2, "gpu": None, "torch": "t", "transformers": "t"},
+        "draft_model": "d",
+        "target_model": "t",
+        "prompts": 1,
+        "reps": 1,
+        "max_tokens": 40,
+        "lookup_ks": [3],
+        "prompt_lookup_min": 2,
+        "services": {"T=0.0": res},
+        "wall_seconds": 60,
+    }
     md = markdown(report)
     assert "| 3+lookup | 1.25" in md and "prompt lookup proposed 33% of the tokens, 60% of them accepted" in md
     assert "| 3 | 1.15 [1.07, 1.23] | 1.30 [1.25, 1.35] |" in md
@@ -101,9 +142,11 @@ def test_the_auto_arm_reports_its_mean_k_and_the_share_of_rounds_at_each_k_and_i
     from bench.report import markdown
     from bench.run import summarize
 
-    runs = {"0": [_run(40, 0.4, rounds=40, decode=110.0)],
-            "2": [_run(40, 0.3, accepted=10, drafted=20, rejected=6, rounds=10, decode=150.0)],
-            "auto": [_run(40, 0.25, accepted=14, drafted=20, rejected=4, rounds=10, decode=170.0)]}
+    runs = {
+        "0": [_run(40, 0.4, rounds=40, decode=110.0)],
+        "2": [_run(40, 0.3, accepted=10, drafted=20, rejected=6, rounds=10, decode=150.0)],
+        "auto": [_run(40, 0.25, accepted=14, drafted=20, rejected=4, rounds=10, decode=170.0)],
+    }
     auto = _metrics(10, 9, 0.03, 0.11, 0.0012, "draft")
     # decoding rounds at K = 0, 1, 3 and 3: the histogram's cumulative buckets
     cum = {0: 1, 1: 2, 2: 2, 3: 4}
@@ -111,17 +154,29 @@ def test_the_auto_arm_reports_its_mean_k_and_the_share_of_rounds_at_each_k_and_i
         auto[("specdec_speculative_tokens_bucket", (("le", f"{k:.1f}"),))] = cum.get(k, 4)
     auto[("specdec_speculative_tokens_sum", ())] = 7
     auto[("specdec_speculative_tokens_count", ())] = 4
-    metric = {"0": _metrics(40, 39, 0.0, 0.36, 0.008, "target"), "2": _metrics(10, 9, 0.02, 0.117, 0.0012, "draft"),
-              "auto": auto}
+    metric = {
+        "0": _metrics(40, 39, 0.0, 0.36, 0.008, "target"),
+        "2": _metrics(10, 9, 0.02, 0.117, 0.0012, "draft"),
+        "auto": auto,
+    }
     res = summarize(runs, metric, {"2": [1.3], "auto": [1.6]}, {"2": [1.4], "auto": [1.7]}, 0.0, 1.0)
     row = res["per_k"]["auto"]
     assert row["k"] == pytest.approx(7 / 9) and row["adaptive"]  # K per decoding round (9 here)
     assert row["k_share"] == {0: 0.25, 1: 0.25, 3: 0.5}
     assert "bound" not in row and "efficiency" not in row  # K varies: no bound
     assert res["best_k"] == 2  # the best fixed K, though auto was faster
-    report = {"machine": {"date": "d", "cpu": "c", "cores": 2, "gpu": None, "torch": "t", "transformers": "t"},
-              "draft_model": "d", "target_model": "t", "prompts": 1, "reps": 1, "max_tokens": 40, "lookup_ks": [],
-              "prompt_lookup_min": 2, "services": {"T=0.0": res}, "wall_seconds": 60}
+    report = {
+        "machine": {"date": "d", "cpu": "c", "cores": 2, "gpu": None, "torch": "t", "transformers": "t"},
+        "draft_model": "d",
+        "target_model": "t",
+        "prompts": 1,
+        "reps": 1,
+        "max_tokens": 40,
+        "lookup_ks": [],
+        "prompt_lookup_min": 2,
+        "services": {"T=0.0": res},
+        "wall_seconds": 60,
+    }
     md = markdown(report)
     assert "| auto (mean K 0.78) | 1.60 [1.60, 1.60] | 1.70 [1.70, 1.70] |" in md
     assert "rounds at K = 0: 25%, K = 1: 25%, K = 3: 50%" in md
@@ -133,8 +188,15 @@ def test_the_peers_first_chunk_is_its_first_generated_tokens_not_the_prompt(tiny
 
     ids = torch.tensor([[1, 5, 9, 13]])
     first = _FirstChunk()
-    out = tiny_draft.generate(ids, assistant_model=tiny_draft if assisted else None, streamer=first, do_sample=False,
-                              max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
+    out = tiny_draft.generate(
+        ids,
+        assistant_model=tiny_draft if assisted else None,
+        streamer=first,
+        do_sample=False,
+        max_new_tokens=8,
+        min_new_tokens=8,
+        pad_token_id=0,
+    )
     assert out.shape[1] == 12 and first.at is not None
     assert first.tokens == 1 if not assisted else 1 <= first.tokens <= 8
 

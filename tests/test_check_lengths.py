@@ -22,8 +22,10 @@ def test_a_61_line_function_and_a_451_line_file_fail(tmp_path):
     (tmp_path / "long_file.py").write_text("x = 1\n" * 451)
     result = check(tmp_path)
     assert result.returncode == 1
-    assert result.stdout.splitlines() == ["long_file.py:1 (file) 451 lines (max 450)",
-                                          "pkg/long_function.py:1 too_long 61 lines (max 60)"]
+    assert result.stdout.splitlines() == [
+        "long_file.py:1 (file) 451 lines (max 450)",
+        "pkg/long_function.py:1 too_long 61 lines (max 60)",
+    ]
 
 
 def test_a_60_line_function_and_a_450_line_file_pass(tmp_path):

@@ -17,20 +17,31 @@ from specdec.server import free_ports
 
 
 def specdec(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
 def services():
     o, d, t, om, dm, tm, oh = free_ports(7)
-    env = dict(os.environ, SPECDEC_ORCHESTRATOR_PORT=str(o), SPECDEC_DRAFT_PORT=str(d), SPECDEC_TARGET_PORT=str(t),
-               SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh),
-               SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om), SPECDEC_DRAFT_METRICS_PORT=str(dm),
-               SPECDEC_TARGET_METRICS_PORT=str(tm), SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=f"localhost:{d}",
-               SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"localhost:{t}", SPECDEC_DRAFT_THREADS="1", SPECDEC_TARGET_THREADS="1")
-    up = subprocess.Popen([sys.executable, "-m", "cli.main", "up"], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+    env = dict(
+        os.environ,
+        SPECDEC_ORCHESTRATOR_PORT=str(o),
+        SPECDEC_DRAFT_PORT=str(d),
+        SPECDEC_TARGET_PORT=str(t),
+        SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh),
+        SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om),
+        SPECDEC_DRAFT_METRICS_PORT=str(dm),
+        SPECDEC_TARGET_METRICS_PORT=str(tm),
+        SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=f"localhost:{d}",
+        SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"localhost:{t}",
+        SPECDEC_DRAFT_THREADS="1",
+        SPECDEC_TARGET_THREADS="1",
+    )
+    up = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     address = f"localhost:{o}"
     deadline = time.monotonic() + 180
     while specdec("health", address, env=env).returncode != 0:
@@ -44,8 +55,18 @@ def services():
 
 def test_generate_streams_text_and_prints_stats(services):
     _, address, env, _ = services
-    out = specdec("generate", "Name three colors.", "--chat", "--address", address, "--max-tokens", "16",
-                  "--temperature", "0", env=env)
+    out = specdec(
+        "generate",
+        "Name three colors.",
+        "--chat",
+        "--address",
+        address,
+        "--max-tokens",
+        "16",
+        "--temperature",
+        "0",
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()
     assert "tokens/round" in out.stderr and "acceptance" in out.stderr
@@ -73,9 +94,25 @@ def test_each_service_exports_its_metrics(services):
 
 def test_sigterm_finishes_the_generation_in_flight_and_stops_all_three_cleanly(services):
     up, address, env, _ = services
-    gen = subprocess.Popen([sys.executable, "-m", "cli.main", "generate", "Once upon a time", "--address", address,
-                            "--max-tokens", "300", "--temperature", "0"],
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    gen = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "generate",
+            "Once upon a time",
+            "--address",
+            address,
+            "--max-tokens",
+            "300",
+            "--temperature",
+            "0",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     gen.stdout.read(8)  # streaming has begun
     assert gen.poll() is None
     up.send_signal(signal.SIGTERM)
@@ -116,8 +153,12 @@ def test_health_check_imports_neither_torch_nor_transformers(health_server):
     servicer, address = health_server
     for status, code in ((health_pb2.HealthCheckResponse.SERVING, 0), (health_pb2.HealthCheckResponse.NOT_SERVING, 1)):
         servicer.set("", status)
-        out = subprocess.run([sys.executable, "-X", "importtime", "-m", "cli.main", "health", address],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "cli.main", "health", address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == code, out.stdout + out.stderr[-2000:]
         heavy = {m for m in imported(out.stderr) if m.split(".")[0] in ("torch", "transformers")}
         assert "specdec.health" in imported(out.stderr) and not heavy, sorted(heavy)[:10]
@@ -158,8 +199,10 @@ def test_a_server_of_a_gated_model_without_access_exits_2_at_once_with_one_line(
     """A restart policy shows this line each time instead of a traceback from from_pretrained."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
     env.update(HF_HOME=str(tmp_path), HF_HUB_OFFLINE="1", SPECDEC_TARGET_PORT="0", SPECDEC_TARGET_METRICS_PORT="0")
-    for argv in (["target", "--model", "meta-llama/Llama-3.2-3B-Instruct"],
-                 ["fetch", "meta-llama/Llama-3.2-3B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"]):
+    for argv in (
+        ["target", "--model", "meta-llama/Llama-3.2-3B-Instruct"],
+        ["fetch", "meta-llama/Llama-3.2-3B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"],
+    ):
         out = specdec(*argv, env=env, timeout=60)
         assert out.returncode == 2, out.stderr[-2000:]
         assert out.stderr.count("\n") == 1 and "set HF_TOKEN" in out.stderr, out.stderr[-2000:]

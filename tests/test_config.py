@@ -20,13 +20,16 @@ def test_flag_beats_environment_beats_default(monkeypatch):
     assert parse(ModelServerConfig, [], role="draft").max_sessions == 16
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--port", "70000"], "outside"),
-    (["--num-speculative-tokens", "9"], "num-speculative-tokens"),
-    (["--top-p", "0"], "top-p"),
-    (["--prompt-lookup-min", "5"], "prompt-lookup-min"),
-    (["--prompt-lookup-max", "0"], "prompt-lookup-max"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--port", "70000"], "outside"),
+        (["--num-speculative-tokens", "9"], "num-speculative-tokens"),
+        (["--top-p", "0"], "top-p"),
+        (["--prompt-lookup-min", "5"], "prompt-lookup-min"),
+        (["--prompt-lookup-max", "0"], "prompt-lookup-max"),
+    ],
+)
 def test_bad_orchestrator_settings_are_refused(argv, match):
     with pytest.raises(ConfigError, match=match):
         parse(OrchestratorConfig, argv)
@@ -37,11 +40,14 @@ def test_unknown_product_form_is_refused_at_start_up():
         parse(ModelServerConfig, ["--matmul", "fast"], role="target")
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--quantize", "int4"], "--quantize must be auto, none or int8"),
-    (["--quantize", "int8", "--device", "cuda"], "runs on CPU from float32 weights"),
-    (["--quantize", "int8", "--dtype", "bfloat16"], "runs on CPU from float32 weights"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--quantize", "int4"], "--quantize must be auto, none or int8"),
+        (["--quantize", "int8", "--device", "cuda"], "runs on CPU from float32 weights"),
+        (["--quantize", "int8", "--dtype", "bfloat16"], "runs on CPU from float32 weights"),
+    ],
+)
 def test_int8_weights_are_refused_where_they_cannot_run(argv, match):
     with pytest.raises(ConfigError, match=match):
         parse(ModelServerConfig, argv, role="draft")
@@ -87,5 +93,6 @@ def test_the_configuration_page_lists_every_setting_as_the_code_defines_it():
     sys.path.insert(0, str(root / "tools"))
     import gen_config_doc
 
-    assert (root / "docs" / "configuration.md").read_text() == gen_config_doc.render(), \
+    assert (root / "docs" / "configuration.md").read_text() == gen_config_doc.render(), (
         "docs/configuration.md is stale: run `make docs`"
+    )

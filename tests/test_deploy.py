@@ -14,8 +14,11 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIREMENTS = ROOT / "requirements"
-INSTALLS = {"Makefile": ROOT / "Makefile", "Dockerfile.cpu": ROOT / "deploy" / "Dockerfile.cpu",
-            "Dockerfile.gpu": ROOT / "deploy" / "Dockerfile.gpu"}
+INSTALLS = {
+    "Makefile": ROOT / "Makefile",
+    "Dockerfile.cpu": ROOT / "deploy" / "Dockerfile.cpu",
+    "Dockerfile.gpu": ROOT / "deploy" / "Dockerfile.gpu",
+}
 
 
 def pins(path: Path) -> dict[str, str]:
@@ -60,8 +63,13 @@ def test_gpu_requirements_pin_the_cpu_versions():
 
 def compose_config(profile: str) -> dict:
     """docker-compose.yml as compose reads it, with no variable set but the profile (no HF_TOKEN)."""
-    out = subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"], capture_output=True,
-                         text=True, cwd=ROOT, env={"COMPOSE_PROFILES": profile, "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"COMPOSE_PROFILES": profile, "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     return yaml.safe_load(out.stdout)["services"]
 

@@ -37,7 +37,12 @@ def answers(target_model, tokenizer):
     out = []
     for messages in make_prompts(6, seed=99, held_out=True):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-        out.append((ids, target_model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids):].tolist()))
+        out.append(
+            (
+                ids,
+                target_model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids) :].tolist(),
+            )
+        )
     return out
 
 

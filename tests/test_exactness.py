@@ -31,8 +31,9 @@ MAX_TOKENS = 64
 
 
 def chat_ids(tokenizer, text):
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         return_dict=True)["input_ids"]
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def reference(tokenizer, target_model):
     out = []
     for text in PROMPTS:
         ids = torch.tensor([chat_ids(tokenizer, text)])
-        gen = target_model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
+        gen = target_model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)[0, ids.shape[1] :].tolist()
         out.append([t for t in gen if t != tokenizer.eos_token_id])
     return out
 
@@ -57,15 +58,24 @@ def test_greedy_output_equals_target_alone(partial_stack, reference, k, threshol
     assert partial_stack.draft.runner.quantize == "int8"  # as deployed on CPU: the draft's products in int8
     looked = accepted = rejected = 0
     for text, expected in zip(PROMPTS, reference):
-        ids, _, stats = partial_stack.generate(messages=[("user", text)], max_tokens=MAX_TOKENS, temperature=0.0,
-                                               num_speculative_tokens=k, draft_confidence_threshold=threshold,
-                                               prompt_lookup_min=lookup)
-        assert ids == expected, f"diverged at token {next(i for i, (a, b) in enumerate(zip(ids + [-1], expected + [-2])) if a != b)}"
+        ids, _, stats = partial_stack.generate(
+            messages=[("user", text)],
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            num_speculative_tokens=k,
+            draft_confidence_threshold=threshold,
+            prompt_lookup_min=lookup,
+        )
+        assert ids == expected, (
+            f"diverged at token {next(i for i, (a, b) in enumerate(zip(ids + [-1], expected + [-2])) if a != b)}"
+        )
         assert len(ids) == MAX_TOKENS
         if k:
             assert 0 < stats.accepted_tokens < stats.draft_tokens  # both accept and reject paths ran
         if threshold:
-            assert stats.draft_tokens < k * stats.rounds - 1  # some rounds stopped short (the last may be cut by length)
+            assert (
+                stats.draft_tokens < k * stats.rounds - 1
+            )  # some rounds stopped short (the last may be cut by length)
         assert stats.lookup_accepted_tokens <= stats.lookup_tokens <= k * stats.lookup_rounds
         looked += stats.lookup_rounds
         accepted += stats.lookup_accepted_tokens
@@ -74,14 +84,16 @@ def test_greedy_output_equals_target_alone(partial_stack, reference, k, threshol
 
 
 def test_with_the_first_round_the_targets_alone_the_first_message_is_its_prefills_token(
-        event_loop_thread, tokenizer, target_model, reference):
+    event_loop_thread, tokenizer, target_model, reference
+):
     """--speculate-first-round false: the first token comes from the target's prefill alone, as without
     speculation (the draft prefills in the second round), and the output is the target's all the same. The
     target drafts for itself here, so that a first round that drafts keeps its drafts."""
     kw = dict(max_tokens=16, temperature=0.0, num_speculative_tokens=4)
     for speculate in (True, False):
-        stack = make_stack(event_loop_thread, tokenizer, target_model, target_model,
-                           orch_cfg={"speculate_first_round": speculate})
+        stack = make_stack(
+            event_loop_thread, tokenizer, target_model, target_model, orch_cfg={"speculate_first_round": speculate}
+        )
         try:
             for text, expected in zip(PROMPTS[:3], reference):
                 carried = [list(m.token_ids) for m in stack.stream(messages=[("user", text)], **kw) if m.token_ids]
@@ -92,31 +104,45 @@ def test_with_the_first_round_the_targets_alone_the_first_message_is_its_prefill
 
 
 @pytest.mark.parametrize("matmul", FORMS)
-def test_greedy_output_equals_target_alone_with_every_product_form(event_loop_thread, tokenizer, partial_draft,
-                                                                     target_model, reference, matmul):
+def test_greedy_output_equals_target_alone_with_every_product_form(
+    event_loop_thread, tokenizer, partial_draft, target_model, reference, matmul
+):
     """The servers' --matmul auto picks a form per row count on a given CPU; each must keep the target's output.
     gguf reads the blocks of the file the embedded target comes from; the draft, cut from it, has none."""
     can_run(matmul)
     draft_form = "fewrow" if matmul == "gguf" else matmul
-    stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model,
-                       draft_cfg={"matmul": draft_form, "quantize": "none"},
-                       target_cfg={"matmul": matmul, "model": models.DEFAULT_TARGET})
+    stack = make_stack(
+        event_loop_thread,
+        tokenizer,
+        partial_draft,
+        target_model,
+        draft_cfg={"matmul": draft_form, "quantize": "none"},
+        target_cfg={"matmul": matmul, "model": models.DEFAULT_TARGET},
+    )
     try:
-        assert set(stack.target.runner.plan.forms[1:]) == {matmul} and set(stack.draft.runner.plan.forms[1:]) == {draft_form}
+        assert set(stack.target.runner.plan.forms[1:]) == {matmul} and set(stack.draft.runner.plan.forms[1:]) == {
+            draft_form
+        }
         # what the benchmark's report says ran: each server's ModelInfo.forward
         kernels = cpu_kernels() is not None
-        layer = lambda form: ((" with specdec's CPU layer kernels" if kernels else "")
-                              + (f" (the layers' loop in C++ for {form})" if kernels and form in ("fewrow", "gguf") else ""))
-        said = lambda form, blocks="": (f"lean forward{layer(form)}; products: every pass {form}{blocks}"
-                                        if form in ("fewrow", "gguf") else
-                                        f"lean forward{layer(form)}; products: 1-32 rows: {form}{blocks}, "
-                                        "longer passes: linear")
+        layer = lambda form: (
+            (" with specdec's CPU layer kernels" if kernels else "")
+            + (f" (the layers' loop in C++ for {form})" if kernels and form in ("fewrow", "gguf") else "")
+        )
+        said = lambda form, blocks="": (
+            f"lean forward{layer(form)}; products: every pass {form}{blocks}"
+            if form in ("fewrow", "gguf")
+            else f"lean forward{layer(form)}; products: 1-32 rows: {form}{blocks}, longer passes: linear"
+        )
         blocks = " (gguf: the file's Q4_1 layers, Q8_0 head, 111 MB)" if matmul == "gguf" else ""
-        assert forwards(stack.draft_address, stack.target_address) == {"draft": said(draft_form),
-                                                                       "target": said(matmul, blocks)}
+        assert forwards(stack.draft_address, stack.target_address) == {
+            "draft": said(draft_form),
+            "target": said(matmul, blocks),
+        }
         for text, expected in zip(PROMPTS, reference):
-            ids, _, _ = stack.generate(messages=[("user", text)], max_tokens=MAX_TOKENS, temperature=0.0,
-                                       num_speculative_tokens=4)
+            ids, _, _ = stack.generate(
+                messages=[("user", text)], max_tokens=MAX_TOKENS, temperature=0.0, num_speculative_tokens=4
+            )
             assert ids == expected
     finally:
         stop_stack(stack)
@@ -124,8 +150,9 @@ def test_greedy_output_equals_target_alone_with_every_product_form(event_loop_th
 
 @pytest.fixture(scope="module")
 def adaptive_stack(event_loop_thread, tokenizer, partial_draft, target_model):
-    stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model,
-                       orch_cfg={"adaptive_speculation": True})
+    stack = make_stack(
+        event_loop_thread, tokenizer, partial_draft, target_model, orch_cfg={"adaptive_speculation": True}
+    )
     yield stack
     stop_stack(stack)
 
@@ -166,8 +193,9 @@ def test_greedy_output_equals_target_alone_whatever_k_each_round_drafts(adaptive
 def test_adaptive_speculation_chooses_k_only_for_requests_that_leave_it_unset(adaptive_stack, reference):
     servicer = adaptive_stack.servicer
     before = _rounds_by_k(adaptive_stack)
-    ids, _, stats = adaptive_stack.generate(messages=[("user", PROMPTS[1])], max_tokens=MAX_TOKENS, temperature=0.0,
-                                            num_speculative_tokens=2)
+    ids, _, stats = adaptive_stack.generate(
+        messages=[("user", PROMPTS[1])], max_tokens=MAX_TOKENS, temperature=0.0, num_speculative_tokens=2
+    )
     after = _rounds_by_k(adaptive_stack)
     assert ids == reference[1]
     assert after[2] > before[2] and all(after[k] == before[k] for k in range(3, 9))  # a K asked for is kept
@@ -181,20 +209,29 @@ def test_adaptive_speculation_chooses_k_only_for_requests_that_leave_it_unset(ad
 
 
 def test_greedy_parity_holds_with_a_draft_that_always_misses(tiny_stack, reference):
-    ids, _, stats = tiny_stack.generate(messages=[("user", PROMPTS[0])], max_tokens=MAX_TOKENS, temperature=0.0,
-                                        num_speculative_tokens=3)
+    ids, _, stats = tiny_stack.generate(
+        messages=[("user", PROMPTS[0])], max_tokens=MAX_TOKENS, temperature=0.0, num_speculative_tokens=3
+    )
     assert ids == reference[0]
     assert stats.rejected_rounds > 0
 
 
-@pytest.mark.parametrize("stack_name,top_p,lookup", [("partial_stack", 0.9, 0), ("tiny_stack", 1.0, 0),
-                                                      ("partial_stack", 0.9, 1), ("tiny_stack", 1.0, 1)])
+@pytest.mark.parametrize(
+    "stack_name,top_p,lookup",
+    [("partial_stack", 0.9, 0), ("tiny_stack", 1.0, 0), ("partial_stack", 0.9, 1), ("tiny_stack", 1.0, 1)],
+)
 def test_same_seed_same_output(request, stack_name, top_p, lookup):
     """top_p 0.9 mostly takes the sparse path; top_p 1.0 fetches dense distributions on demand.
     lookup: some rounds propose copied tokens, verified as point masses; a rejection draws from p without them."""
     stack = request.getfixturevalue(stack_name)
-    kw = dict(messages=[("user", PROMPTS[3])], max_tokens=40, temperature=0.8, top_p=top_p, num_speculative_tokens=4,
-              prompt_lookup_min=lookup)
+    kw = dict(
+        messages=[("user", PROMPTS[3])],
+        max_tokens=40,
+        temperature=0.8,
+        top_p=top_p,
+        num_speculative_tokens=4,
+        prompt_lookup_min=lookup,
+    )
     a, text_a, stats = stack.generate(seed=1234, **kw)
     b, text_b, _ = stack.generate(seed=1234, **kw)
     c, _, _ = stack.generate(seed=4321, **kw)
@@ -224,15 +261,19 @@ def test_a_restricted_draft_proposes_from_its_whole_vocabulary_distribution(toke
     draft = copy.deepcopy(tiny_draft)
     kept = list(range(3, len(tokenizer), 7))  # spread out: a column number is never its token's id
     draft.config.specdec_output_token_ids = kept
-    core = ModelServer(ModelServerConfig(role="draft", model="test-draft", metrics_port=0, runner=runner,
-                                         quantize="none"), draft, tokenizer)
+    core = ModelServer(
+        ModelServerConfig(role="draft", model="test-draft", metrics_port=0, runner=runner, quantize="none"),
+        draft,
+        tokenizer,
+    )
     servicer = DraftServicer(core)
     prompt = chat_ids(tokenizer, PROMPTS[1])
     for i, (temperature, top_p) in enumerate([(0.0, 1.0), (0.8, 0.9), (1.0, 1.0)]):
         sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, seed=7)
         cursor = pb.SessionCursor(session_id=f"s{i}", tokens=prompt)
-        resp = asyncio.run(servicer._propose(draft_pb2.ProposeTokensRequest(cursor=cursor, num_tokens=4,
-                                                                            sampling=sampling)))
+        resp = asyncio.run(
+            servicer._propose(draft_pb2.ProposeTokensRequest(cursor=cursor, num_tokens=4, sampling=sampling))
+        )
         cache, feed = core.runner.new_cache(), list(prompt)
         for j, x in enumerate(resp.token_ids):
             full = core.runner.forward(cache, feed, 1)  # [1, vocab], -inf outside the kept tokens

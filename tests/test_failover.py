@@ -66,6 +66,7 @@ def _run(link: Link, phase: Phase):
             return await failover.call(link, lambda: "request", distribution=phase is Phase.DISTRIBUTION)
         except (ServiceError, failover.RoundLost) as e:
             return e
+
     return asyncio.run(go())
 
 
@@ -126,13 +127,17 @@ def test_each_row_of_the_failover_table_does_what_its_action_says(key, action, o
         assert _count(link, "specdec_failover_recovery_seconds_count", role="target") == 1
 
 
-@pytest.mark.parametrize("key,code", [
-    ((Role.TARGET, Phase.ROUND, Code.RESOURCE_EXHAUSTED), Code.RESOURCE_EXHAUSTED),  # full mid-generation
-    ((Role.TARGET, Phase.ROUND, Code.INTERNAL), Code.INTERNAL),
-    ((Role.TARGET, Phase.START, Code.OUT_OF_RANGE), Code.OUT_OF_RANGE),
-    ((Role.DRAFT, Phase.ROUND, Code.INVALID_ARGUMENT), Code.INTERNAL),  # the client's request was checked: a defect
-    ((Role.TARGET, Phase.DISTRIBUTION, Code.INTERNAL), Code.INTERNAL),
-], ids=_id)
+@pytest.mark.parametrize(
+    "key,code",
+    [
+        ((Role.TARGET, Phase.ROUND, Code.RESOURCE_EXHAUSTED), Code.RESOURCE_EXHAUSTED),  # full mid-generation
+        ((Role.TARGET, Phase.ROUND, Code.INTERNAL), Code.INTERNAL),
+        ((Role.TARGET, Phase.START, Code.OUT_OF_RANGE), Code.OUT_OF_RANGE),
+        ((Role.DRAFT, Phase.ROUND, Code.INVALID_ARGUMENT), Code.INTERNAL),  # the client's request was checked: a defect
+        ((Role.TARGET, Phase.DISTRIBUTION, Code.INTERNAL), Code.INTERNAL),
+    ],
+    ids=_id,
+)
 def test_a_status_the_table_does_not_name_fails_the_request_with_what_the_client_should_see(key, code):
     role, phase, failed = key
     assert key not in failover.RULES

@@ -84,7 +84,12 @@ def test_the_tensor_index_reads_what_ggufs_own_reader_reads(tmp_path):
     writer.add_key_value("test.nested", [[1, 2], [3]], GGUFValueType.ARRAY, sub_type=GGUFValueType.ARRAY)
     writer.add_uint64("test.big", 1 << 40)
     rng = np.random.default_rng(0)
-    for name, shape, kind in (("a", (3, 64), "Q4_1"), ("b", (5, 96), "Q8_0"), ("c", (7,), "F32"), ("d", (2, 32), "F16")):
+    for name, shape, kind in (
+        ("a", (3, 64), "Q4_1"),
+        ("b", (5, 96), "Q8_0"),
+        ("c", (7,), "F32"),
+        ("d", (2, 32), "F16"),
+    ):
         values = rng.standard_normal(shape).astype(np.float32)
         if kind in ("Q4_1", "Q8_0"):
             writer.add_tensor(name, quantize(values, GGMLQuantizationType[kind]), raw_dtype=GGMLQuantizationType[kind])
@@ -105,8 +110,11 @@ def test_the_tensor_index_reads_what_ggufs_own_reader_reads(tmp_path):
 
 
 def test_a_file_that_is_not_gguf_is_refused_with_its_reason(tmp_path):
-    for body, reason in ((b"PK\x03\x04 not gguf", "not a GGUF file"), (b"GGUF\x03\x00\x00\x00\x05", "unpack"),
-                         (b"GGUF\x01\x00\x00\x00" + bytes(16), "version 1")):
+    for body, reason in (
+        (b"PK\x03\x04 not gguf", "not a GGUF file"),
+        (b"GGUF\x03\x00\x00\x00\x05", "unpack"),
+        (b"GGUF\x01\x00\x00\x00" + bytes(16), "version 1"),
+    ):
         (path := tmp_path / "bad.gguf").write_bytes(body)
         with pytest.raises(gguf_blocks.BlocksUnavailable, match=reason):
             gguf_blocks.read_tensors(str(path))

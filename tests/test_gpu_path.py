@@ -25,8 +25,16 @@ from specdec.runners import CausalLMRunner, LeanLlamaRunner, to_host
 from tests.conftest import make_stack, stop_stack
 
 ROOT = Path(__file__).resolve().parent.parent
-READS = {torch.Tensor.numpy, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__int__,
-         torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.__array__}
+READS = {
+    torch.Tensor.numpy,
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__bool__,
+    torch.Tensor.__index__,
+    torch.Tensor.__array__,
+}
 
 
 class DeviceTensor(torch.Tensor):
@@ -39,7 +47,9 @@ class DeviceTensor(torch.Tensor):
         if func in READS:
             raise AssertionError(f"{func.__name__} of a runner's output before the host boundary")
         with torch._C.DisableTorchFunctionSubclass():
-            if func is torch.Tensor.cpu or (func is torch.Tensor.to and "cpu" in map(str, [*args[1:], *kwargs.values()])):
+            if func is torch.Tensor.cpu or (
+                func is torch.Tensor.to and "cpu" in map(str, [*args[1:], *kwargs.values()])
+            ):
                 return func(*args, **kwargs).as_subclass(torch.Tensor)
         if any(type(t) is torch.Tensor and t.dim() > 0 for t in tree_flatten((args, kwargs))[0]):
             raise AssertionError(f"{func.__name__} mixes a runner's output (on the device) with a CPU tensor")
@@ -55,7 +65,8 @@ def on_device(runner):
 
 @pytest.mark.parametrize("runner", ["lean", "hf"])
 def test_runner_outputs_reach_python_and_numpy_only_through_the_host_boundary(
-        runner, event_loop_thread, tokenizer, tiny_draft, target_model, monkeypatch):
+    runner, event_loop_thread, tokenizer, tiny_draft, target_model, monkeypatch
+):
     import specdec.model_server as model_server
     import specdec.sampling as sampling
 
@@ -63,14 +74,21 @@ def test_runner_outputs_reach_python_and_numpy_only_through_the_host_boundary(
     monkeypatch.setattr(model_server, "make_runner", lambda *a, **k: on_device(make(*a, **k)))
     # specdec's CPU kernels take no device tensor, so sampling takes torch's ops on one
     monkeypatch.setattr(sampling, "kernels_for", lambda t: None if isinstance(t, DeviceTensor) else kernels_for(t))
-    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model,
-                       draft_cfg={"runner": runner}, target_cfg={"runner": runner})
+    stack = make_stack(
+        event_loop_thread,
+        tokenizer,
+        tiny_draft,
+        target_model,
+        draft_cfg={"runner": runner},
+        target_cfg={"runner": runner},
+    )
     try:
         chat = [("user", "Name three colours.")]
         alone, _, _ = stack.generate(messages=chat, max_tokens=10, temperature=0, num_speculative_tokens=0)
         greedy, _, _ = stack.generate(messages=chat, max_tokens=10, temperature=0, num_speculative_tokens=3)
-        sampled, _, stats = stack.generate(messages=chat, max_tokens=10, temperature=0.8, seed=5,
-                                           num_speculative_tokens=3)
+        sampled, _, stats = stack.generate(
+            messages=chat, max_tokens=10, temperature=0.8, seed=5, num_speculative_tokens=3
+        )
     finally:
         stop_stack(stack)
     assert greedy == alone and len(sampled) == stats.completion_tokens > 0
@@ -127,13 +145,13 @@ def test_a_server_loads_on_the_cpu_and_hands_the_device_to_its_runner(tiny_draft
     assert loads == [("float32", "cpu")] and runners == ["cpu"]
 
 
-def test_a_padded_batch_computes_logits_only_where_a_call_needs_them_and_a_long_feed_runs_alone(tiny_draft,
-                                                                                                 tokenizer):
+def test_a_padded_batch_computes_logits_only_where_a_call_needs_them_and_a_long_feed_runs_alone(tiny_draft, tokenizer):
     runner = CausalLMRunner(copy.deepcopy(tiny_draft), len(tokenizer))
     head_rows, widths = [], []
     runner.model.lm_head.register_forward_pre_hook(lambda m, a: head_rows.append(a[0].shape[:2]))
-    runner.model.model.register_forward_pre_hook(lambda m, a, k: widths.append(tuple(k["input_ids"].shape)),
-                                                 with_kwargs=True)
+    runner.model.model.register_forward_pre_hook(
+        lambda m, a, k: widths.append(tuple(k["input_ids"].shape)), with_kwargs=True
+    )
     caches = [runner.new_cache() for _ in range(3)]
     feeds = [list(range(1, 21)), list(range(30, 48)), list(range(50, 90))]  # 20, 18 and 40 tokens
     out = runner.forward_batch(caches, feeds, [1, 3, 1])
@@ -175,8 +193,7 @@ class DeviceRunner:
 
 def test_a_pass_is_timed_until_its_logits_reach_the_host():
     runner = DeviceRunner()
-    pool = SessionPool(runner.new_cache, runner.crop, max_sessions=4, max_tokens=100, max_model_len=100,
-                       idle_ttl_s=60)
+    pool = SessionPool(runner.new_cache, runner.crop, max_sessions=4, max_tokens=100, max_model_len=100, idle_ttl_s=60)
     engine = Engine(runner, pool, 64)
     engine.measure(widths=(1, 2))
     assert min(seconds for _, seconds in engine.costs.curve()) >= 0.05
@@ -215,6 +232,7 @@ def test_auto_dtype_is_bfloat16_only_where_the_gpu_computes_in_it(capability, dt
 
 
 # -- KV pools sized from the device's memory ---------------------------------------------------------------
+
 
 class FakeCuda:
     """torch.cuda's memory queries for a card of `total` bytes on which the warm-up reserves `peak` bytes."""
@@ -261,8 +279,13 @@ def test_a_gpu_servers_pool_is_what_its_share_leaves_after_a_warm_up_at_the_wide
     explicit = ModelServerConfig(role="target", device="cuda", max_sessions=6, max_tokens=tokens)
     assert kv_capacity(explicit, runner, llama_config("Llama-3.2-3B"), 2048, 4096) == (tokens, 4096)
     with pytest.raises(ConfigError, match="memory-fraction"):
-        kv_capacity(ModelServerConfig(role="target", device="cuda", max_tokens=tokens + 1), runner,
-                    llama_config("Llama-3.2-3B"), 2048, 4096)
+        kv_capacity(
+            ModelServerConfig(role="target", device="cuda", max_tokens=tokens + 1),
+            runner,
+            llama_config("Llama-3.2-3B"),
+            2048,
+            4096,
+        )
 
 
 def _compose_default(name: str) -> str:
@@ -286,10 +309,12 @@ def test_the_compose_defaults_fit_a_16_gb_gpu_with_a_gigabyte_to_spare():
     total = 16 * memory.GiB
     sessions, max_len = int(_compose_default("MAX_SESSIONS")), int(_compose_default("MAX_MODEL_LEN"))
     rows = int(_compose_default("MAX_BATCH_TOKENS")) or 2048
-    target = _budget("Llama-3.2-3B", "target", float(_compose_default("TARGET_MEMORY_FRACTION")), sessions,
-                     max_len, rows, total)
-    draft = _budget("Llama-3.2-1B", "draft", float(_compose_default("DRAFT_MEMORY_FRACTION")), sessions, max_len,
-                    rows, total)
+    target = _budget(
+        "Llama-3.2-3B", "target", float(_compose_default("TARGET_MEMORY_FRACTION")), sessions, max_len, rows, total
+    )
+    draft = _budget(
+        "Llama-3.2-1B", "draft", float(_compose_default("DRAFT_MEMORY_FRACTION")), sessions, max_len, rows, total
+    )
     assert target.share + draft.share <= total - memory.GiB
     for budget in (target, draft):  # every session can reach the longest length at once
         assert budget.tokens >= sessions * max_len, budget.describe()
@@ -315,8 +340,9 @@ def bf16_target(target_model):
 
 
 def _prompt_ids(tokenizer, text):
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         return_dict=True)["input_ids"]
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
 
 
 def _steps(runner, ids, n):
@@ -337,8 +363,9 @@ def test_in_bfloat16_a_runners_one_row_steps_give_transformers_greedy_output(kin
     assert runner.dtype == torch.bfloat16
     for text in BF16_PROMPTS:
         ids = _prompt_ids(tokenizer, text)
-        want = bf16_target.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)[0, len(ids):].tolist()
+        want = bf16_target.generate(
+            torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(ids) :].tolist()
         assert _steps(runner, ids, 24) == want, text
 
 

@@ -28,8 +28,19 @@ def test_defaults_are_the_embedded_pair_on_cuda_in_bf16_with_strict_attention():
 def test_services_start_as_specdec_up_on_the_chosen_device_pair_and_ports():
     args = gpu_smoke.parse_args(["--target", "meta-llama/Llama-3.2-3B-Instruct", "--draft", "/models/draft", "-k", "9"])
     argv, env = gpu_smoke.launch(args, [1, 2, 3, 4, 5, 6, 7], {"HF_TOKEN": "t"})
-    assert argv[1:] == ["-m", "cli.main", "up", "--device", "cuda", "--dtype", "bfloat16",
-                        "--target-model", "meta-llama/Llama-3.2-3B-Instruct", "--draft-model", "/models/draft"]
+    assert argv[1:] == [
+        "-m",
+        "cli.main",
+        "up",
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
+        "--target-model",
+        "meta-llama/Llama-3.2-3B-Instruct",
+        "--draft-model",
+        "/models/draft",
+    ]
     assert env["SPECDEC_TARGET_STRICT_ATTENTION"] == env["SPECDEC_DRAFT_STRICT_ATTENTION"] == "true"
     assert env["HF_TOKEN"] == "t"
     assert env["SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS"] == "127.0.0.1:2" and env["SPECDEC_TARGET_PORT"] == "3"
@@ -53,10 +64,28 @@ def test_cuda_without_a_device_exits_2_before_starting_anything(capsys):
 def test_the_smoke_passes_end_to_end_on_cpu(tmp_path):
     """The real services through `specdec up`, a few tokens a request: every check runs and passes on CPU."""
     env = dict(os.environ, SPECDEC_DRAFT_THREADS="1", SPECDEC_TARGET_THREADS="1")
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_smoke.py"), "--device", "cpu", "--dtype", "float32",
-                          "--max-tokens", "6", "--concurrency", "8", "--startup-timeout", "300",
-                          "--log", str(tmp_path / "services.log")],
-                         capture_output=True, text=True, env=env, timeout=420)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "gpu_smoke.py"),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--max-tokens",
+            "6",
+            "--concurrency",
+            "8",
+            "--startup-timeout",
+            "300",
+            "--log",
+            str(tmp_path / "services.log"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=420,
+    )
     assert out.returncode == 0, out.stdout + out.stderr + (tmp_path / "services.log").read_text()[-3000:]
     lines = out.stdout.splitlines()
     assert sum(line.startswith("ok   8 at once") for line in lines) == 8

@@ -61,8 +61,10 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered):
             try:
                 kubernetes_validate.validate(o, version, strict=True)
             except kubernetes_validate.ValidationError as e:
-                pytest.fail(f"{name}: {o['kind']} {o['metadata']['name']} is not valid Kubernetes {version}: "
-                            f"{e.message} at {'/'.join(map(str, e.path))}")
+                pytest.fail(
+                    f"{name}: {o['kind']} {o['metadata']['name']} is not valid Kubernetes {version}: "
+                    f"{e.message} at {'/'.join(map(str, e.path))}"
+                )
 
 
 def test_probes_are_grpc_on_the_plaintext_health_port_each_server_opens(rendered):

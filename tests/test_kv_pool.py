@@ -22,8 +22,9 @@ def clock():
 
 @pytest.fixture
 def pool(clock):
-    return SessionPool(FakeCache, crop, max_sessions=2, max_tokens=10, max_model_len=8, idle_ttl_s=30,
-                       clock=lambda: clock[0])
+    return SessionPool(
+        FakeCache, crop, max_sessions=2, max_tokens=10, max_model_len=8, idle_ttl_s=30, clock=lambda: clock[0]
+    )
 
 
 def grow(pool, s, tokens):

@@ -68,8 +68,9 @@ def test_lean_forward_matches_on_the_embedded_target(target_model, tokenizer, ma
     can_run(matmul)
     ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]
     stock = CausalLMRunner(target_model, len(tokenizer))
-    lean = LeanLlamaRunner(target_model, len(tokenizer), max_len=512, matmul=matmul,
-                           gguf=models.gguf_file(models.DEFAULT_TARGET))
+    lean = LeanLlamaRunner(
+        target_model, len(tokenizer), max_len=512, matmul=matmul, gguf=models.gguf_file(models.DEFAULT_TARGET)
+    )
     chunks = [ids[:-6], ids[-6:-5], ids[-5:]]
     for a, b in zip(steps(stock, chunks), steps(lean, chunks)):
         torch.testing.assert_close(b, a, atol=2e-3, rtol=1e-3)
@@ -137,7 +138,9 @@ def test_a_form_twice_as_slow_after_two_sweeps_is_not_timed_again_at_that_row_co
     costs = {"linear": {1: 20.0, 4: 22.0}, "weights-first": {1: 41.0, 4: 23.0}, "gguf": {1: 7.0, 4: 12.0}}
     clock = PassClock(costs)
     timings = time_passes(list(costs), run_pass=clock.run_pass, rows=(1, 4), reps=4, clock=clock)
-    assert all(timings[form] == pytest.approx(costs[form]) for form in costs)  # each keeps its timing: the plan sees all
+    assert all(
+        timings[form] == pytest.approx(costs[form]) for form in costs
+    )  # each keeps its timing: the plan sees all
     timed = clock.ran[3:]
     assert timed.count(("gguf", 1)) == 4 and timed.count(("gguf", 4)) == 4
     assert timed.count(("linear", 1)) == 2 and timed.count(("weights-first", 1)) == 2  # 20 and 41 ms > 2 x 7
@@ -162,14 +165,18 @@ def test_auto_times_whole_passes_in_each_form_and_leaves_the_session_state_alone
     run_pass(one_form_plan(Form("probe", probe), runner.plan.long), 3)
     assert seen == [3] * (4 * len(runner.layers) + 1)  # every product of the pass, the head included, in that form
     assert runner.plan.forms == ("linear",) * (SMALL_PASS_ROWS + 1)  # the runner's own plan is untouched
-    small = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=20, matmul="auto")  # no room for 32 rows: times what fits
+    small = LeanLlamaRunner(
+        tiny_draft, len(tokenizer), max_len=20, matmul="auto"
+    )  # no room for 32 rows: times what fits
     assert set(small.plan.timings_ms["linear"]) == {1, 2, 3, 4, 6, 9, 16}
 
 
 def test_plan_keeps_linear_unless_another_form_clearly_wins_at_that_row_count():
-    timings = {"linear": {1: 20.0, 2: 20.5, 4: 35.0, 9: 48.0},
-               "weights-first": {1: 21.0, 2: 40.0, 4: 40.0, 9: 41.0},
-               "onednn": {1: 23.0, 2: 19.0, 4: 24.0, 9: 30.0}}
+    timings = {
+        "linear": {1: 20.0, 2: 20.5, 4: 35.0, 9: 48.0},
+        "weights-first": {1: 21.0, 2: 40.0, 4: 40.0, 9: 41.0},
+        "onednn": {1: 23.0, 2: 19.0, 4: 24.0, 9: 30.0},
+    }
     plan = plan_products(timings, margin=0.9, max_rows=12)
     assert len(plan) == 13
     assert plan[1] == "linear"  # onednn is slower at one row
@@ -204,8 +211,9 @@ def layer_kernels():
 
 
 def test_auto_follows_its_plan_and_drops_a_packed_copy_it_does_not_use(tiny_draft, tokenizer, monkeypatch, no_kernel):
-    wins_from_3 = lambda forms, **_: {name: {n: (10.0 if name == "onednn" and n >= 3 else 20.0) for n in (1, 2, 3, 32)}
-                                      for name in forms}
+    wins_from_3 = lambda forms, **_: {
+        name: {n: (10.0 if name == "onednn" and n >= 3 else 20.0) for n in (1, 2, 3, 32)} for name in forms
+    }
     monkeypatch.setattr(product_forms, "time_passes", wins_from_3)
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=512, matmul="auto")
     assert runner.plan.forms[1:3] == ("linear", "linear") and set(runner.plan.forms[3:]) == {"onednn"}
@@ -214,8 +222,9 @@ def test_auto_follows_its_plan_and_drops_a_packed_copy_it_does_not_use(tiny_draf
     chunks = [ids[:40], ids[40:41], ids[41:46]]  # long pass and step in linear, a 5-row pass in onednn
     for a, b in zip(steps(stock, chunks), steps(runner, chunks)):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
-    never = lambda forms, **_: {name: {n: (30.0 if name == "onednn" else 20.0) for n in (1, SMALL_PASS_ROWS)}
-                                for name in forms}
+    never = lambda forms, **_: {
+        name: {n: (30.0 if name == "onednn" else 20.0) for n in (1, SMALL_PASS_ROWS)} for name in forms
+    }
     monkeypatch.setattr(product_forms, "time_passes", never)
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=512, matmul="auto")
     assert set(runner.plan.forms) == {"linear"} and "onednn" not in runner.plan.products
@@ -223,18 +232,22 @@ def test_auto_follows_its_plan_and_drops_a_packed_copy_it_does_not_use(tiny_draf
 
 def test_auto_leaves_out_the_packed_copy_when_memory_is_short(tiny_draft, tokenizer, monkeypatch, no_kernel):
     timed = []
-    monkeypatch.setattr(product_forms, "time_passes", lambda forms, **_: timed.append(set(forms)) or
-                        {name: {1: 20.0, SMALL_PASS_ROWS: 20.0} for name in forms})
-    monkeypatch.setattr(product_forms, "memory_available", lambda: 10 ** 6)  # 1 MB: a copy of the weights would not fit
+    monkeypatch.setattr(
+        product_forms,
+        "time_passes",
+        lambda forms, **_: timed.append(set(forms)) or {name: {1: 20.0, SMALL_PASS_ROWS: 20.0} for name in forms},
+    )
+    monkeypatch.setattr(product_forms, "memory_available", lambda: 10**6)  # 1 MB: a copy of the weights would not fit
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="auto")
     assert timed == [{"linear", "weights-first"}] and "onednn" not in runner.plan.products
-    monkeypatch.setattr(product_forms, "memory_available", lambda: 10 ** 12)
+    monkeypatch.setattr(product_forms, "memory_available", lambda: 10**12)
     LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="auto")
     assert timed[-1] == {"linear", "weights-first", "onednn"}
 
 
-def test_auto_runs_every_pass_in_the_kernel_where_it_builds_and_times_nothing(tiny_draft, tiny_gguf, tokenizer,
-                                                                              monkeypatch, kernel):
+def test_auto_runs_every_pass_in_the_kernel_where_it_builds_and_times_nothing(
+    tiny_draft, tiny_gguf, tokenizer, monkeypatch, kernel
+):
     """Where specdec's kernel builds, every pass of any width runs in it: its rows are summed each on its own,
     which is what makes a session's logits independent of the batch (see test_batching.py)."""
     monkeypatch.setattr(product_forms, "time_passes", lambda *a, **k: pytest.fail("auto timed forms"))
@@ -302,8 +315,10 @@ def test_the_attention_kernel_gives_a_row_what_it_gets_alone_bit_for_bit(layer_k
             with torch_threads(threads):
                 whole = layer_kernels.attend(qkv, k.clone(), v.clone(), cos, sin, start, heads)
                 kk, vv = k.clone(), v.clone()  # row by row: each step writes its key, as a decoding step does
-                alone = [layer_kernels.attend(qkv[j:j + 1], kk, vv, cos[j:j + 1], sin[j:j + 1], start + j, heads)
-                         for j in range(n)]
+                alone = [
+                    layer_kernels.attend(qkv[j : j + 1], kk, vv, cos[j : j + 1], sin[j : j + 1], start + j, heads)
+                    for j in range(n)
+                ]
             assert torch.equal(whole, torch.cat(alone)), (n, start, threads)
 
 
@@ -329,7 +344,9 @@ def test_the_norm_and_gate_kernels_are_the_torch_functions(layer_kernels):
         x, w = torch.randn(5, width), torch.randn(width)
         torch.testing.assert_close(layer_kernels.rms_norm(x, w, 1e-5), TorchLayerOps.rms_norm(x, w, 1e-5))
     x = torch.randn(40, 6).t()  # not contiguous
-    torch.testing.assert_close(layer_kernels.rms_norm(x, torch.ones(40), 1e-5), TorchLayerOps.rms_norm(x, torch.ones(40), 1e-5))
+    torch.testing.assert_close(
+        layer_kernels.rms_norm(x, torch.ones(40), 1e-5), TorchLayerOps.rms_norm(x, torch.ones(40), 1e-5)
+    )
     gu = torch.randn(3, 2 * 1536)
     torch.testing.assert_close(layer_kernels.silu_mul(gu), TorchLayerOps.silu_mul(gu))
 
@@ -376,22 +393,29 @@ def test_asking_for_the_kernel_where_it_cannot_build_is_a_clear_error(tiny_draft
 
 def test_a_runner_says_how_it_runs(tiny_draft, tokenizer, no_kernel):
     assert CausalLMRunner(tiny_draft, len(tokenizer)).describe() == "transformers forward"
-    assert LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, quantize="int8").describe() == \
-        "lean forward; products on int8 weights in fbgemm"
-    assert LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="onednn").describe() == \
-        f"lean forward; products: 1-{SMALL_PASS_ROWS} rows: onednn, longer passes: linear"
+    assert (
+        LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, quantize="int8").describe()
+        == "lean forward; products on int8 weights in fbgemm"
+    )
+    assert (
+        LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, matmul="onednn").describe()
+        == f"lean forward; products: 1-{SMALL_PASS_ROWS} rows: onednn, longer passes: linear"
+    )
 
 
 def test_a_runner_names_the_layer_kernels_it_uses(tiny_draft, tokenizer, layer_kernels):
     runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, quantize="int8")
     assert runner.layer_ops is layer_kernels
-    assert runner.describe() == ("lean forward with specdec's CPU layer kernels (the layers' loop in C++ for int8); "
-                                 "products on int8 weights in specdec's kernel")
+    assert runner.describe() == (
+        "lean forward with specdec's CPU layer kernels (the layers' loop in C++ for int8); "
+        "products on int8 weights in specdec's kernel"
+    )
 
 
 @pytest.mark.parametrize("form", ["fewrow", "gguf", "int8"])
-def test_the_layers_loop_in_cpp_gives_the_python_loops_logits_bit_for_bit(tiny_draft, tiny_gguf, tokenizer, form,
-                                                                           layer_kernels):
+def test_the_layers_loop_in_cpp_gives_the_python_loops_logits_bit_for_bit(
+    tiny_draft, tiny_gguf, tokenizer, form, layer_kernels
+):
     """LayerStack runs the same operations in the same order as the Python loop, so greedy output and seeded
     sampling are unchanged by it: steps, verify-sized passes and a pass after rollback, on a cache that grows."""
     model, gguf = tiny_gguf if form == "gguf" else (tiny_draft, None)
@@ -409,8 +433,9 @@ def test_the_layers_loop_in_cpp_gives_the_python_loops_logits_bit_for_bit(tiny_d
 
 
 @pytest.mark.parametrize("form", ["fewrow", "gguf", "int8"])
-def test_a_verify_pass_gives_each_row_the_steps_logits_bit_for_bit(tiny_draft, tiny_gguf, tokenizer, form,
-                                                                  layer_kernels):
+def test_a_verify_pass_gives_each_row_the_steps_logits_bit_for_bit(
+    tiny_draft, tiny_gguf, tokenizer, form, layer_kernels
+):
     """Greedy speculative output equals the target alone's only if a verify's logits at a position are the
     step's there, exactly: every product and attention row is summed on its own whatever the pass's width."""
     model, gguf = tiny_gguf if form == "gguf" else (tiny_draft, None)

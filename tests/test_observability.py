@@ -25,14 +25,21 @@ from specdec.server import free_ports
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "specdec.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
-needs = lambda tool: pytest.mark.skipif(shutil.which(tool) is None, reason=f"{tool} is not installed (make system-deps)")
+needs = lambda tool: pytest.mark.skipif(
+    shutil.which(tool) is None, reason=f"{tool} is not installed (make system-deps)"
+)
 
 
 @needs("docker-compose")
 @pytest.mark.parametrize("profile", ["gpu", "cpu"])
 def test_compose_file_is_valid(profile):
-    out = subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"], capture_output=True,
-                         text=True, cwd=ROOT, env={"COMPOSE_PROFILES": profile, "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"COMPOSE_PROFILES": profile, "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     services = yaml.safe_load(out.stdout)["services"]
     for name in ("draft", "target", "orchestrator", "prometheus", "grafana"):
@@ -46,8 +53,10 @@ def test_compose_file_is_valid(profile):
     assert services["orchestrator"]["depends_on"]["draft"]["condition"] == "service_healthy"
     # each pair runs its measured best K: 4 for the Llama pair on a GPU, where verify costs about one step; the
     # embedded pair on a CPU runs the same K as `specdec up`, so the two ways of starting it cannot drift apart
-    k = {name: services[name]["environment"]["SPECDEC_ORCHESTRATOR_NUM_SPECULATIVE_TOKENS"]
-         for name in ("orchestrator", "orchestrator-cpu")}
+    k = {
+        name: services[name]["environment"]["SPECDEC_ORCHESTRATOR_NUM_SPECULATIVE_TOKENS"]
+        for name in ("orchestrator", "orchestrator-cpu")
+    }
     assert k == {"orchestrator": "4", "orchestrator-cpu": str(OrchestratorConfig().num_speculative_tokens)}
     assert services["orchestrator-cpu"]["environment"]["SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS"] == "draft:50052"
 
@@ -94,27 +103,42 @@ def test_every_forward_width_series_exists_at_zero_before_the_first_pass():
 
 
 @needs("prometheus")
-def test_every_dashboard_and_alert_expression_returns_data(event_loop_thread, tokenizer, tiny_draft, target_model,
-                                                          tmp_path):
+def test_every_dashboard_and_alert_expression_returns_data(
+    event_loop_thread, tokenizer, tiny_draft, target_model, tmp_path
+):
     stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model)
     om, dm, tm, prom_port = free_ports(4)
-    servers = [start_http_server(p, addr="127.0.0.1", registry=r)
-               for p, r in ((om, stack.registry), (dm, stack.draft.registry), (tm, stack.target.registry))]
+    servers = [
+        start_http_server(p, addr="127.0.0.1", registry=r)
+        for p, r in ((om, stack.registry), (dm, stack.draft.registry), (tm, stack.target.registry))
+    ]
     (tmp_path / "alerts.yml").write_text(ALERTS.read_text())
-    (tmp_path / "prometheus.yml").write_text(prometheus_config(
-        {"orchestrator": f"127.0.0.1:{om}", "draft": f"127.0.0.1:{dm}", "target": f"127.0.0.1:{tm}"},
-        str(tmp_path / "alerts.yml"), interval="1s"))
-    prom = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    (tmp_path / "prometheus.yml").write_text(
+        prometheus_config(
+            {"orchestrator": f"127.0.0.1:{om}", "draft": f"127.0.0.1:{dm}", "target": f"127.0.0.1:{tm}"},
+            str(tmp_path / "alerts.yml"),
+            interval="1s",
+        )
+    )
+    prom = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         query = lambda e: _query(prom_port, e)
-        _wait(lambda: len(query('up == 1')) == 3, "Prometheus scraping all three services")
+        _wait(lambda: len(query("up == 1")) == 3, "Prometheus scraping all three services")
         time.sleep(2)
         for i in range(3):  # a short load: greedy, sampled, and one bad request
             stack.generate(prompt="Tell me about the sea.", max_tokens=12, temperature=0.7 * (i % 2), seed=i)
-        _, _, stats = stack.generate(prompt="red green blue red green blue red green", max_tokens=12, temperature=0.0,
-                                     prompt_lookup_min=2)
+        _, _, stats = stack.generate(
+            prompt="red green blue red green blue red green", max_tokens=12, temperature=0.0, prompt_lookup_min=2
+        )
         assert stats.lookup_rounds > 0  # the pattern repeats, so prompt lookup proposed
         with pytest.raises(grpc.RpcError):
             stack.generate(prompt="hi", top_p=3.0)

@@ -20,16 +20,22 @@ MESSAGES = [{"role": "user", "content": "Name three colors of the rainbow."}]
 @pytest.fixture(scope="module")
 def api(event_loop_thread, tokenizer, tiny_draft, target_model):
     port = free_ports(1)[0]
-    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model,
-                       orch_cfg=dict(http_port=port, max_concurrent_requests=1, max_queued_requests=1))
+    stack = make_stack(
+        event_loop_thread,
+        tokenizer,
+        tiny_draft,
+        target_model,
+        orch_cfg=dict(http_port=port, max_concurrent_requests=1, max_queued_requests=1),
+    )
     stack.http_port = port
     yield stack
     stop_stack(stack)
 
 
 def client(stack, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key=kw.pop("api_key", "none"),
-                         max_retries=0, **kw)
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw
+    )
 
 
 def model_id(stack) -> str:
@@ -45,18 +51,30 @@ def test_models_and_health_describe_the_one_model_served(api):
 
 
 def test_a_chat_completion_is_the_grpc_generations_text_streamed_or_not(api):
-    _, text, stats = api.generate(messages=[("user", MESSAGES[0]["content"])], max_tokens=16, temperature=0.0,
-                                  num_speculative_tokens=2)
+    _, text, stats = api.generate(
+        messages=[("user", MESSAGES[0]["content"])], max_tokens=16, temperature=0.0, num_speculative_tokens=2
+    )
     c = client(api)
-    whole = c.chat.completions.create(model=model_id(api), messages=MESSAGES, max_tokens=16, temperature=0,
-                                      extra_body={"num_speculative_tokens": 2})
+    whole = c.chat.completions.create(
+        model=model_id(api), messages=MESSAGES, max_tokens=16, temperature=0, extra_body={"num_speculative_tokens": 2}
+    )
     assert whole.choices[0].message.content == text and whole.choices[0].message.role == "assistant"
-    assert whole.choices[0].finish_reason == ("length" if stats.finish_reason == gen_pb.FINISH_REASON_LENGTH else "stop")
+    assert whole.choices[0].finish_reason == (
+        "length" if stats.finish_reason == gen_pb.FINISH_REASON_LENGTH else "stop"
+    )
     assert whole.usage.completion_tokens == stats.completion_tokens and whole.usage.prompt_tokens == stats.prompt_tokens
     assert whole.model_extra["specdec"]["draft_tokens"] == stats.draft_tokens  # the speculative stats ride along
-    chunks = list(c.chat.completions.create(model=model_id(api), messages=MESSAGES, max_tokens=16, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"num_speculative_tokens": 2}))
+    chunks = list(
+        c.chat.completions.create(
+            model=model_id(api),
+            messages=MESSAGES,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"num_speculative_tokens": 2},
+        )
+    )
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
     finals = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     assert len(finals) == 1 and finals[0].model_extra["specdec"]["rounds"] == stats.rounds
@@ -66,22 +84,34 @@ def test_a_chat_completion_is_the_grpc_generations_text_streamed_or_not(api):
 def test_a_text_completion_is_the_grpc_generations_text(api):
     _, text, _ = api.generate(prompt="The capital of France is", max_tokens=12, temperature=0.0)
     c = client(api)
-    assert c.completions.create(model=model_id(api), prompt="The capital of France is", max_tokens=12,
-                                temperature=0).choices[0].text == text
-    streamed = c.completions.create(model=model_id(api), prompt="The capital of France is", max_tokens=12,
-                                    temperature=0, stream=True)
+    assert (
+        c.completions.create(model=model_id(api), prompt="The capital of France is", max_tokens=12, temperature=0)
+        .choices[0]
+        .text
+        == text
+    )
+    streamed = c.completions.create(
+        model=model_id(api), prompt="The capital of France is", max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(ch.choices[0].text for ch in streamed) == text
 
 
-@pytest.mark.parametrize("fields, error, words, code", [
-    (dict(n=2), openai.BadRequestError, "n must be 1", None),
-    (dict(temperature=-1), openai.BadRequestError, "temperature", "invalid_argument"),
-    (dict(max_tokens=10 ** 6), openai.BadRequestError, "context length", "out_of_range"),
-    (dict(logprobs=True), openai.BadRequestError, "logprobs is not supported", None),
-    (dict(model="gpt-4o"), openai.NotFoundError, "does not exist", "model_not_found"),
-    (dict(extra_body={"num_speculative_tokens": 99}), openai.BadRequestError, "num_speculative_tokens",
-     "invalid_argument"),
-])
+@pytest.mark.parametrize(
+    "fields, error, words, code",
+    [
+        (dict(n=2), openai.BadRequestError, "n must be 1", None),
+        (dict(temperature=-1), openai.BadRequestError, "temperature", "invalid_argument"),
+        (dict(max_tokens=10**6), openai.BadRequestError, "context length", "out_of_range"),
+        (dict(logprobs=True), openai.BadRequestError, "logprobs is not supported", None),
+        (dict(model="gpt-4o"), openai.NotFoundError, "does not exist", "model_not_found"),
+        (
+            dict(extra_body={"num_speculative_tokens": 99}),
+            openai.BadRequestError,
+            "num_speculative_tokens",
+            "invalid_argument",
+        ),
+    ],
+)
 def test_a_bad_request_gets_openais_error_shape_with_the_right_status(api, fields, error, words, code):
     request = {"model": model_id(api), "messages": MESSAGES, "max_tokens": 4, **fields}
     with pytest.raises(error) as err:
@@ -110,8 +140,9 @@ def test_a_full_line_is_429(api, event_loop_thread):
 def test_a_client_that_disconnects_mid_stream_frees_its_sessions_on_both_servers(api):
     before = api.metric("specdec_request_errors_total", {"code": "CANCELLED"})
     conn = http.client.HTTPConnection("127.0.0.1", api.http_port, timeout=30)
-    body = json.dumps({"model": model_id(api), "messages": MESSAGES, "max_tokens": 300, "temperature": 0,
-                       "stream": True})
+    body = json.dumps(
+        {"model": model_id(api), "messages": MESSAGES, "max_tokens": 300, "temperature": 0, "stream": True}
+    )
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
     response = response_lines(conn.getresponse())
     assert next(response).startswith("data: ")  # the stream has started: both servers hold the session
@@ -128,18 +159,21 @@ def response_lines(response):
             yield line
 
 
-def test_with_an_api_key_a_request_without_it_is_401_and_with_it_served(event_loop_thread, tokenizer, tiny_draft,
-                                                                          target_model):
+def test_with_an_api_key_a_request_without_it_is_401_and_with_it_served(
+    event_loop_thread, tokenizer, tiny_draft, target_model
+):
     port = free_ports(1)[0]
-    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model,
-                       orch_cfg=dict(http_port=port, api_key="s3cret"))
+    stack = make_stack(
+        event_loop_thread, tokenizer, tiny_draft, target_model, orch_cfg=dict(http_port=port, api_key="s3cret")
+    )
     stack.http_port = port
     try:
         with pytest.raises(openai.AuthenticationError) as err:
             client(stack, api_key="wrong").models.list()
         assert "API key" in err.value.body["message"]
-        ok = client(stack, api_key="s3cret").chat.completions.create(model=model_id_with(stack, "s3cret"),
-                                                                      messages=MESSAGES, max_tokens=4)
+        ok = client(stack, api_key="s3cret").chat.completions.create(
+            model=model_id_with(stack, "s3cret"), messages=MESSAGES, max_tokens=4
+        )
         assert ok.choices[0].message.content is not None
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         conn.request("GET", "/health")  # health answers without the key, for probes
@@ -162,8 +196,10 @@ def test_the_readmes_python_clients_work_as_written(api, capsys):
     blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
     grpc_block = next(b for b in blocks if "generation_pb2_grpc" in b)
     openai_block = next(b for b in blocks if "from openai import OpenAI" in b)
-    for block in (grpc_block.replace("localhost:50051", api.address),
-                  openai_block.replace("localhost:8000", f"127.0.0.1:{api.http_port}")):
+    for block in (
+        grpc_block.replace("localhost:50051", api.address),
+        openai_block.replace("localhost:8000", f"127.0.0.1:{api.http_port}"),
+    ):
         exec(compile(block, "README.md", "exec"), {})
         printed = capsys.readouterr().out
         assert len(printed.split()) >= 5, printed  # a haiku came back

@@ -13,10 +13,10 @@ def brute_force(history: list[int], k: int, n_min: int, n_max: int) -> list[int]
     """The definition, read off a scan from scratch."""
     end = len(history)
     for n in range(min(n_max, end - 1), n_min - 1, -1):
-        suffix = history[end - n:]
+        suffix = history[end - n :]
         for e in range(end - 1, n - 1, -1):  # latest occurrence first; it must end before the suffix does
-            if history[e - n:e] == suffix:
-                return history[e:e + k]
+            if history[e - n : e] == suffix:
+                return history[e : e + k]
     return []
 
 

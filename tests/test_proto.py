@@ -23,6 +23,11 @@ def test_every_field_has_a_doc_comment():
         lines = proto.read_text().splitlines()
         for i, line in enumerate(lines):
             s = line.strip()
-            if s.endswith(";") and "=" in s and not s.startswith(("option", "syntax", "package", "import", "//")) \
-                    and not s.split()[0].startswith("FINISH_REASON") and not s.startswith("rpc"):
+            if (
+                s.endswith(";")
+                and "=" in s
+                and not s.startswith(("option", "syntax", "package", "import", "//"))
+                and not s.split()[0].startswith("FINISH_REASON")
+                and not s.startswith("rpc")
+            ):
                 assert lines[i - 1].strip().startswith("///"), f"{proto.name}:{i + 1} `{s}` has no /// comment"

@@ -79,7 +79,7 @@ def test_a_rows_product_is_the_one_it_gets_alone_whatever_the_rows_beside_it(ker
     for isa in isas:
         together = w.product(kernels, x, isa)
         for m in (0, 7, 8, 19):
-            assert torch.equal(w.product(kernels, x[m:m + 1], isa)[0], together[m])
+            assert torch.equal(w.product(kernels, x[m : m + 1], isa)[0], together[m])
             assert torch.equal(w.product(kernels, x[m:], isa)[0], together[m])
 
 

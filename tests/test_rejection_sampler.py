@@ -38,22 +38,28 @@ def assert_matches(samples: np.ndarray, expected: np.ndarray, what: str) -> None
     dev = np.abs(counts - n * expected)
     worst = int(np.argmax(dev - 6 * sigma))
     assert np.all(dev <= 6 * sigma + 1e-9), (
-        f"{what}: token {worst} seen {counts[worst]} times, expected {n * expected[worst]:.0f} +- {6 * sigma[worst]:.0f}")
+        f"{what}: token {worst} seen {counts[worst]} times, expected {n * expected[worst]:.0f} +- {6 * sigma[worst]:.0f}"
+    )
 
 
 def simulate(q: list[rs.Dist], p: list[rs.Dist], rounds: int = N):
     """Draft from q with the draft's keyed draws, then accept/reject; one round per seed."""
     out = []
     for seed in range(rounds):
-        drafts = [sample_sparse(qi.token_ids, qi.probs, uniform(seed, START + i, Purpose.DRAFT)) for i, qi in enumerate(q)]
+        drafts = [
+            sample_sparse(qi.token_ids, qi.probs, uniform(seed, START + i, Purpose.DRAFT)) for i, qi in enumerate(q)
+        ]
         n, token = rs.speculative_round(drafts, q, p, seed, START)
         out.append((n, drafts[:n] + [token]))
     return out
 
 
 VOCAB = 6
-P = [dist([0.30, 0.25, 0.20, 0.15, 0.07, 0.03]), dist([0.05, 0.50, 0.05, 0.10, 0.10, 0.20]),
-     dist([0.40, 0.05, 0.05, 0.05, 0.05, 0.40])]
+P = [
+    dist([0.30, 0.25, 0.20, 0.15, 0.07, 0.03]),
+    dist([0.05, 0.50, 0.05, 0.10, 0.10, 0.20]),
+    dist([0.40, 0.05, 0.05, 0.05, 0.05, 0.40]),
+]
 Q = [dist([0.10, 0.40, 0.10, 0.30, 0.05, 0.05]), dist([0.20, 0.20, 0.20, 0.20, 0.10, 0.10])]
 
 
@@ -135,8 +141,11 @@ def test_a_proposal_made_with_certainty_is_exact():
         out.append((n, proposed[:n] + [token]))
     assert_matches(np.array([t[0] for _, t in out]), dense(P[0], VOCAB), "first token, fixed proposal")
     assert_matches(np.array([t[1] for n, t in out if n >= 1]), dense(P[1], VOCAB), "second token, fixed proposal")
-    assert_matches(np.array([n for n, _ in out]), np.array([1 - 0.25, 0.25 * (1 - 0.10), 0.25 * 0.10]),
-                   "accepted length, fixed proposal")
+    assert_matches(
+        np.array([n for n, _ in out]),
+        np.array([1 - 0.25, 0.25 * (1 - 0.10), 0.25 * 0.10]),
+        "accepted length, fixed proposal",
+    )
 
 
 def test_residual_equals_the_dense_max_of_p_minus_q_for_any_supports():

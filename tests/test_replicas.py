@@ -27,7 +27,10 @@ CHAT = [("user", "Write a haiku about the sea.")]
 # -- addresses and placement, without servers ------------------------------------------------------------
 def test_an_address_list_names_replicas_and_dns_names():
     assert parse_addresses("a:1, [::1]:2,dns:///svc.ns.svc:50053") == [
-        Endpoint("a", 1), Endpoint("::1", 2), Endpoint("svc.ns.svc", 50053, dns=True)]
+        Endpoint("a", 1),
+        Endpoint("::1", 2),
+        Endpoint("svc.ns.svc", 50053, dns=True),
+    ]
     for bad in ("a", "a:", ":1", "a:x", "a:70000", "a:1,,b:2", "a:1,a:1"):
         with pytest.raises(ConfigError, match="--target-address"):
             parse_addresses(bad)
@@ -35,8 +38,12 @@ def test_an_address_list_names_replicas_and_dns_names():
 
 def _set(addresses: str, resolver=None) -> ReplicaSet:
     cfg = OrchestratorConfig()
-    return ReplicaSet("target", addresses, lambda a: ModelClient("target", a, target_pb2_grpc.TargetServiceStub, cfg),
-                      resolver=resolver or (lambda host, port: None))
+    return ReplicaSet(
+        "target",
+        addresses,
+        lambda a: ModelClient("target", a, target_pb2_grpc.TargetServiceStub, cfg),
+        resolver=resolver or (lambda host, port: None),
+    )
 
 
 def _report(r, in_use: int, max_sessions: int = 4, tokens: int = 0):
@@ -61,6 +68,7 @@ def test_a_new_generation_goes_to_the_least_loaded_replica_that_is_up(event_loop
         a.report(ms_pb.ModelInfo(max_sessions=4, max_tokens=1000, draining=True))
         assert not a.up
         await s.close()
+
     event_loop_thread.run(placement())
 
 
@@ -92,6 +100,7 @@ def test_dns_names_are_resolved_again_and_replicas_come_and_go(event_loop_thread
         answers["svc"] = []  # every pod gone: no replica to place on or to wait for
         await empty.resolve()
         assert empty.place() is None and empty.fallback() is None
+
     event_loop_thread.run(check())
 
 
@@ -99,37 +108,77 @@ def test_dns_names_are_resolved_again_and_replicas_come_and_go(event_loop_thread
 class Cluster:
     """Target and draft replicas and orchestrators in the test's event loop, each on its own port."""
 
-    def __init__(self, lt, tokenizer, draft_model, target_model, *, targets=2, drafts=1, orchestrators=1,
-                 target_cfg=None, draft_cfg=None, orch_cfg=None, target_address=None):
+    def __init__(
+        self,
+        lt,
+        tokenizer,
+        draft_model,
+        target_model,
+        *,
+        targets=2,
+        drafts=1,
+        orchestrators=1,
+        target_cfg=None,
+        draft_cfg=None,
+        orch_cfg=None,
+        target_address=None,
+    ):
         """target_cfg (and draft_cfg): settings of every replica, or a list of them, one per replica."""
         self.lt = lt
         self.targets, self.drafts, self.stacks, self.servers = [], [], [], {}
 
         async def start():
             for role, n, model, servicer, add, name, extra in (
-                    ("draft", drafts, draft_model, DraftServicer, draft_pb2_grpc.add_DraftServiceServicer_to_server,
-                     DRAFT_NAME, draft_cfg or {}),
-                    ("target", targets, target_model, TargetServicer,
-                     target_pb2_grpc.add_TargetServiceServicer_to_server, TARGET_NAME, target_cfg or {})):
+                (
+                    "draft",
+                    drafts,
+                    draft_model,
+                    DraftServicer,
+                    draft_pb2_grpc.add_DraftServiceServicer_to_server,
+                    DRAFT_NAME,
+                    draft_cfg or {},
+                ),
+                (
+                    "target",
+                    targets,
+                    target_model,
+                    TargetServicer,
+                    target_pb2_grpc.add_TargetServiceServicer_to_server,
+                    TARGET_NAME,
+                    target_cfg or {},
+                ),
+            ):
                 for i in range(n):
                     settings = {"threads": 1} if role == "draft" else {}
                     settings.update(extra[i] if isinstance(extra, list) else extra)
-                    core = ModelServer(ModelServerConfig(role=role, model=f"test-{role}", port=0, metrics_port=0,
-                                                         **settings), model, tokenizer)
+                    core = ModelServer(
+                        ModelServerConfig(role=role, model=f"test-{role}", port=0, metrics_port=0, **settings),
+                        model,
+                        tokenizer,
+                    )
                     server, port, *_ = await start_model_server(core, [(add, servicer(core), name)], "127.0.0.1", 0)
                     (self.drafts if role == "draft" else self.targets).append(core)
                     self.servers[core] = (server, f"127.0.0.1:{port}")
-            addresses = {role: ",".join(self.servers[c][1] for c in cores)
-                         for role, cores in (("draft", self.drafts), ("target", self.targets))}
+            addresses = {
+                role: ",".join(self.servers[c][1] for c in cores)
+                for role, cores in (("draft", self.drafts), ("target", self.targets))
+            }
             for _ in range(orchestrators):
-                cfg = OrchestratorConfig(host="127.0.0.1", port=0, metrics_port=0, http_port=0,
-                                         draft_address=addresses["draft"],
-                                         target_address=target_address(self) if target_address else addresses["target"],
-                                         **(orch_cfg or {}))
+                cfg = OrchestratorConfig(
+                    host="127.0.0.1",
+                    port=0,
+                    metrics_port=0,
+                    http_port=0,
+                    draft_address=addresses["draft"],
+                    target_address=target_address(self) if target_address else addresses["target"],
+                    **(orch_cfg or {}),
+                )
                 registry = CollectorRegistry()
                 server, port, _, servicer = await start_orchestrator(cfg, registry, tokenizer)
-                self.stacks.append(Stack(lt, self.drafts[0], self.targets[0], f"127.0.0.1:{port}", registry, servicer,
-                                         [server]))
+                self.stacks.append(
+                    Stack(lt, self.drafts[0], self.targets[0], f"127.0.0.1:{port}", registry, servicer, [server])
+                )
+
         lt.run(start())
 
     def stop(self):
@@ -139,6 +188,7 @@ class Cluster:
                 await stack.servers[0].stop(0)
             for server, _ in self.servers.values():
                 await server.stop(0)
+
         self.lt.run(stop())
 
 
@@ -148,17 +198,28 @@ def concurrently(fn, args):
 
 
 def test_generations_spread_over_the_target_replicas_and_give_the_target_alone_output(
-        event_loop_thread, tokenizer, tiny_draft, target_model, tiny_stack):
-    expected = [tiny_stack.generate(prompt=f"Count from {i} to {i + 9}:", max_tokens=12, temperature=0.0,
-                                    num_speculative_tokens=0)[0] for i in range(8)]
+    event_loop_thread, tokenizer, tiny_draft, target_model, tiny_stack
+):
+    expected = [
+        tiny_stack.generate(
+            prompt=f"Count from {i} to {i + 9}:", max_tokens=12, temperature=0.0, num_speculative_tokens=0
+        )[0]
+        for i in range(8)
+    ]
     cluster = Cluster(event_loop_thread, tokenizer, tiny_draft, target_model, targets=2)
     try:
         stack = cluster.stacks[0]
-        got = concurrently(lambda i: stack.generate(prompt=f"Count from {i} to {i + 9}:", max_tokens=12,
-                                                    temperature=0.0, num_speculative_tokens=2)[0], range(8))
+        got = concurrently(
+            lambda i: stack.generate(
+                prompt=f"Count from {i} to {i + 9}:", max_tokens=12, temperature=0.0, num_speculative_tokens=2
+            )[0],
+            range(8),
+        )
         assert got == expected
-        placed = [stack.metric("specdec_replica_generations_total", {"role": "target", "replica": cluster.servers[c][1]})
-                  for c in cluster.targets]
+        placed = [
+            stack.metric("specdec_replica_generations_total", {"role": "target", "replica": cluster.servers[c][1]})
+            for c in cluster.targets
+        ]
         assert sum(placed) == 8 and min(placed) >= 2, placed  # least-loaded placement, not all on one
         assert eventually(lambda: event_loop_thread.call(lambda: [len(c.pool) for c in cluster.targets]) == [0, 0])
     finally:
@@ -167,12 +228,14 @@ def test_generations_spread_over_the_target_replicas_and_give_the_target_alone_o
 
 @pytest.mark.parametrize("how", ["killed", "drained"])
 def test_a_target_replica_lost_mid_stream_costs_no_request_and_no_token(
-        event_loop_thread, tokenizer, tiny_draft, target_model, tiny_stack, how):
+    event_loop_thread, tokenizer, tiny_draft, target_model, tiny_stack, how
+):
     """killed: its server stops at once, its sessions with it. drained: it shuts down as on SIGTERM (the streams
     between two calls end UNAVAILABLE, no new call is taken, the calls in flight finish)."""
     prompts = [f"Write a list of {i + 3} fruits:" for i in range(6)]
-    expected = [tiny_stack.generate(prompt=p, max_tokens=40, temperature=0.0, num_speculative_tokens=0)[0]
-                for p in prompts]
+    expected = [
+        tiny_stack.generate(prompt=p, max_tokens=40, temperature=0.0, num_speculative_tokens=0)[0] for p in prompts
+    ]
     cluster = Cluster(event_loop_thread, tokenizer, tiny_draft, target_model, targets=2)
     try:
         stack = cluster.stacks[0]
@@ -199,8 +262,10 @@ def test_a_target_replica_lost_mid_stream_costs_no_request_and_no_token(
                 event_loop_thread.run(server.stop(5.0))
             got = [f.result(timeout=120) for f in futures]
         assert got == expected
-        assert stack.metric("specdec_replica_failovers_total",
-                            {"role": "target", "replica": cluster.servers[victim][1]}) >= 1
+        assert (
+            stack.metric("specdec_replica_failovers_total", {"role": "target", "replica": cluster.servers[victim][1]})
+            >= 1
+        )
         assert stack.metric("specdec_failover_recovery_seconds_count", {"role": "target"}) >= 1
     finally:
         cluster.stop()
@@ -213,20 +278,36 @@ def _request(prompt):
 
 
 def test_orchestrators_sharing_full_replicas_wait_instead_of_failing(
-        event_loop_thread, tokenizer, tiny_draft, target_model, tiny_stack):
+    event_loop_thread, tokenizer, tiny_draft, target_model, tiny_stack
+):
     """Two orchestrators, each admitting as many generations as the replicas hold: the replicas refuse the
     surplus with RESOURCE_EXHAUSTED, and the orchestrators place it elsewhere or wait, so every request ends."""
     prompts = [f"Name {i + 2} colours:" for i in range(6)]
-    expected = [tiny_stack.generate(prompt=p, max_tokens=16, temperature=0.0, num_speculative_tokens=0)[0]
-                for p in prompts]
-    cluster = Cluster(event_loop_thread, tokenizer, tiny_draft, target_model, targets=2, orchestrators=2,
-                      target_cfg={"max_sessions": 1})
+    expected = [
+        tiny_stack.generate(prompt=p, max_tokens=16, temperature=0.0, num_speculative_tokens=0)[0] for p in prompts
+    ]
+    cluster = Cluster(
+        event_loop_thread,
+        tokenizer,
+        tiny_draft,
+        target_model,
+        targets=2,
+        orchestrators=2,
+        target_cfg={"max_sessions": 1},
+    )
     try:
-        got = concurrently(lambda i: cluster.stacks[i % 2].generate(prompt=prompts[i], max_tokens=16, temperature=0.0,
-                                                                    num_speculative_tokens=0)[0], range(len(prompts)))
+        got = concurrently(
+            lambda i: cluster.stacks[i % 2].generate(
+                prompt=prompts[i], max_tokens=16, temperature=0.0, num_speculative_tokens=0
+            )[0],
+            range(len(prompts)),
+        )
         assert got == expected
-        refused = sum(c.metrics.rpc_errors.labels(method, "RESOURCE_EXHAUSTED")._value.get()
-                      for c in cluster.targets for method in ("Verify", "VerifyStream"))
+        refused = sum(
+            c.metrics.rpc_errors.labels(method, "RESOURCE_EXHAUSTED")._value.get()
+            for c in cluster.targets
+            for method in ("Verify", "VerifyStream")
+        )
         assert refused >= 1  # the replicas did turn generations away: the orchestrators waited and placed them
     finally:
         cluster.stop()
@@ -235,8 +316,14 @@ def test_orchestrators_sharing_full_replicas_wait_instead_of_failing(
 def test_a_dns_name_resolves_to_replicas(event_loop_thread, tokenizer, tiny_draft, target_model, tiny_stack):
     """dns:///localhost:PORT: every address localhost has is a replica; the one the server listens on serves."""
     expected = tiny_stack.generate(messages=CHAT, max_tokens=8, temperature=0.0, num_speculative_tokens=0)[0]
-    cluster = Cluster(event_loop_thread, tokenizer, tiny_draft, target_model, targets=1,
-                      target_address=lambda c: "dns:///localhost:" + c.servers[c.targets[0]][1].split(":")[1])
+    cluster = Cluster(
+        event_loop_thread,
+        tokenizer,
+        tiny_draft,
+        target_model,
+        targets=1,
+        target_address=lambda c: "dns:///localhost:" + c.servers[c.targets[0]][1].split(":")[1],
+    )
     try:
         stack = cluster.stacks[0]
         assert stack.generate(messages=CHAT, max_tokens=8, temperature=0.0, num_speculative_tokens=2)[0] == expected

@@ -64,8 +64,14 @@ def test_the_sampling_kernel_is_the_torch_transform():
         for scale in (0.1, 2.0, 8.0):  # flat to peaky rows
             logits = torch.randn(3, vocab, generator=g) * scale
             logits[0, ::3] = float("-inf")
-            for temperature, top_k, top_p in [(0.7, 0, 0.9), (1.0, 0, 1.0), (0.3, 0, 0.99), (1.5, 50, 0.9), (0.7, 5, 1.0),
-                                              (0.7, 100_000, 0.5)]:
+            for temperature, top_k, top_p in [
+                (0.7, 0, 0.9),
+                (1.0, 0, 1.0),
+                (0.3, 0, 0.99),
+                (1.5, 50, 0.9),
+                (0.7, 5, 1.0),
+                (0.7, 100_000, 0.5),
+            ]:
                 fast = kernels.sampling_probs(logits, temperature, top_k, top_p)
                 slow = logits_to_probs_torch(logits, temperature, top_k, top_p)
                 assert torch.equal(fast > 0, slow > 0), (vocab, scale, temperature, top_k, top_p)

@@ -31,11 +31,16 @@ def _certificates(folder):
     def issue(name, issuer=None, ca=False, sans=()):
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        builder = (x509.CertificateBuilder().subject_name(subject)
-                   .issuer_name(issuer[0].subject if issuer else subject).public_key(key.public_key())
-                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer[0].subject if issuer else subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
         if sans:
             builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
         cert = builder.sign(issuer[1] if issuer else key, hashes.SHA256())
@@ -43,20 +48,33 @@ def _certificates(folder):
 
     def write(name, cert, key):
         (folder / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (folder / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                               serialization.PrivateFormat.PKCS8,
-                                                               serialization.NoEncryption()))
+        (folder / f"{name}.key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
 
     ca = issue("specdec test CA", ca=True)
     write("ca", *ca)
-    write("server", *issue("specdec-model-server", ca, sans=[x509.DNSName("specdec-model-server"),
-                                                             x509.DNSName("localhost"),
-                                                             x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]))
+    write(
+        "server",
+        *issue(
+            "specdec-model-server",
+            ca,
+            sans=[
+                x509.DNSName("specdec-model-server"),
+                x509.DNSName("localhost"),
+                x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            ],
+        ),
+    )
     write("client", *issue("specdec-orchestrator", ca))
     other = issue("another CA", ca=True)
     write("other", *issue("intruder", other))
-    return {name: str(folder / name) for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key",
-                                                    "other.pem", "other.key")}
+    return {
+        name: str(folder / name)
+        for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key", "other.pem", "other.key")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +87,23 @@ def secure_stack(event_loop_thread, tokenizer, tiny_draft, target_model, certs):
     """Model servers that require client certificates from the CA; an orchestrator that presents one, serves
     TLS itself and requires a bearer token."""
     server = {"tls_cert": certs["server.pem"], "tls_key": certs["server.key"], "tls_client_ca": certs["ca.pem"]}
-    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model, draft_cfg=server, target_cfg=server,
-                       orch_cfg={"tls_cert": certs["server.pem"], "tls_key": certs["server.key"], "api_key": "s3cret",
-                                 "upstream_tls_ca": certs["ca.pem"], "upstream_tls_cert": certs["client.pem"],
-                                 "upstream_tls_key": certs["client.key"], "upstream_tls_name": "specdec-model-server"})
+    stack = make_stack(
+        event_loop_thread,
+        tokenizer,
+        tiny_draft,
+        target_model,
+        draft_cfg=server,
+        target_cfg=server,
+        orch_cfg={
+            "tls_cert": certs["server.pem"],
+            "tls_key": certs["server.key"],
+            "api_key": "s3cret",
+            "upstream_tls_ca": certs["ca.pem"],
+            "upstream_tls_cert": certs["client.pem"],
+            "upstream_tls_key": certs["client.key"],
+            "upstream_tls_name": "specdec-model-server",
+        },
+    )
     yield stack
     stop_stack(stack)
 
@@ -82,8 +113,9 @@ def _generate(address, certs, token=None, **fields):
     metadata = [("authorization", f"Bearer {token}")] if token is not None else None
     with grpc.secure_channel(address, creds) as channel:
         ids = []
-        for msg in generation_pb2_grpc.GenerationStub(channel).Generate(gen_pb.GenerateRequest(**fields), timeout=60,
-                                                                           metadata=metadata):
+        for msg in generation_pb2_grpc.GenerationStub(channel).Generate(
+            gen_pb.GenerateRequest(**fields), timeout=60, metadata=metadata
+        ):
             ids.extend(msg.token_ids)
         return ids
 
@@ -114,10 +146,16 @@ def test_a_model_server_refuses_a_client_without_a_certificate_from_its_ca(secur
     if client == "plaintext":
         channel = grpc.insecure_channel(address)
     else:
-        key, cert = (None, None) if client == "no certificate" else (Path(certs["other.key"]).read_bytes(),
-                                                                      Path(certs["other.pem"]).read_bytes())
-        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(certs["ca.pem"]).read_bytes(), key, cert),
-                                      options=[("grpc.ssl_target_name_override", "specdec-model-server")])
+        key, cert = (
+            (None, None)
+            if client == "no certificate"
+            else (Path(certs["other.key"]).read_bytes(), Path(certs["other.pem"]).read_bytes())
+        )
+        channel = grpc.secure_channel(
+            address,
+            grpc.ssl_channel_credentials(Path(certs["ca.pem"]).read_bytes(), key, cert),
+            options=[("grpc.ssl_target_name_override", "specdec-model-server")],
+        )
     with channel, pytest.raises(grpc.RpcError) as err:
         target_pb2_grpc.TargetServiceStub(channel).GetModelInfo(ms.GetModelInfoRequest(), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -137,6 +175,7 @@ def test_the_plaintext_health_port_serves_the_servers_statuses_and_nothing_else(
     async def start():
         await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         return await start_health_server("127.0.0.1", port, servicer)
+
     server = event_loop_thread.run(start())
     try:
         assert health_status(f"127.0.0.1:{port}") == "SERVING"
@@ -161,23 +200,40 @@ def test_tls_settings_that_do_not_fit_together_are_refused(certs):
 
 
 def test_a_replica_without_the_right_certificate_takes_no_generation_and_harms_none(
-        event_loop_thread, tokenizer, tiny_draft, target_model, tiny_stack, certs, tmp_path):
+    event_loop_thread, tokenizer, tiny_draft, target_model, tiny_stack, certs, tmp_path
+):
     """Two target replicas behind mutual TLS, one serving a certificate another CA signed: the orchestrator's
     handshakes with it fail, so it is down to the orchestrator, and every request runs on the other."""
     from test_replicas import Cluster
 
     good = {"tls_cert": certs["server.pem"], "tls_key": certs["server.key"], "tls_client_ca": certs["ca.pem"]}
     intruder = {"tls_cert": certs["other.pem"], "tls_key": certs["other.key"], "tls_client_ca": certs["ca.pem"]}
-    upstream = {"upstream_tls_ca": certs["ca.pem"], "upstream_tls_cert": certs["client.pem"],
-                "upstream_tls_key": certs["client.key"], "upstream_tls_name": "specdec-model-server"}
-    expected = [tiny_stack.generate(prompt=f"Count to {i + 3}:", max_tokens=8, temperature=0.0,
-                                    num_speculative_tokens=0)[0] for i in range(4)]
-    cluster = Cluster(event_loop_thread, tokenizer, tiny_draft, target_model, targets=2, target_cfg=[good, intruder],
-                      draft_cfg=good, orch_cfg=upstream)
+    upstream = {
+        "upstream_tls_ca": certs["ca.pem"],
+        "upstream_tls_cert": certs["client.pem"],
+        "upstream_tls_key": certs["client.key"],
+        "upstream_tls_name": "specdec-model-server",
+    }
+    expected = [
+        tiny_stack.generate(prompt=f"Count to {i + 3}:", max_tokens=8, temperature=0.0, num_speculative_tokens=0)[0]
+        for i in range(4)
+    ]
+    cluster = Cluster(
+        event_loop_thread,
+        tokenizer,
+        tiny_draft,
+        target_model,
+        targets=2,
+        target_cfg=[good, intruder],
+        draft_cfg=good,
+        orch_cfg=upstream,
+    )
     try:
         stack = cluster.stacks[0]
-        got = [stack.generate(prompt=f"Count to {i + 3}:", max_tokens=8, temperature=0.0, num_speculative_tokens=2)[0]
-               for i in range(4)]
+        got = [
+            stack.generate(prompt=f"Count to {i + 3}:", max_tokens=8, temperature=0.0, num_speculative_tokens=2)[0]
+            for i in range(4)
+        ]
         assert got == expected
         bad = cluster.servers[cluster.targets[1]][1]
         assert stack.metric("specdec_replica_up", {"role": "target", "replica": bad}) == 0

@@ -12,9 +12,18 @@ def small_target():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      rope_theta=10000.0, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
     for layer in model.model.layers:
         layer.input_layernorm.weight.uniform_(0.5, 2.0)

@@ -137,9 +137,14 @@ def _shared(round_s_per_k: float, step_s: float = 0.010, draft_call_s: float = 0
     tenth of a drafted token's cost is its verify row, the rest the draft's step."""
     s = sp.Speculation()
     row = 0.1 * round_s_per_k
-    s.costs = _costs([(1, step_s), (100, step_s + 99 * row)], [(1, 0.9 * round_s_per_k), (16, 16 * 0.9 * round_s_per_k)])
-    s.costs.observe(step_s + row + draft_call_s + 0.9 * round_s_per_k, _call(step_s + row, step_s + row),
-                    _call(draft_call_s + 0.9 * round_s_per_k, 0.9 * round_s_per_k))
+    s.costs = _costs(
+        [(1, step_s), (100, step_s + 99 * row)], [(1, 0.9 * round_s_per_k), (16, 16 * 0.9 * round_s_per_k)]
+    )
+    s.costs.observe(
+        step_s + row + draft_call_s + 0.9 * round_s_per_k,
+        _call(step_s + row, step_s + row),
+        _call(draft_call_s + 0.9 * round_s_per_k, 0.9 * round_s_per_k),
+    )
     return s
 
 
@@ -204,7 +209,8 @@ def test_a_request_starts_the_draft_only_if_its_remaining_tokens_repay_the_draft
     enough = int(0.015 / per_token_saved) + 1
     assert ak.next_k(remaining=enough, draft_started=False) == k  # repays the prefill: start the draft
     assert [ak.next_k(remaining=enough - 2, draft_started=False) for _ in range(2 * sp.PROBE_EVERY)] == [0] * (
-        2 * sp.PROBE_EVERY)  # does not, and no probe either: a probe would start the draft
+        2 * sp.PROBE_EVERY
+    )  # does not, and no probe either: a probe would start the draft
     assert ak.next_k(remaining=enough - 2, draft_started=True) == k  # once started, its prefill is paid
 
 
@@ -227,7 +233,9 @@ def test_a_cap_of_zero_keeps_every_round_on_the_target_alone_even_for_an_explore
     ak = sp.AdaptiveK(shared, greedy=True, cap=0, start_k=0)
     assert ak.explorer
     assert [ak.next_k(remaining=100, draft_started=False) for _ in range(3)] == [0, 0, 0]
-    assert [ak.next_k(remaining=100, draft_started=True) for _ in range(2 * sp.PROBE_EVERY)] == [0] * (2 * sp.PROBE_EVERY)
+    assert [ak.next_k(remaining=100, draft_started=True) for _ in range(2 * sp.PROBE_EVERY)] == [0] * (
+        2 * sp.PROBE_EVERY
+    )
 
 
 def test_a_request_the_draft_gets_right_stays_at_k_0_while_others_call_and_drafting_does_not_pay_for_them():
@@ -257,6 +265,7 @@ def test_while_others_call_and_drafting_does_not_pay_no_request_explores_or_prob
     assert explorer.explorer
     assert explorer.next_k(remaining=100, draft_started=False) == 0
     assert [explorer.next_k(remaining=100, draft_started=True) for _ in range(3 * sp.PROBE_EVERY)] == [0] * (
-        3 * sp.PROBE_EVERY)
+        3 * sp.PROBE_EVERY
+    )
     shared.costs.observe(0.0100, _call(0.0079, 0.0069), _call(0.0021, 0.0011))  # alone again
     assert explorer.next_k(remaining=100, draft_started=False) >= 1

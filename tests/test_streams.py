@@ -56,8 +56,10 @@ class CountingTarget(_Counting, TargetServicer):
 
 @pytest.fixture(scope="module")
 def stubs(tiny_stack):
-    return (draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(tiny_stack.draft_address)),
-            target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(tiny_stack.target_address)))
+    return (
+        draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(tiny_stack.draft_address)),
+        target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(tiny_stack.target_address)),
+    )
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -65,14 +67,20 @@ def test_streamed_calls_answer_exactly_as_unary_calls_in_order(stubs, sampling):
     draft, target = stubs
 
     def rounds(sid):  # three rounds of a session: create, extend, roll back and extend
-        return [(cursor(sid, 0, 0, [1, 2, 3, 4]), [5, 6]),
-                (cursor(sid, 6, 6, [7]), [8]),
-                (cursor(sid, 8, 5, [9, 10]), [])]
+        return [
+            (cursor(sid, 0, 0, [1, 2, 3, 4]), [5, 6]),
+            (cursor(sid, 6, 6, [7]), [8]),
+            (cursor(sid, 8, 5, [9, 10]), []),
+        ]
 
-    unary = [target.Verify(target_pb2.VerifyRequest(cursor=c, draft_tokens=d, sampling=sampling))
-             for c, d in rounds("unary")]
-    streamed = list(target.VerifyStream(iter(
-        [target_pb2.VerifyRequest(cursor=c, draft_tokens=d, sampling=sampling) for c, d in rounds("stream")])))
+    unary = [
+        target.Verify(target_pb2.VerifyRequest(cursor=c, draft_tokens=d, sampling=sampling)) for c, d in rounds("unary")
+    ]
+    streamed = list(
+        target.VerifyStream(
+            iter([target_pb2.VerifyRequest(cursor=c, draft_tokens=d, sampling=sampling) for c, d in rounds("stream")])
+        )
+    )
     assert [r.length for r in streamed] == [r.length for r in unary] == [6, 8, 7]
     for a, b in zip(unary, streamed):
         a.compute_seconds = b.compute_seconds = 0.0
@@ -80,8 +88,10 @@ def test_streamed_calls_answer_exactly_as_unary_calls_in_order(stubs, sampling):
         b.ClearField("batch")
         assert a == b
 
-    proposals = [draft_pb2.ProposeTokensRequest(cursor=cursor(sid, 0, 0, [1, 2, 3]), num_tokens=3, sampling=sampling)
-                 for sid in ("du", "ds")]
+    proposals = [
+        draft_pb2.ProposeTokensRequest(cursor=cursor(sid, 0, 0, [1, 2, 3]), num_tokens=3, sampling=sampling)
+        for sid in ("du", "ds")
+    ]
     a, b = draft.ProposeTokens(proposals[0]), next(draft.ProposeTokensStream(iter(proposals[1:])))
     assert list(a.token_ids) == list(b.token_ids) and list(a.token_probs) == list(b.token_probs)
     for sid in ("unary", "stream", "du", "ds"):
@@ -91,9 +101,11 @@ def test_streamed_calls_answer_exactly_as_unary_calls_in_order(stubs, sampling):
 
 def test_an_error_ends_the_stream_with_the_calls_status(stubs):
     draft, target = stubs
-    requests = [draft_pb2.ProposeTokensRequest(cursor=cursor("e", 0, 0, [1, 2]), num_tokens=2, sampling=GREEDY),
-                draft_pb2.ProposeTokensRequest(cursor=cursor("e", 9, 9, [3]), num_tokens=2, sampling=GREEDY),
-                draft_pb2.ProposeTokensRequest(cursor=cursor("e", 3, 3, [3]), num_tokens=2, sampling=GREEDY)]
+    requests = [
+        draft_pb2.ProposeTokensRequest(cursor=cursor("e", 0, 0, [1, 2]), num_tokens=2, sampling=GREEDY),
+        draft_pb2.ProposeTokensRequest(cursor=cursor("e", 9, 9, [3]), num_tokens=2, sampling=GREEDY),
+        draft_pb2.ProposeTokensRequest(cursor=cursor("e", 3, 3, [3]), num_tokens=2, sampling=GREEDY),
+    ]
     got = []
     with pytest.raises(grpc.RpcError) as err:
         for r in draft.ProposeTokensStream(iter(requests)):
@@ -101,22 +113,31 @@ def test_an_error_ends_the_stream_with_the_calls_status(stubs):
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "holds 3" in err.value.details()
     assert len(got) == 1  # the request after the error was not served
     with pytest.raises(grpc.RpcError) as err:
-        list(target.VerifyStream(iter([target_pb2.VerifyRequest(cursor=cursor("v", 0, 0, [10 ** 7]), sampling=GREEDY)])))
+        list(target.VerifyStream(iter([target_pb2.VerifyRequest(cursor=cursor("v", 0, 0, [10**7]), sampling=GREEDY)])))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     draft.ReleaseSession(ms.ReleaseSessionRequest(session_id="e"))
 
 
 def test_a_generation_uses_one_stream_per_server_and_unary_calls_give_the_same_tokens(
-        event_loop_thread, tokenizer, partial_draft, target_model):
+    event_loop_thread, tokenizer, partial_draft, target_model
+):
     tokens, counts = {}, {}
     for streams in (True, False):
-        stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model, draft_servicer=CountingDraft,
-                           target_servicer=CountingTarget, orch_cfg=dict(rpc_streams=streams))
+        stack = make_stack(
+            event_loop_thread,
+            tokenizer,
+            partial_draft,
+            target_model,
+            draft_servicer=CountingDraft,
+            target_servicer=CountingTarget,
+            orch_cfg=dict(rpc_streams=streams),
+        )
         try:
             tokens[streams] = []
             for sampling in (dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=5)):
-                ids, _, stats = stack.generate(prompt="The capital of France is", max_tokens=24,
-                                               num_speculative_tokens=3, **sampling)
+                ids, _, stats = stack.generate(
+                    prompt="The capital of France is", max_tokens=24, num_speculative_tokens=3, **sampling
+                )
                 assert stats.rounds > 3
                 tokens[streams].append(ids)
             counts[streams] = [(s.streams, s.unary) for s in (stack.servicers_draft, stack.servicers_target)]
@@ -138,7 +159,9 @@ def test_shutdown_ends_idle_streams_at_once_with_unavailable(event_loop_thread, 
     core, server, port, health_servicer = event_loop_thread.run(start())
     stop = asyncio.Event()
     serving = asyncio.run_coroutine_threadsafe(
-        serve(server, health_servicer, grace_s, stop_event=stop, on_draining=core.begin_shutdown), event_loop_thread.loop)
+        serve(server, health_servicer, grace_s, stop_event=stop, on_draining=core.begin_shutdown),
+        event_loop_thread.loop,
+    )
     stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     outbox: list = [target_pb2.VerifyRequest(cursor=cursor("s", 0, 0, [1, 2, 3]), sampling=GREEDY)]
     gate = threading.Event()
@@ -172,7 +195,8 @@ def _record_forwards(core: ModelServer) -> list[tuple[int, str]]:
 
 
 def test_a_multithreaded_cpu_server_loads_and_computes_on_its_event_loop_thread_only(
-        event_loop_thread, tokenizer, tiny_draft, tmp_path, monkeypatch):
+    event_loop_thread, tokenizer, tiny_draft, tmp_path, monkeypatch
+):
     # Torch work on a second thread would start a second OpenMP team and slow every pass for good,
     # and a hand-off to a worker thread costs two wake-ups per call.
     tiny_draft.save_pretrained(tmp_path)
@@ -185,8 +209,9 @@ def test_a_multithreaded_cpu_server_loads_and_computes_on_its_event_loop_thread_
         return load_model(*args, **kwargs)
 
     monkeypatch.setattr(models, "load_model", recording_load_model)
-    cfg = ModelServerConfig(role="target", model=str(tmp_path), port=0, metrics_port=0, threads=2, max_batch_tokens=8,
-                            max_draft_tokens=4)
+    cfg = ModelServerConfig(
+        role="target", model=str(tmp_path), port=0, metrics_port=0, threads=2, max_batch_tokens=8, max_draft_tokens=4
+    )
 
     async def start():
         core = ModelServer.load(cfg)
@@ -199,8 +224,11 @@ def test_a_multithreaded_cpu_server_loads_and_computes_on_its_event_loop_thread_
         stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
         length = 0
         for tokens in (list(range(1, 30)), [30], [31], [32]):  # a prefill, then round-sized calls; drafts rejected
-            length = stub.Verify(target_pb2.VerifyRequest(cursor=cursor("s", length, max(length - 1, 0), tokens),
-                                                          draft_tokens=[40], sampling=GREEDY)).length
+            length = stub.Verify(
+                target_pb2.VerifyRequest(
+                    cursor=cursor("s", length, max(length - 1, 0), tokens), draft_tokens=[40], sampling=GREEDY
+                )
+            ).length
     finally:
         expiry.cancel()
         event_loop_thread.run(server.stop(None))
@@ -221,8 +249,13 @@ def test_a_long_pass_runs_on_the_prefill_threads_and_a_step_on_the_servers_own(t
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # as ModelServer.load sets --threads 1 for the draft
     try:
-        core = ModelServer(ModelServerConfig(role="draft", model="test-draft", metrics_port=0, prefill_threads=2,
-                                             prefix_cache_tokens=0), tiny_draft, tokenizer)
+        core = ModelServer(
+            ModelServerConfig(
+                role="draft", model="test-draft", metrics_port=0, prefill_threads=2, prefix_cache_tokens=0
+            ),
+            tiny_draft,
+            tokenizer,
+        )
         seen, forward_batch = [], core.runner.forward_batch
 
         def recording_forward_batch(caches, token_ids, num_logits, scored_only=False):
@@ -254,22 +287,31 @@ def test_a_long_pass_runs_on_the_prefill_threads_and_a_step_on_the_servers_own(t
 def test_a_prompt_fed_in_pieces_verifies_as_if_fed_in_one_pass(event_loop_thread, tokenizer, target_model, sampling):
     """A long feed is cut to the pass's token budget; with specdec's kernels every row is summed on its own,
     so the pieces give the one pass's answer bit for bit (elsewhere, to float rounding)."""
-    prompt = tokenizer("The lighthouse keeper wrote in his log every night: the weather, the ships that "
-                       "passed, the state of the lamp and of the stairs, and now and then a line about the "
-                       "gulls, the seals on the rocks, the supply boat that came on Thursdays, and the long "
-                       "winter evenings when the sea was too rough for anyone to land.")["input_ids"]
+    prompt = tokenizer(
+        "The lighthouse keeper wrote in his log every night: the weather, the ships that "
+        "passed, the state of the lamp and of the stairs, and now and then a line about the "
+        "gulls, the seals on the rocks, the supply boat that came on Thursdays, and the long "
+        "winter evenings when the sea was too rough for anyone to land."
+    )["input_ids"]
     assert len(prompt) > 3 * 16
     answers, widths = [], []
     for budget in (16, 4096):
+
         async def start(budget=budget):
-            return ModelServer(ModelServerConfig(role="target", model="t", port=0, metrics_port=0, max_draft_tokens=8,
-                                                 max_batch_tokens=budget), target_model, tokenizer)
+            return ModelServer(
+                ModelServerConfig(
+                    role="target", model="t", port=0, metrics_port=0, max_draft_tokens=8, max_batch_tokens=budget
+                ),
+                target_model,
+                tokenizer,
+            )
 
         core = event_loop_thread.run(start())
         forwards = _record_forwards(core)
         servicer = TargetServicer(core)
-        request = target_pb2.VerifyRequest(cursor=cursor("s", 0, 0, prompt), draft_tokens=[13, 578, 2593],
-                                           sampling=sampling)
+        request = target_pb2.VerifyRequest(
+            cursor=cursor("s", 0, 0, prompt), draft_tokens=[13, 578, 2593], sampling=sampling
+        )
         answers.append(event_loop_thread.run(servicer.Verify(request, context=None)))
         widths.append([n for n, _ in forwards])
     pieces, whole = answers
@@ -297,8 +339,14 @@ class SlowTarget(TargetServicer):
 
 
 def test_a_round_past_the_deadline_fails_with_deadline_exceeded(event_loop_thread, tokenizer, tiny_draft, target_model):
-    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model, target_servicer=SlowTarget,
-                       orch_cfg=dict(rpc_timeout_s=0.5))
+    stack = make_stack(
+        event_loop_thread,
+        tokenizer,
+        tiny_draft,
+        target_model,
+        target_servicer=SlowTarget,
+        orch_cfg=dict(rpc_timeout_s=0.5),
+    )
     try:
         with pytest.raises(grpc.RpcError) as err:
             stack.generate(prompt="Count to ten:", max_tokens=20, temperature=0.0, num_speculative_tokens=2)
@@ -324,7 +372,8 @@ class BreakingTarget(TargetServicer):
 
 
 def test_a_stream_that_breaks_mid_generation_is_reopened_and_costs_no_request(
-        event_loop_thread, tokenizer, partial_draft, target_model, partial_stack):
+    event_loop_thread, tokenizer, partial_draft, target_model, partial_stack
+):
     kw = dict(prompt="The capital of France is", max_tokens=24, temperature=0.0, num_speculative_tokens=3)
     expected, _, _ = partial_stack.generate(**kw)
     stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model, target_servicer=BreakingTarget)

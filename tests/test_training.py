@@ -30,13 +30,17 @@ def test_a_time_budget_cuts_off_a_random_share_of_the_prompts_not_the_longest():
     assert abs(first[len(first) // 2] - everything[len(everything) // 2]) < 30  # median of all: about 310
     assert first[-1] > everything[int(0.95 * len(everything))]  # the longest prompts are reached too
     for s in range(0, 768, 32):  # a batch's rows come from one length-sorted block
-        batch = [lengths[i] for i in order[s:s + 32]]
+        batch = [lengths[i] for i in order[s : s + 32]]
         assert batch == sorted(batch)
 
 
 def _chat_prompts(tokenizer, texts=("What is 2 + 3?", "Name a color.", "Write one word about the sea.", "Say hi.")):
-    return [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          return_dict=True)["input_ids"] for text in texts]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        for text in texts
+    ]
 
 
 def _greedy_alone(runner, prompt, eos, max_new):

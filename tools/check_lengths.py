@@ -70,8 +70,11 @@ def violations(root: Path, pending: set[tuple[str, str]] = frozenset()) -> list[
             waived.add((rel, name))
         else:
             found.append(f"{rel}:{line} {name} {length} lines (max {limit})")
-    found += [f"{rel} {name}: within limits now; drop it from PENDING" for rel, name in sorted(pending - waived)
-              if (root / rel).exists()]
+    found += [
+        f"{rel} {name}: within limits now; drop it from PENDING"
+        for rel, name in sorted(pending - waived)
+        if (root / rel).exists()
+    ]
     return found
 
 

@@ -35,9 +35,16 @@ from specdec.health import health_status  # noqa: E402
 from specdec.server import free_ports  # noqa: E402
 from specdec.v1 import generation_pb2 as gen_pb, generation_pb2_grpc  # noqa: E402
 
-PROMPTS = ["Write a haiku about the sea.", "List three uses of a paperclip.", "What is 17 times 23?",
-           "Explain a hash map in two sentences.", "Name four planets.", "Write a short story opening.",
-           "Give a JSON object describing a cat.", "Say hello in French and Spanish."]
+PROMPTS = [
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip.",
+    "What is 17 times 23?",
+    "Explain a hash map in two sentences.",
+    "Name four planets.",
+    "Write a short story opening.",
+    "Give a JSON object describing a cat.",
+    "Say hello in French and Spanish.",
+]
 
 
 class Cluster:
@@ -48,28 +55,38 @@ class Cluster:
         self.env = dict(os.environ, **(extra_env or {}))
         self.ports = {(role, i): free_ports(2) for role in ("draft", "target") for i in range(replicas)}
         self.procs: dict = {}
-        for (role, i) in self.ports:
+        for role, i in self.ports:
             self.start_server(role, i)
         self.orch_ports = [free_ports(2) for _ in range(orchestrators)]
-        addresses = {role: ",".join(f"127.0.0.1:{p[0]}" for (r, _), p in self.ports.items() if r == role)
-                     for role in ("draft", "target")}
+        addresses = {
+            role: ",".join(f"127.0.0.1:{p[0]}" for (r, _), p in self.ports.items() if r == role)
+            for role in ("draft", "target")
+        }
         for j, (port, metrics) in enumerate(self.orch_ports):
-            env = dict(self.env, SPECDEC_ORCHESTRATOR_PORT=str(port), SPECDEC_ORCHESTRATOR_METRICS_PORT=str(metrics),
-                       SPECDEC_ORCHESTRATOR_HTTP_PORT="0", SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=addresses["draft"],
-                       SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=addresses["target"])
+            env = dict(
+                self.env,
+                SPECDEC_ORCHESTRATOR_PORT=str(port),
+                SPECDEC_ORCHESTRATOR_METRICS_PORT=str(metrics),
+                SPECDEC_ORCHESTRATOR_HTTP_PORT="0",
+                SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=addresses["draft"],
+                SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=addresses["target"],
+            )
             self.procs[("orchestrator", j)] = self._spawn("orchestrator", f"orchestrator-{j}", env)
         self.wait_serving([f"127.0.0.1:{p}" for p, _ in self.orch_ports])
 
     def _spawn(self, command: str, name: str, env: dict) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 - the process writes to it while it runs
-        return subprocess.Popen([sys.executable, "-m", "cli.main", command], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "cli.main", command], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
 
     def start_server(self, role: str, i: int) -> None:
         port, metrics = self.ports[(role, i)]
         prefix = f"SPECDEC_{role.upper()}_"
-        env = dict(self.env, **{prefix + "PORT": str(port), prefix + "METRICS_PORT": str(metrics),
-                                prefix + "HOST": "127.0.0.1"})
+        env = dict(
+            self.env,
+            **{prefix + "PORT": str(port), prefix + "METRICS_PORT": str(metrics), prefix + "HOST": "127.0.0.1"},
+        )
         self.procs[(role, i)] = self._spawn(role, f"{role}-{i}", env)
 
     def address(self, role: str, i: int) -> str:
@@ -128,8 +145,9 @@ def _scrape(port: int) -> str:
 
 def generate(address: str, prompt: str, max_tokens: int, k: int | None, on_message=None):
     """(token ids, error code name or None)."""
-    req = gen_pb.GenerateRequest(messages=[gen_pb.ChatMessage(role="user", content=prompt)], max_tokens=max_tokens,
-                                 temperature=0.0)
+    req = gen_pb.GenerateRequest(
+        messages=[gen_pb.ChatMessage(role="user", content=prompt)], max_tokens=max_tokens, temperature=0.0
+    )
     if k is not None:
         req.num_speculative_tokens = k
     ids = []
@@ -159,8 +177,9 @@ def run_drill(streams: int = 16, max_tokens: int = 48, log_dir: Path | None = No
         cluster.stop()
 
 
-def kill_mid_stream(cluster: Cluster, orchestrators: list[str], prompts: list[str], max_tokens: int,
-                    expected: dict) -> dict:
+def kill_mid_stream(
+    cluster: Cluster, orchestrators: list[str], prompts: list[str], max_tokens: int, expected: dict
+) -> dict:
     """Kill the first target and draft once every stream has its first messages; what the streams saw."""
     streams = len(prompts)
     placed_at_start = cluster.placed("target")
@@ -168,8 +187,9 @@ def kill_mid_stream(cluster: Cluster, orchestrators: list[str], prompts: list[st
     results: list = [None] * streams
 
     def stream(i: int) -> None:
-        results[i] = generate(orchestrators[i % 2], prompts[i], max_tokens, 3,
-                              on_message=lambda: arrivals[i].append(time.monotonic()))
+        results[i] = generate(
+            orchestrators[i % 2], prompts[i], max_tokens, 3, on_message=lambda: arrivals[i].append(time.monotonic())
+        )
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
     for t in threads:
@@ -190,20 +210,30 @@ def kill_mid_stream(cluster: Cluster, orchestrators: list[str], prompts: list[st
     # The wait of each stream still running at the kill, from the kill to its next message: the streams on
     # the killed target rebuild on the other (their longest waits), the others wait for its larger batches.
     waits = [min(t for t in a if t > killed_at) - killed_at for a in arrivals if a and a[-1] > killed_at]
-    moved = sum(float(line.rsplit(" ", 1)[1]) for j in range(2) for line in cluster.metrics(j).splitlines()
-                if line.startswith("specdec_replica_failovers_total{") and 'role="target"' in line)
+    moved = sum(
+        float(line.rsplit(" ", 1)[1])
+        for j in range(2)
+        for line in cluster.metrics(j).splitlines()
+        if line.startswith("specdec_replica_failovers_total{") and 'role="target"' in line
+    )
     return {
-        "failed_requests": len(failed), "failure_codes": failed, "wrong_outputs": wrong,
+        "failed_requests": len(failed),
+        "failure_codes": failed,
+        "wrong_outputs": wrong,
         "moved_generations": moved,
-        "recovery_seconds": {"max": max(waits, default=0.0), "median": sorted(waits)[len(waits) // 2] if waits else 0.0,
-                             "streams": len(waits)},
+        "recovery_seconds": {
+            "max": max(waits, default=0.0),
+            "median": sorted(waits)[len(waits) // 2] if waits else 0.0,
+            "streams": len(waits),
+        },
         "placement_before_kill": placed_before,
         "target_sessions_before_kill": sessions_before,
     }
 
 
-def after_restart(cluster: Cluster, orchestrators: list[str], prompts: list[str], max_tokens: int,
-                  expected: dict) -> dict:
+def after_restart(
+    cluster: Cluster, orchestrators: list[str], prompts: list[str], max_tokens: int, expected: dict
+) -> dict:
     """The killed target comes back on its port and takes new generations again."""
     cluster.start_server("target", 0)
     cluster.wait_serving([cluster.address("target", 0)])
@@ -223,8 +253,9 @@ def after_restart(cluster: Cluster, orchestrators: list[str], prompts: list[str]
     return {
         "restarted_replica_took": cluster.placed("target").get(back, 0.0) - before,
         "after_restart_failed": sum(1 for r in after_results if r[1] is not None),
-        "after_restart_wrong": sum(1 for i, r in enumerate(after_results)
-                                   if r[1] is None and r[0] != expected[prompts[i]]),
+        "after_restart_wrong": sum(
+            1 for i, r in enumerate(after_results) if r[1] is None and r[0] != expected[prompts[i]]
+        ),
     }
 
 

@@ -28,16 +28,31 @@ def render() -> str:
     from specdec.config import ROLE_DEFAULTS, ModelServerConfig, OrchestratorConfig, env_prefix
 
     out = [HEADER]
-    per_role = {name: " / ".join(str(ROLE_DEFAULTS[role].get(name, getattr(ModelServerConfig, name)))
-                                 for role in ("draft", "target"))
-                for name in {n for d in ROLE_DEFAULTS.values() for n in d}}
-    sections = (("Orchestrator", OrchestratorConfig, "orchestrator", {}),
-                ("Draft and target model servers (defaults: draft / target where they differ)", ModelServerConfig,
-                 "target", per_role))
+    per_role = {
+        name: " / ".join(
+            str(ROLE_DEFAULTS[role].get(name, getattr(ModelServerConfig, name))) for role in ("draft", "target")
+        )
+        for name in {n for d in ROLE_DEFAULTS.values() for n in d}
+    }
+    sections = (
+        ("Orchestrator", OrchestratorConfig, "orchestrator", {}),
+        (
+            "Draft and target model servers (defaults: draft / target where they differ)",
+            ModelServerConfig,
+            "target",
+            per_role,
+        ),
+    )
     for title, cls, role, defaults in sections:
         prefix = "SPECDEC_ORCHESTRATOR_" if role == "orchestrator" else "SPECDEC_DRAFT_ / SPECDEC_TARGET_"
-        out += [f"## {title}", "", f"Environment prefix: `{prefix}`.", "", "| flag | environment | default | what it does |",
-                "|---|---|---|---|"]
+        out += [
+            f"## {title}",
+            "",
+            f"Environment prefix: `{prefix}`.",
+            "",
+            "| flag | environment | default | what it does |",
+            "|---|---|---|---|",
+        ]
         for f in dataclasses.fields(cls):
             if not f.metadata.get("flag", True):
                 continue

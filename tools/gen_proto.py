@@ -21,8 +21,15 @@ def generate(out_root: Path) -> list[Path]:
     protos = sorted(p.relative_to(PROTO_ROOT).as_posix() for p in (PROTO_ROOT / "specdec" / "v1").glob("*.proto"))
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     out_root.mkdir(parents=True, exist_ok=True)
-    args = ["protoc", f"-I{PROTO_ROOT}", f"-I{include}", f"--python_out={out_root}",
-            f"--pyi_out={out_root}", f"--grpc_python_out={out_root}", *protos]
+    args = [
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{include}",
+        f"--python_out={out_root}",
+        f"--pyi_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        *protos,
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     package = out_root / "specdec" / "v1"

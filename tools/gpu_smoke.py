@@ -39,14 +39,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft", help="draft model (default: the embedded draft)")
     p.add_argument("--device", default="cuda", help="default %(default)s")
     p.add_argument("--dtype", default="bfloat16", help="default %(default)s")
-    p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=4,
-                   help="K of the speculative requests (default %(default)s, the GPU profile's)")
+    p.add_argument(
+        "-k",
+        "--num-speculative-tokens",
+        dest="k",
+        type=int,
+        default=4,
+        help="K of the speculative requests (default %(default)s, the GPU profile's)",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default %(default)s)")
     p.add_argument("--concurrency", type=int, default=8, help="requests sent at once (default %(default)s)")
-    p.add_argument("--sdpa-strict", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the model servers with --strict-attention (default: on a CUDA device)")
-    p.add_argument("--startup-timeout", type=float, default=1800.0,
-                   help="seconds for the services to start, downloads included (default %(default)s)")
+    p.add_argument(
+        "--sdpa-strict",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the model servers with --strict-attention (default: on a CUDA device)",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds for the services to start, downloads included (default %(default)s)",
+    )
     p.add_argument("--log", type=Path, help="the services' log (default: a temporary file, printed)")
     args = p.parse_args(argv)
     if args.sdpa_strict is None:
@@ -65,18 +79,23 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 # ---- 1) the machine ---------------------------------------------------------------------------------------------
 
+
 def describe_machine(device: str) -> str | None:
     """Print torch, CUDA, the card and the cached models; the reason the device cannot run, else None."""
     import torch
 
-    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-          f"cuDNN {torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}")
+    print(
+        f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"cuDNN {torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}"
+    )
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
-            print(f"cuda:{i} {props.name}, compute capability {props.major}.{props.minor}, "
-                  f"{props.total_memory / 2**30:.1f} GiB, bf16 {torch.cuda.is_bf16_supported()}, "
-                  f"flash SDPA {torch.backends.cuda.flash_sdp_enabled()}")
+            print(
+                f"cuda:{i} {props.name}, compute capability {props.major}.{props.minor}, "
+                f"{props.total_memory / 2**30:.1f} GiB, bf16 {torch.cuda.is_bf16_supported()}, "
+                f"flash SDPA {torch.backends.cuda.flash_sdp_enabled()}"
+            )
     else:
         print("no CUDA device")
     print("models in the Hugging Face cache:")
@@ -102,16 +121,24 @@ def describe_machine(device: str) -> str | None:
 
 # ---- 2) the services ---------------------------------------------------------------------------------------------
 
+
 def launch(args: argparse.Namespace, ports: list[int], environ: dict) -> tuple[list[str], dict]:
     """The command line and environment of `specdec up` on ports (orchestrator, draft, target, their three metrics
     ports, the HTTP API)."""
     o, d, t, om, dm, tm, oh = ports
-    env = dict(environ, SPECDEC_ORCHESTRATOR_PORT=str(o), SPECDEC_DRAFT_PORT=str(d), SPECDEC_TARGET_PORT=str(t),
-               SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh), SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om),
-               SPECDEC_DRAFT_METRICS_PORT=str(dm), SPECDEC_TARGET_METRICS_PORT=str(tm),
-               SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=f"127.0.0.1:{d}",
-               SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"127.0.0.1:{t}",
-               SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS=str(max(8, args.k)))
+    env = dict(
+        environ,
+        SPECDEC_ORCHESTRATOR_PORT=str(o),
+        SPECDEC_DRAFT_PORT=str(d),
+        SPECDEC_TARGET_PORT=str(t),
+        SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh),
+        SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om),
+        SPECDEC_DRAFT_METRICS_PORT=str(dm),
+        SPECDEC_TARGET_METRICS_PORT=str(tm),
+        SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=f"127.0.0.1:{d}",
+        SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"127.0.0.1:{t}",
+        SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS=str(max(8, args.k)),
+    )
     if args.sdpa_strict:
         env["SPECDEC_TARGET_STRICT_ATTENTION"] = env["SPECDEC_DRAFT_STRICT_ATTENTION"] = "true"
     argv = [sys.executable, "-m", "cli.main", "up", "--device", args.device, "--dtype", args.dtype]
@@ -130,8 +157,11 @@ class Services:
         argv, env = launch(args, ports, os.environ)
         o, d, t, om, dm, tm, _ = ports
         self.address, self.draft, self.target = f"127.0.0.1:{o}", f"127.0.0.1:{d}", f"127.0.0.1:{t}"
-        self.metrics = {None: f"http://127.0.0.1:{om}/metrics", "draft": f"http://127.0.0.1:{dm}/metrics",
-                        "target": f"http://127.0.0.1:{tm}/metrics"}
+        self.metrics = {
+            None: f"http://127.0.0.1:{om}/metrics",
+            "draft": f"http://127.0.0.1:{dm}/metrics",
+            "target": f"http://127.0.0.1:{tm}/metrics",
+        }
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop(), once the services have exited
         self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
@@ -161,6 +191,7 @@ class Services:
 
 
 # ---- 3) the requests ----------------------------------------------------------------------------------------------
+
 
 def generate(address: str, prompt: str, **fields) -> tuple[list[int], str, object]:
     """One chat request through the orchestrator's Generate: (token ids, text, stats)."""
@@ -194,8 +225,11 @@ def tokens_per_s(stats) -> float:
 
 def compare_greedy(check: Checks, name: str, got: list[int], ref: list[int], texts: tuple[str, str]) -> None:
     at = first_divergence(got, ref)
-    check(name, at is None and len(got) > 0,
-          "" if at is None else f"differs from K = 0 at token {at}: {texts[0]!r} vs {texts[1]!r}")
+    check(
+        name,
+        at is None and len(got) > 0,
+        "" if at is None else f"differs from K = 0 at token {at}: {texts[0]!r} vs {texts[1]!r}",
+    )
 
 
 def run_requests(services: Services, args: argparse.Namespace, check: Checks) -> None:
@@ -204,25 +238,38 @@ def run_requests(services: Services, args: argparse.Namespace, check: Checks) ->
     # the target alone, the reference of every greedy request
     ref = {p: generate(address, p, num_speculative_tokens=0, **greedy) for p in PROMPTS}
     for p, (ids, _, stats) in ref.items():
-        check(f"K = 0 greedy {p[:24]!r}", len(ids) > 0 and stats is not None and stats.draft_tokens == 0,
-              f"{len(ids)} tokens in {stats.total_seconds:.2f} s")
+        check(
+            f"K = 0 greedy {p[:24]!r}",
+            len(ids) > 0 and stats is not None and stats.draft_tokens == 0,
+            f"{len(ids)} tokens in {stats.total_seconds:.2f} s",
+        )
     # alone
     speculative = dict(greedy, num_speculative_tokens=k)
     for p in PROMPTS:
         ids, text, stats = generate(address, p, **speculative)
         compare_greedy(check, f"K = {k} greedy alone {p[:24]!r}", ids, ref[p][0], (text, ref[p][1]))
         ratio = tokens_per_s(stats) / max(tokens_per_s(ref[p][2]), 1e-9)
-        print(f"     {stats.completion_tokens} tokens in {stats.total_seconds:.2f} s, {ratio:.2f}x K = 0's tokens/s; "
-              f"{stats.mean_tokens_per_round:.2f} tokens/round, acceptance {stats.acceptance_rate:.2f}")
+        print(
+            f"     {stats.completion_tokens} tokens in {stats.total_seconds:.2f} s, {ratio:.2f}x K = 0's tokens/s; "
+            f"{stats.mean_tokens_per_round:.2f} tokens/round, acceptance {stats.acceptance_rate:.2f}"
+        )
     sampled = dict(max_tokens=n, num_speculative_tokens=k, prompt_lookup_min=0, seed=7, **SAMPLED)
     first, second = (generate(address, PROMPTS[0], **sampled) for _ in range(2))
-    check(f"K = {k} sampled alone, seed 7", len(first[0]) > 0 and first[2].draft_tokens > 0,
-          f"{len(first[0])} tokens, acceptance {first[2].acceptance_rate:.2f}")
-    check("the same seed samples the same tokens", first[0] == second[0],
-          "" if first[0] == second[0] else f"differ at token {first_divergence(first[0], second[0])}")
+    check(
+        f"K = {k} sampled alone, seed 7",
+        len(first[0]) > 0 and first[2].draft_tokens > 0,
+        f"{len(first[0])} tokens, acceptance {first[2].acceptance_rate:.2f}",
+    )
+    check(
+        "the same seed samples the same tokens",
+        first[0] == second[0],
+        "" if first[0] == second[0] else f"differ at token {first_divergence(first[0], second[0])}",
+    )
     # at once: greedy and sampled alternate, each greedy one checked against K = 0 alone
-    jobs = [(PROMPTS[i // 2 % len(PROMPTS)], speculative if i % 2 == 0 else dict(sampled, seed=100 + i))
-            for i in range(args.concurrency)]
+    jobs = [
+        (PROMPTS[i // 2 % len(PROMPTS)], speculative if i % 2 == 0 else dict(sampled, seed=100 + i))
+        for i in range(args.concurrency)
+    ]
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(generate, address, p, **f) for p, f in jobs]
         results = []
@@ -243,13 +290,16 @@ def run_requests(services: Services, args: argparse.Namespace, check: Checks) ->
 
 # ---- 4) the costs -------------------------------------------------------------------------------------------------
 
+
 def print_costs(services: Services) -> None:
     """Each model server's pass costs by width (GetModelInfo), and the rounds' split from the metrics."""
     from bench.metrics import mean_step_s, scrape_all, value
     from specdec.v1 import draft_pb2_grpc, model_server_pb2, target_pb2_grpc
 
-    for role, address, stub in (("draft", services.draft, draft_pb2_grpc.DraftServiceStub),
-                                ("target", services.target, target_pb2_grpc.TargetServiceStub)):
+    for role, address, stub in (
+        ("draft", services.draft, draft_pb2_grpc.DraftServiceStub),
+        ("target", services.target, target_pb2_grpc.TargetServiceStub),
+    ):
         with grpc.insecure_channel(address) as channel:
             info = stub(channel).GetModelInfo(model_server_pb2.GetModelInfoRequest(), timeout=30)
         costs = ", ".join(f"{c.rows}: {1000 * c.seconds:.2f}" for c in info.pass_costs)
@@ -258,13 +308,20 @@ def print_costs(services: Services) -> None:
     m = scrape_all(services.metrics)
     draft_step, target_step = mean_step_s(m, "draft"), mean_step_s(m, "target")
     rounds = value(m, "specdec_round_phase_seconds_count", phase="verify") or 1.0
-    phases = {ph: 1000 * value(m, "specdec_round_phase_seconds_sum", phase=ph) / rounds
-              for ph in ("draft", "verify", "queue", "accept", "rpc")}
-    print(f"step ms: draft {1000 * draft_step:.2f}, target {1000 * target_step:.2f}; "
-          f"c = {draft_step / target_step if target_step else 0:.3f}")
+    phases = {
+        ph: 1000 * value(m, "specdec_round_phase_seconds_sum", phase=ph) / rounds
+        for ph in ("draft", "verify", "queue", "accept", "rpc")
+    }
+    print(
+        f"step ms: draft {1000 * draft_step:.2f}, target {1000 * target_step:.2f}; "
+        f"c = {draft_step / target_step if target_step else 0:.3f}"
+    )
     whole = 1000 * value(m, "specdec_round_seconds_sum") / max(value(m, "specdec_round_seconds_count"), 1)
-    print(f"round ms ({rounds:.0f} decoding rounds): " + ", ".join(f"{ph} {ms:.2f}" for ph, ms in phases.items())
-          + f"; whole round {whole:.2f}")
+    print(
+        f"round ms ({rounds:.0f} decoding rounds): "
+        + ", ".join(f"{ph} {ms:.2f}" for ph, ms in phases.items())
+        + f"; whole round {whole:.2f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,12 +41,13 @@ def _hidden(r: LeanLlamaRunner, ids, pos, k_cache, v_cache, start: int, key_vali
     for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(r.layers):
         qkv = F.linear(_rms(r, x, ln1), wqkv)  # [B, n, (h + 2 kv) d]
         q = qkv[..., : h * d].view(B, n, h, d).transpose(1, 2)  # [B, h, n, d]
-        k = qkv[..., h * d:(h + kv) * d].view(B, n, kv, d).transpose(1, 2)
-        v = qkv[..., (h + kv) * d:].view(B, n, kv, d).transpose(1, 2)
+        k = qkv[..., h * d : (h + kv) * d].view(B, n, kv, d).transpose(1, 2)
+        v = qkv[..., (h + kv) * d :].view(B, n, kv, d).transpose(1, 2)
         k_cache[i, :, :, start:end] = rope(k, cos, sin)
         v_cache[i, :, :, start:end] = v
-        att = F.scaled_dot_product_attention(rope(q, cos, sin), k_cache[i, :, :, :end], v_cache[i, :, :, :end],
-                                             attn_mask=mask, enable_gqa=True)  # [B, h, n, d]
+        att = F.scaled_dot_product_attention(
+            rope(q, cos, sin), k_cache[i, :, :, :end], v_cache[i, :, :, :end], attn_mask=mask, enable_gqa=True
+        )  # [B, h, n, d]
         x = x + F.linear(att.transpose(1, 2).reshape(B, n, h * d), wo)
         x = x + F.linear(TorchLayerOps.silu_mul(F.linear(_rms(r, x, ln2), wgu)), wd)
     return x
@@ -62,8 +63,8 @@ def _left_padded(r: LeanLlamaRunner, seqs: list[list[int]], capacity: int):
     ids = torch.zeros(B, P, dtype=torch.long)
     key_valid = torch.zeros(B, capacity, dtype=torch.bool)
     for b, s in enumerate(seqs):
-        ids[b, P - len(s):] = torch.tensor(s)
-        key_valid[b, P - len(s):] = True
+        ids[b, P - len(s) :] = torch.tensor(s)
+        key_valid[b, P - len(s) :] = True
     pad, ids, key_valid = pad.to(dev), ids.to(dev), key_valid.to(dev)
     k_cache = torch.empty(len(r.layers), B, r.n_kv, capacity, r.head_dim, dtype=r.dtype, device=dev)
     pos = (torch.arange(P, device=dev)[None] - pad[:, None]).clamp(min=0)
@@ -71,8 +72,16 @@ def _left_padded(r: LeanLlamaRunner, seqs: list[list[int]], capacity: int):
 
 
 @torch.inference_mode()
-def generate(r: LeanLlamaRunner, prompts: list[list[int]], max_new: int, temperature: float, top_p: float,
-             eos_ids: set[int], seed: int, top_k_labels: int = 20):
+def generate(
+    r: LeanLlamaRunner,
+    prompts: list[list[int]],
+    max_new: int,
+    temperature: float,
+    top_p: float,
+    eos_ids: set[int],
+    seed: int,
+    top_k_labels: int = 20,
+):
     """One batch. Returns per row: (completion ids, top-k ids [m, k] int32, top-k log-probs [m, k] fp16);
     with top_k_labels=0, (completion ids, None, None). A draft that scores only its kept tokens samples
     among them (its own q), and its labels would index the kept list: use top_k_labels=0 for drafts.
@@ -136,7 +145,7 @@ def score(r: LeanLlamaRunner, pairs: list[tuple[list[int], list[int]]], top_k_la
     x = _hidden(r, ids, pos, k_cache, v_cache, 0, key_valid)  # [B, T, hidden]
     out = []
     for b, (_, c) in enumerate(pairs):
-        h = _rms(r, x[b, T - len(c) - 1:T - 1], r.norm)  # the positions that predict each completion token
+        h = _rms(r, x[b, T - len(c) - 1 : T - 1], r.norm)  # the positions that predict each completion token
         top = torch.topk(torch.log_softmax(F.linear(h, r.lm_head).float(), dim=-1), top_k_labels, dim=-1)
         out.append((top.indices.int().cpu(), top.values.half().cpu()))
     return out
@@ -150,7 +159,7 @@ def budget_order(lengths: list[int], batch_size: int, seed: int, blocks_of: int 
     order = list(range(len(lengths)))
     random.Random(seed).shuffle(order)
     block = batch_size * blocks_of
-    return [i for s in range(0, len(order), block) for i in sorted(order[s:s + block], key=lambda i: lengths[i])]
+    return [i for s in range(0, len(order), block) for i in sorted(order[s : s + block], key=lambda i: lengths[i])]
 
 
 def generate_all(r, prompts, max_new, temperature, top_p, eos_ids, seed, batch_size, deadline=None, log=print):
@@ -161,9 +170,11 @@ def generate_all(r, prompts, max_new, temperature, top_p, eos_ids, seed, batch_s
         if deadline is not None and time.monotonic() > deadline:
             log(f"  time budget reached after {len(results)} of {len(prompts)} prompts")
             break
-        idx = order[s:s + batch_size]
+        idx = order[s : s + batch_size]
         for i, res in zip(idx, generate(r, [prompts[i] for i in idx], max_new, temperature, top_p, eos_ids, seed + s)):
             results[i] = res
             tokens += len(res[0])
-        log(f"  {len(results)}/{len(prompts)} prompts, {tokens} tokens, {tokens / (time.monotonic() - t0):.0f} tokens/s")
+        log(
+            f"  {len(results)}/{len(prompts)} prompts, {tokens} tokens, {tokens / (time.monotonic() - t0):.0f} tokens/s"
+        )
     return results

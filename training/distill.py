@@ -96,11 +96,22 @@ def _data_part(args, tokenizer, part: int) -> Path:
         # each mode gets its share of the time budget
         share = deadline if mode == "sampled" else time.monotonic() + 0.6 * (deadline - time.monotonic())
         log(f"data: {mode} answers for {hi - lo} prompts")
-        got = batched.generate_all(runner, prompts[lo:hi], args.max_new, temperature, 0.9, eos, seed + lo,
-                                   args.batch_size, deadline=share, log=log)
+        got = batched.generate_all(
+            runner,
+            prompts[lo:hi],
+            args.max_new,
+            temperature,
+            0.9,
+            eos,
+            seed + lo,
+            args.batch_size,
+            deadline=share,
+            log=log,
+        )
         for i, (ids, top_i, top_v) in got.items():
-            records.append({"prompt": prompts[lo + i], "completion": ids, "top_ids": top_i, "top_logp": top_v,
-                            "mode": mode})
+            records.append(
+                {"prompt": prompts[lo + i], "completion": ids, "top_ids": top_i, "top_logp": top_v, "mode": mode}
+            )
     torch.save(records, path)
     log(f"data: {len(records)} answers, {sum(len(r['completion']) for r in records)} tokens -> {path}")
     return path
@@ -122,8 +133,9 @@ def _draft_part(args, tokenizer, part: int) -> Path:
     weights = Path(args.init) / "model.safetensors"
     draft_key = hashlib.sha256(weights.read_bytes()).hexdigest()[:10]
     seed = SEED + ON_POLICY_SEED + part
-    key = hashlib.sha256(json.dumps([args.num_prompts, args.max_new, seed, PROMPTS_VERSION, draft_key,
-                                     "distinct"]).encode())
+    key = hashlib.sha256(
+        json.dumps([args.num_prompts, args.max_new, seed, PROMPTS_VERSION, draft_key, "distinct"]).encode()
+    )
     path = work_dir() / f"onpolicy-{key.hexdigest()[:10]}.pt"
     if path.exists():
         log(f"data: cached {path}")
@@ -141,22 +153,34 @@ def _draft_part(args, tokenizer, part: int) -> Path:
         if time.monotonic() > deadline:
             log(f"  time budget reached after {len(records)} of {len(prompts)} prompts")
             break
-        batch = prompts[s:s + args.batch_size]
+        batch = prompts[s : s + args.batch_size]
         greedy = [int((j + 1) * ON_POLICY_GREEDY) > int(j * ON_POLICY_GREEDY) for j in range(len(batch))]
         answers = []
-        for mode, rows, temperature in (("draft-greedy", [p for p, g in zip(batch, greedy) if g], 0.0),
-                                        ("draft-sampled", [p for p, g in zip(batch, greedy) if not g], 0.7)):
+        for mode, rows, temperature in (
+            ("draft-greedy", [p for p, g in zip(batch, greedy) if g], 0.0),
+            ("draft-sampled", [p for p, g in zip(batch, greedy) if not g], 0.7),
+        ):
             got = batched.generate(draft, rows, args.max_new, temperature, 0.9, eos, seed + s, top_k_labels=0)
             answers += [(mode, p, ids) for p, (ids, _, _) in zip(rows, got) if ids]
         answers.sort(key=lambda a: len(a[1]) + len(a[2]))
         for i in range(0, len(answers), SCORE_ROWS):
-            group = answers[i:i + SCORE_ROWS]
+            group = answers[i : i + SCORE_ROWS]
             for (mode, p, ids), (top_i, top_v) in zip(group, batched.score(target, [(p, ids) for _, p, ids in group])):
-                records.append({"prompt": p, "completion": ids, "top_ids": top_i, "top_logp": top_v, "mode": mode,
-                                "hard": top_i[:, 0].tolist()})
+                records.append(
+                    {
+                        "prompt": p,
+                        "completion": ids,
+                        "top_ids": top_i,
+                        "top_logp": top_v,
+                        "mode": mode,
+                        "hard": top_i[:, 0].tolist(),
+                    }
+                )
                 tokens += len(ids)
-        log(f"  {len(records)}/{len(prompts)} prompts, {tokens} tokens, "
-            f"{tokens / (time.monotonic() - t0):.0f} labelled tokens/s")
+        log(
+            f"  {len(records)}/{len(prompts)} prompts, {tokens} tokens, "
+            f"{tokens / (time.monotonic() - t0):.0f} labelled tokens/s"
+        )
     torch.save(records, path)
     log(f"data: {len(records)} on-policy answers, {tokens} tokens -> {path}")
     return path
@@ -169,16 +193,24 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new", type=int, default=192)
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--data-parts", type=int, default=1, help="parts of --gen-minutes each, on fresh prompts")
-    ap.add_argument("--data-from", default="target", choices=["target", "draft"],
-                    help="who answers the prompts: the target (its own samples, labelled as it generates) or "
-                         "the --init draft (on-policy: its answers, labelled by the target in one pass each)")
+    ap.add_argument(
+        "--data-from",
+        default="target",
+        choices=["target", "draft"],
+        help="who answers the prompts: the target (its own samples, labelled as it generates) or "
+        "the --init draft (on-policy: its answers, labelled by the target in one pass each)",
+    )
     ap.add_argument("--gen-minutes", type=float, default=50, help="time budget of one data part")
     ap.add_argument("--train-minutes", type=float, default=45)
     ap.add_argument("--lr", type=float, help="peak learning rate (default: 2e-3 for slice, 3e-3 for pca)")
     ap.add_argument("--init", help="continue training this draft (a folder) instead of a fresh one")
-    ap.add_argument("--init-from", default="slice", choices=["slice", "pca"],
-                    help="a fresh draft's start: random layers and a PCA of the target's embedding (pca), "
-                         "or the target itself, rotated and cut (slice: training/slice.py)")
+    ap.add_argument(
+        "--init-from",
+        default="slice",
+        choices=["slice", "pca"],
+        help="a fresh draft's start: random layers and a PCA of the target's embedding (pca), "
+        "or the target itself, rotated and cut (slice: training/slice.py)",
+    )
     ap.add_argument("--layers", type=int, default=6, help="--init-from slice: layers kept")
     ap.add_argument("--intermediate", type=int, default=1024, help="--init-from slice: MLP neurons kept per layer")
     ap.add_argument("--batch-tokens", type=int, default=8192)

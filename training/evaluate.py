@@ -38,8 +38,9 @@ def step_ms(runner, context: int = 200, reps: int = 30, threads: int = 0) -> flo
     return pass_ms(runner, 1, context, reps, warmup=0)  # measure_c warms both runners up first
 
 
-def measure_c(draft: str, target: str, draft_runner: str, target_runner: str,
-              draft_quantize: str = "auto") -> tuple[float, float]:
+def measure_c(
+    draft: str, target: str, draft_runner: str, target_runner: str, draft_quantize: str = "auto"
+) -> tuple[float, float]:
     tok = models.load_tokenizer(target)
     d_model = models.load_model(draft)
     d = make_runner(d_model, len(tok), 4096, draft_runner, quantize=resolve_quantize(draft_quantize, "draft", d_model))
@@ -56,8 +57,14 @@ def measure_c(draft: str, target: str, draft_runner: str, target_runner: str,
 def run(stub, conversations, k, temperature, top_p, max_tokens, seed):
     acc = drafted = rejected = rounds = emitted = 0
     for i, messages in enumerate(conversations):
-        req = pb.GenerateRequest(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + i,
-                                 num_speculative_tokens=k, prompt_lookup_min=0)  # the draft's own alpha: no lookup
+        req = pb.GenerateRequest(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed + i,
+            num_speculative_tokens=k,
+            prompt_lookup_min=0,
+        )  # the draft's own alpha: no lookup
         for m in messages:
             req.messages.add(role=m["role"], content=m["content"])
         for msg in stub.Generate(req, timeout=600):
@@ -65,8 +72,12 @@ def run(stub, conversations, k, temperature, top_p, max_tokens, seed):
                 s = msg.stats
                 acc, drafted, rejected = acc + s.accepted_tokens, drafted + s.draft_tokens, rejected + s.rejected_rounds
                 rounds, emitted = rounds + s.rounds, emitted + s.mean_tokens_per_round * s.rounds
-    return {"alpha": leviathan_alpha(acc, rejected), "accepted_over_drafted": acc / max(drafted, 1),
-            "tau": emitted / max(rounds, 1), "rounds": rounds}
+    return {
+        "alpha": leviathan_alpha(acc, rejected),
+        "accepted_over_drafted": acc / max(drafted, 1),
+        "tau": emitted / max(rounds, 1),
+        "rounds": rounds,
+    }
 
 
 def main(argv=None) -> None:
@@ -96,8 +107,11 @@ def main(argv=None) -> None:
     for name in ("greedy", "t0.7_top_p0.9"):
         a = report[name]["alpha"]
         best = max(range(1, 9), key=lambda k: leviathan_bound(a, k, c))
-        report[name].update(best_k=best, predicted_speedup_best_k=leviathan_bound(a, best, c),
-                            predicted_speedup_k4=leviathan_bound(a, 4, c))
+        report[name].update(
+            best_k=best,
+            predicted_speedup_best_k=leviathan_bound(a, best, c),
+            predicted_speedup_k4=leviathan_bound(a, 4, c),
+        )
     print(json.dumps(report, indent=2))
 
 

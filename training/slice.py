@@ -48,6 +48,7 @@ def calibrate(target, sequences: list[list[int]]) -> Calibration:
 
     hooks = []
     for i, layer in enumerate(m.layers):
+
         def pre_in(_, args, i=i):
             layer_in[i] = args[0]
             add_stream(args[0])
@@ -59,10 +60,12 @@ def calibrate(target, sequences: list[list[int]]) -> Calibration:
         def pre_down(_, args, i=i):
             act_sum[i] += args[0][0].abs().double().sum(0)
 
-        hooks += [layer.input_layernorm.register_forward_pre_hook(pre_in),
-                  layer.post_attention_layernorm.register_forward_pre_hook(lambda _, a: add_stream(a[0])),
-                  layer.register_forward_hook(post_layer),
-                  layer.mlp.down_proj.register_forward_pre_hook(pre_down)]
+        hooks += [
+            layer.input_layernorm.register_forward_pre_hook(pre_in),
+            layer.post_attention_layernorm.register_forward_pre_hook(lambda _, a: add_stream(a[0])),
+            layer.register_forward_hook(post_layer),
+            layer.mlp.down_proj.register_forward_pre_hook(pre_down),
+        ]
     hooks.append(m.norm.register_forward_pre_hook(lambda _, a: add_stream(a[0])))
     try:
         for seq in sequences:
@@ -73,9 +76,13 @@ def calibrate(target, sequences: list[list[int]]) -> Calibration:
             h.remove()
     eigenvalues, vectors = torch.linalg.eigh(cov / (tokens * (2 * n_layers + 1)))  # ascending
     down_norms = torch.stack([layer.mlp.down_proj.weight.norm(dim=0) for layer in m.layers]).double()
-    return Calibration(basis=vectors.flip(-1).float(), eigenvalues=eigenvalues.flip(-1).float(),
-                       influence=(1 - cos_sum / tokens).float(),
-                       neuron_importance=(act_sum / tokens * down_norms).float(), tokens=tokens)
+    return Calibration(
+        basis=vectors.flip(-1).float(),
+        eigenvalues=eigenvalues.flip(-1).float(),
+        influence=(1 - cos_sum / tokens).float(),
+        neuron_importance=(act_sum / tokens * down_norms).float(),
+        tokens=tokens,
+    )
 
 
 def choose_layers(influence: torch.Tensor, n: int) -> list[int]:
@@ -100,13 +107,22 @@ def slice_target(target, cal: Calibration, layers: list[int], hidden: int, inter
     # the draft's norms scale it back, so the layers read what the target's read.
     scale = (cal.eigenvalues[:hidden].sum() / cal.eigenvalues.sum() * d / hidden).sqrt()
     theta = (getattr(tc, "rope_parameters", None) or {}).get("rope_theta") or getattr(tc, "rope_theta", 10000.0)
-    cfg = LlamaConfig(vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=intermediate,
-                      num_hidden_layers=len(layers), num_attention_heads=tc.num_attention_heads,
-                      num_key_value_heads=tc.num_key_value_heads,
-                      head_dim=getattr(tc, "head_dim", None) or d // tc.num_attention_heads,
-                      max_position_embeddings=tc.max_position_embeddings, rope_theta=theta,
-                      rms_norm_eps=tc.rms_norm_eps, tie_word_embeddings=True, bos_token_id=tc.bos_token_id,
-                      eos_token_id=tc.eos_token_id, pad_token_id=getattr(tc, "pad_token_id", None))
+    cfg = LlamaConfig(
+        vocab_size=tc.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=len(layers),
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        head_dim=getattr(tc, "head_dim", None) or d // tc.num_attention_heads,
+        max_position_embeddings=tc.max_position_embeddings,
+        rope_theta=theta,
+        rms_norm_eps=tc.rms_norm_eps,
+        tie_word_embeddings=True,
+        bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id,
+        pad_token_id=getattr(tc, "pad_token_id", None),
+    )
     if kept is not None:
         cfg.specdec_output_token_ids = list(kept)
     draft = LlamaForCausalLM(cfg).eval()

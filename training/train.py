@@ -14,8 +14,14 @@ import torch.nn.functional as F
 from specdec import models
 from training.common import SEED, log
 
-ARCH = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64)  # --init-from pca: a fresh draft of this shape
+ARCH = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)  # --init-from pca: a fresh draft of this shape
 CALIBRATION_ANSWERS = 96  # --init-from slice: answers the target's stream statistics are gathered on
 COVERAGE = 0.995  # the output layer keeps the most frequent tokens covering this share of the answers
 MAX_KEPT = 16384
@@ -39,10 +45,17 @@ def build_draft(target, kept: list[int]):
     tc = target.config
     # transformers 5 keeps rope_theta in rope_parameters; reading only the old attribute gave 10,000
     theta = (getattr(tc, "rope_parameters", None) or {}).get("rope_theta") or getattr(tc, "rope_theta", 10000.0)
-    cfg = LlamaConfig(vocab_size=tc.vocab_size, max_position_embeddings=tc.max_position_embeddings,
-                      rope_theta=theta, rms_norm_eps=tc.rms_norm_eps,
-                      tie_word_embeddings=True, bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id,
-                      pad_token_id=getattr(tc, "pad_token_id", None), **ARCH)
+    cfg = LlamaConfig(
+        vocab_size=tc.vocab_size,
+        max_position_embeddings=tc.max_position_embeddings,
+        rope_theta=theta,
+        rms_norm_eps=tc.rms_norm_eps,
+        tie_word_embeddings=True,
+        bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id,
+        pad_token_id=getattr(tc, "pad_token_id", None),
+        **ARCH,
+    )
     cfg.specdec_output_token_ids = kept
     torch.manual_seed(SEED)
     draft = LlamaForCausalLM(cfg)
@@ -69,9 +82,11 @@ def build_sliced_draft(target, kept: list[int], records, layers: int, intermedia
     cal = calibrate(target, [r["prompt"] + r["completion"] for r in sample])
     chosen = choose_layers(cal.influence, layers)
     energy = (cal.eigenvalues[:hidden].sum() / cal.eigenvalues.sum()).item()
-    log(f"slice: {cal.tokens} calibration tokens; layers {chosen} of {len(cal.influence)} by influence "
+    log(
+        f"slice: {cal.tokens} calibration tokens; layers {chosen} of {len(cal.influence)} by influence "
         f"({', '.join(f'{v:.2f}' for v in cal.influence.tolist())}); top {hidden} directions "
-        f"hold {energy:.1%} of the stream's energy; {intermediate} MLP neurons per layer")
+        f"hold {energy:.1%} of the stream's energy; {intermediate} MLP neurons per layer"
+    )
     return slice_target(target, cal, chosen, hidden, intermediate, kept)
 
 
@@ -110,7 +125,7 @@ def loss_on(draft, kept_t, slot, recs, hard_weight=0.2):
     for b, r in enumerate(recs):
         p = len(r["prompt"])
         m = len(r["completion"])
-        rows.append(hidden[b, p - 1: p - 1 + m])  # positions predicting each completion token
+        rows.append(hidden[b, p - 1 : p - 1 + m])  # positions predicting each completion token
         top_ids.append(r["top_ids"].long())
         top_logp.append(r["top_logp"].float())
         hard.append(torch.tensor(r.get("hard", r["completion"])))  # on-policy answers: the target's top token
@@ -143,17 +158,21 @@ def stage_train(args, tokenizer, data_paths: list[Path]) -> None:
         val += v
         train += t
     draft, kept = initial_draft(args, train)
-    log(f"train: {len(train)} answers ({sum(len(r['completion']) for r in train)} tokens), "
-        f"output layer keeps {len(kept)} tokens ({COVERAGE:.1%} of answer tokens)")
+    log(
+        f"train: {len(train)} answers ({sum(len(r['completion']) for r in train)} tokens), "
+        f"output layer keeps {len(kept)} tokens ({COVERAGE:.1%} of answer tokens)"
+    )
     dev = torch.device(args.device)
     draft.to(dev)
     kept_t = torch.tensor(kept, device=dev)
     slot = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=dev)
     slot[kept_t] = torch.arange(len(kept), device=dev)
     c = draft.config
-    log(f"train: draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters, {c.num_hidden_layers} "
+    log(
+        f"train: draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters, {c.num_hidden_layers} "
         f"layers x {c.hidden_size} wide, MLP {c.intermediate_size}, {c.num_attention_heads} heads "
-        f"({c.num_key_value_heads} KV) of {c.head_dim}, on {dev}")
+        f"({c.num_key_value_heads} KV) of {c.head_dim}, on {dev}"
+    )
     # bf16 products on a GPU; on a CPU only where they are in hardware (emulated bf16 is slower than fp32)
     bf16 = dev.type == "cuda" or models.cpu_has_native_bf16()
     validate = validator(draft, kept_t, slot, dev, bf16)
@@ -190,8 +209,9 @@ def validator(draft, kept_t, slot, dev: torch.device, bf16: bool):
     def validate(records) -> tuple[str, float]:
         draft.eval()
         with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-            vl, va = zip(*(loss_on(draft, kept_t, slot, records[i:i + val_rows])
-                           for i in range(0, len(records), val_rows)))
+            vl, va = zip(
+                *(loss_on(draft, kept_t, slot, records[i : i + val_rows]) for i in range(0, len(records), val_rows))
+            )
         draft.train()
         agree = float(sum(va) / len(va))
         return f"val loss {sum(vl) / len(vl):.3f} agree {agree:.3f}", agree
@@ -234,8 +254,10 @@ def train_steps(args, draft, kept_t, slot, train, validate, check, bf16: bool) -
                 if got > best:
                     best, best_step = got, step
                     best_state = {k: v.detach().to("cpu", copy=True) for k, v in draft.state_dict().items()}
-                log(f"train: step {step} epoch {epoch} {frac:.0%} lr {lr:.2e} loss {loss.item():.3f} "
-                    f"agree {agree.item():.3f} | {text}")
+                log(
+                    f"train: step {step} epoch {epoch} {frac:.0%} lr {lr:.2e} loss {loss.item():.3f} "
+                    f"agree {agree.item():.3f} | {text}"
+                )
     text, last = validate(check)
     if best_state is not None and best > last:
         draft.load_state_dict(best_state)

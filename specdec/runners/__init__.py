@@ -15,8 +15,16 @@ from specdec.runners.hf import CausalLMRunner
 from specdec.runners.lean_llama import LeanLlamaRunner
 
 
-def make_runner(model, vocab_size: int, max_len: int, kind: str = "auto", matmul: str = "auto",
-                quantize: str = "none", gguf: str | None = None, device=None):
+def make_runner(
+    model,
+    vocab_size: int,
+    max_len: int,
+    kind: str = "auto",
+    matmul: str = "auto",
+    quantize: str = "none",
+    gguf: str | None = None,
+    device=None,
+):
     """kind: hf (the stock transformers forward), lean (Llama only), auto (lean for Llama, else hf).
     matmul: the lean runner's product form for steps and verify passes; quantize: none, or int8 products
     on CPU; gguf: the GGUF file the model was loaded from, whose blocks the gguf form reads (see

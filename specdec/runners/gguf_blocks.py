@@ -50,14 +50,14 @@ class _Header:
         self.buf, self.pos = buf, 0
 
     def take(self, fmt: str):
-        value, = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
         self.pos += struct.calcsize(fmt)
         return value
 
     def string(self) -> str:
         n = self.take("Q")
         self.pos += n
-        return bytes(self.buf[self.pos - n:self.pos]).decode("utf-8", "replace")
+        return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8", "replace")
 
     def skip(self, vtype: int) -> None:
         if vtype in _SCALARS:
@@ -110,8 +110,10 @@ def read_tensors(path: str) -> dict[str, tuple[np.ndarray, str]]:
             kind = GGMLQuantizationType(type_id)  # every type gguf knows has its block size in GGML_QUANT_SIZES
             block, size = GGML_QUANT_SIZES[kind]
             row_bytes, rows = dims[0] // block * size, int(np.prod(dims[1:], dtype=np.int64))
-            tensors[name] = (np.frombuffer(buf, np.uint8, rows * row_bytes, start + offset).reshape(rows, row_bytes),
-                             kind.name)
+            tensors[name] = (
+                np.frombuffer(buf, np.uint8, rows * row_bytes, start + offset).reshape(rows, row_bytes),
+                kind.name,
+            )
         return tensors
     except (OSError, ValueError, struct.error) as e:  # not a GGUF file, truncated, a version or type unknown here
         raise BlocksUnavailable(f"cannot read {path}: {e}") from None
@@ -139,7 +141,9 @@ def split_blocks(raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor,
 def _fuse(parts: list[tuple[np.ndarray, str]], name: str) -> tuple[torch.Tensor, str]:
     kinds = {kind for _, kind in parts}
     if len(kinds) != 1:
-        raise BlocksUnavailable(f"{name}'s parts are stored as {', '.join(sorted(kinds))}; one format is needed to fuse them")
+        raise BlocksUnavailable(
+            f"{name}'s parts are stored as {', '.join(sorted(kinds))}; one format is needed to fuse them"
+        )
     return np.concatenate([rows for rows, _ in parts]), kinds.pop()
 
 
@@ -167,9 +171,12 @@ def read_llama_blocks(path: str, layers: list, head: torch.Tensor, n_heads: int,
         q, k, v = (_tensor(tensors, p + f"attn_{x}.weight") for x in "qkv")
         q = (q[0][qk_row_order(q[0].shape[0], n_heads)], q[1])
         k = (k[0][qk_row_order(k[0].shape[0], n_kv)], k[1])
-        fused = (_fuse([q, k, v], p + "attn_qkv"), _fuse([_tensor(tensors, p + "attn_output.weight")], p + "attn_output"),
-                 _fuse([_tensor(tensors, p + f"ffn_{x}.weight") for x in ("gate", "up")], p + "ffn_gate_up"),
-                 _fuse([_tensor(tensors, p + "ffn_down.weight")], p + "ffn_down"))
+        fused = (
+            _fuse([q, k, v], p + "attn_qkv"),
+            _fuse([_tensor(tensors, p + "attn_output.weight")], p + "attn_output"),
+            _fuse([_tensor(tensors, p + f"ffn_{x}.weight") for x in ("gate", "up")], p + "ffn_gate_up"),
+            _fuse([_tensor(tensors, p + "ffn_down.weight")], p + "ffn_down"),
+        )
         for blocks, weight, name in zip(fused, layer.matrices, ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")):
             _check(blocks, weight, p + name)
         out.append(tuple(split_blocks(*blocks) for blocks in fused))
@@ -183,7 +190,9 @@ def read_llama_blocks(path: str, layers: list, head: torch.Tensor, n_heads: int,
 
 
 def describe(layers, head) -> str:
-    """"Q4_1 layers, Q8_0 head, 111 MB": the formats, and the bytes a pass reads."""
+    """ "Q4_1 layers, Q8_0 head, 111 MB": the formats, and the bytes a pass reads."""
     kinds = sorted({kind for layer in layers for *_, kind in layer})
-    size = sum(q.numel() + 4 * s.numel() for layer in layers for q, s, _ in layer) + head[0].numel() + 4 * head[1].numel()
+    size = (
+        sum(q.numel() + 4 * s.numel() for layer in layers for q, s, _ in layer) + head[0].numel() + 4 * head[1].numel()
+    )
     return f"{'/'.join(kinds)} layers, {head[2]} head, {size / 1e6:.0f} MB"

@@ -53,8 +53,9 @@ class CausalLMRunner:
         return self._columns(out.logits[0, :, : self.vocab_size].float(), scored_only)  # [num_logits, vocab]
 
     @torch.inference_mode()
-    def forward_batch(self, caches: list, token_ids: list[list[int]], num_logits: list[int],
-                      scored_only: bool = False) -> list[torch.Tensor]:
+    def forward_batch(
+        self, caches: list, token_ids: list[list[int]], num_logits: list[int], scored_only: bool = False
+    ) -> list[torch.Tensor]:
         """Several sessions' feeds, each with the logits ``forward`` gives it alone. The feeds of at most
         PADDED_FEED tokens (steps and verifies) run as one padded pass (see _padded); a longer one (a prompt's
         piece) runs alone, so that it pads no one else's rows to its length."""
@@ -70,8 +71,9 @@ class CausalLMRunner:
                 out[i] = logits
         return out
 
-    def _padded(self, caches: list, token_ids: list[list[int]], num_logits: list[int],
-                scored_only: bool) -> list[torch.Tensor]:
+    def _padded(
+        self, caches: list, token_ids: list[list[int]], num_logits: list[int], scored_only: bool
+    ) -> list[torch.Tensor]:
         """One padded pass over several sessions, each as ``forward`` runs it alone: session i's cached keys and
         values left-padded to the longest cache, its new tokens right-padded to the longest feed, its own
         positions, and a mask that lets each row see only its session's cache and the new tokens before it.
@@ -88,28 +90,42 @@ class CausalLMRunner:
         positions = torch.tensor(lens)[:, None] + torch.arange(new)[None]  # [B, new]
         mask = torch.zeros(len(caches), 1, new, past + new, dtype=torch.bool)
         for i, n in enumerate(lens):
-            mask[i, 0, :, past - n: past] = True  # the session's own cache, left-padded
+            mask[i, 0, :, past - n : past] = True  # the session's own cache, left-padded
         mask[:, 0, :, past:] = torch.ones(new, new, dtype=torch.bool).tril()  # causal over the new rows
         batch = DynamicCache(config=self.model.config)
         if past:
             shape = next(c.layers[0].keys.shape for c, n in zip(caches, lens) if n)
+
             def pad(c, n, layer, kind):  # a session's cached keys or values, left-padded to `past`
                 if not n:
                     return torch.zeros(1, shape[1], past, shape[3], dtype=self.dtype, device=dev)
                 return F.pad(getattr(c.layers[layer], kind), (0, 0, past - n, 0))
 
             for layer in range(len(next(c for c, n in zip(caches, lens) if n).layers)):
-                batch.update(torch.cat([pad(c, n, layer, "keys") for c, n in zip(caches, lens)]),
-                             torch.cat([pad(c, n, layer, "values") for c, n in zip(caches, lens)]), layer)
+                batch.update(
+                    torch.cat([pad(c, n, layer, "keys") for c, n in zip(caches, lens)]),
+                    torch.cat([pad(c, n, layer, "values") for c, n in zip(caches, lens)]),
+                    layer,
+                )
         first = min(n - k for n, k in zip(ns, num_logits))  # the first position any session needs logits at
-        out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=positions.to(dev),
-                         past_key_values=batch, use_cache=True, logits_to_keep=torch.arange(first, new, device=dev))
+        out = self.model(
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=positions.to(dev),
+            past_key_values=batch,
+            use_cache=True,
+            logits_to_keep=torch.arange(first, new, device=dev),
+        )
         for layer, cached in enumerate(batch.layers):
             for i, (c, n) in enumerate(zip(caches, ns)):
-                c.update(cached.keys[i: i + 1, :, past: past + n], cached.values[i: i + 1, :, past: past + n], layer)
+                c.update(
+                    cached.keys[i : i + 1, :, past : past + n], cached.values[i : i + 1, :, past : past + n], layer
+                )
         logits = out.logits[..., : self.vocab_size].float()  # [B, new - first, vocab]
-        return [self._columns(logits[i, n - k - first: n - first], scored_only)
-                for i, (n, k) in enumerate(zip(ns, num_logits))]
+        return [
+            self._columns(logits[i, n - k - first : n - first], scored_only)
+            for i, (n, k) in enumerate(zip(ns, num_logits))
+        ]
 
     def _columns(self, logits: torch.Tensor, scored_only: bool) -> torch.Tensor:
         if scored_only and self._scored_ids_on_device is not None:

@@ -36,16 +36,23 @@ class TorchLayerOps:
         return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
     @staticmethod
-    def attend(qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               start: int, n_heads: int) -> torch.Tensor:
+    def attend(
+        qkv: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        start: int,
+        n_heads: int,
+    ) -> torch.Tensor:
         """qkv [n, (h + 2 kv) d] of n new tokens; k, v [kv, capacity, d], one layer of a cache holding `start`
         tokens; cos, sin [n, d]. Writes the new keys (rotated) and values at start .. start + n - 1; returns
         the causal attention of the rotated queries over everything before them and themselves: [n, h d]."""
         n, (kv, _, d), h = qkv.shape[0], k.shape, n_heads
         end = start + n
         q = qkv[:, : h * d].view(n, h, d).transpose(0, 1)  # [h, n, d]
-        k[:, start:end] = rope(qkv[:, h * d:(h + kv) * d].view(n, kv, d).transpose(0, 1), cos, sin)
-        v[:, start:end] = qkv[:, (h + kv) * d:].view(n, kv, d).transpose(0, 1)
+        k[:, start:end] = rope(qkv[:, h * d : (h + kv) * d].view(n, kv, d).transpose(0, 1), cos, sin)
+        v[:, start:end] = qkv[:, (h + kv) * d :].view(n, kv, d).transpose(0, 1)
         att = sdpa(rope(q, cos, sin), k[:, :end], v[:, :end])
         return att.transpose(0, 1).reshape(n, h * d)
 
@@ -120,8 +127,16 @@ class LeanLlamaRunner:
 
     cache_step = LeanCache.GROW  # a session's cache holds up to this many tokens more than it counts
 
-    def __init__(self, model, vocab_size: int, max_len: int, matmul: str = "auto", quantize: str = "none",
-                 gguf: str | None = None, device=None):
+    def __init__(
+        self,
+        model,
+        vocab_size: int,
+        max_len: int,
+        matmul: str = "auto",
+        quantize: str = "none",
+        gguf: str | None = None,
+        device=None,
+    ):
         """gguf: the GGUF file the model was loaded from, if any: its blocks give the gguf product form.
         device: where the runner's weights live (default: where the model's are). The fused matrices are built
         where the model is and only they move, so a model loaded on the CPU leaves nothing of itself on the
@@ -146,10 +161,19 @@ class LeanLlamaRunner:
         self.matmul = matmul
         self.layer_ops = kernels_for(self.embed) or TorchLayerOps
         self.plan: Plan = make_plan(
-            self.layers, self.lm_head, matmul, quantize, gguf=gguf, restricted=self.scored_ids is not None,
+            self.layers,
+            self.lm_head,
+            matmul,
+            quantize,
+            gguf=gguf,
+            restricted=self.scored_ids is not None,
             layer_kernels=None if self.layer_ops is TorchLayerOps else self.layer_ops,
-            n_heads=self.n_heads, n_kv=self.n_kv, eps=self.eps, run_pass=self._scratch_pass(),
-            timed_rows=tuple(n for n in TIMED_ROWS if n <= max_len) or (max_len,))
+            n_heads=self.n_heads,
+            n_kv=self.n_kv,
+            eps=self.eps,
+            run_pass=self._scratch_pass(),
+            timed_rows=tuple(n for n in TIMED_ROWS if n <= max_len) or (max_len,),
+        )
         if quantize == "int8":  # the runner keeps the int8 weights alone, no float copy of the matrices
             self.layers, self.lm_head = self.plan.long.products.layers, self.plan.long.products.head
 
@@ -194,7 +218,7 @@ class LeanLlamaRunner:
     @staticmethod
     def read_kv(cache: LeanCache, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the keys and values of positions start .. start + n - 1 (specdec/prefix_cache.py)."""
-        return cache.k[:, :, start:start + n].clone(), cache.v[:, :, start:start + n].clone()
+        return cache.k[:, :, start : start + n].clone(), cache.v[:, :, start : start + n].clone()
 
     @staticmethod
     def write_kv(cache: LeanCache, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -203,8 +227,8 @@ class LeanLlamaRunner:
         if start != cache.length:
             raise ValueError(f"a cache of {cache.length} tokens takes positions from {cache.length}, not {start}")
         cache.reserve(n)
-        cache.k[:, :, start:start + n] = k
-        cache.v[:, :, start:start + n] = v
+        cache.k[:, :, start : start + n] = k
+        cache.v[:, :, start : start + n] = v
         cache.length = start + n
 
     def forward(self, cache: LeanCache, token_ids, num_logits: int, scored_only: bool = False) -> torch.Tensor:
@@ -214,8 +238,15 @@ class LeanLlamaRunner:
         return self.forward_batch([cache], [token_ids], [num_logits], scored_only)[0]
 
     @torch.inference_mode()
-    def forward_batch(self, caches: list[LeanCache], token_ids: list, num_logits: list[int],
-                      scored_only: bool = False, *, plan: Plan | None = None) -> list[torch.Tensor]:
+    def forward_batch(
+        self,
+        caches: list[LeanCache],
+        token_ids: list,
+        num_logits: list[int],
+        scored_only: bool = False,
+        *,
+        plan: Plan | None = None,
+    ) -> list[torch.Tensor]:
         """One pass over several sessions: session i appends token_ids[i] to caches[i] and gets the logits of
         its last num_logits[i] positions, as ``forward`` gives them. The products run once over every session's
         rows (the weights are read once), in the form the runner's plan has for the pass's rows (`plan`: another
@@ -234,7 +265,7 @@ class LeanLlamaRunner:
             ids = token_ids[0]
             if not isinstance(ids, torch.Tensor):  # a tensor on the device can be a CUDA graph's static input
                 ids = torch.tensor(ids, device=self.device)
-            cos, sin = self.cos[starts[0]:starts[0] + rows], self.sin[starts[0]:starts[0] + rows]
+            cos, sin = self.cos[starts[0] : starts[0] + rows], self.sin[starts[0] : starts[0] + rows]
         else:
             ids = torch.tensor([t for ts in token_ids for t in ts], device=self.device)
             positions = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, ns)]).to(self.device)
@@ -251,7 +282,7 @@ class LeanLlamaRunner:
         for c, start, n in zip(caches, starts, ns):
             c.length = start + n
         if len(caches) == 1:
-            x = x[rows - num_logits[0]:]
+            x = x[rows - num_logits[0] :]
         else:
             ends = torch.tensor(ns).cumsum(0)
             x = x[torch.cat([torch.arange(end - k, end) for end, k in zip(ends.tolist(), num_logits)]).to(self.device)]
@@ -260,8 +291,10 @@ class LeanLlamaRunner:
         if self.scored_ids is None or scored_only:
             return out
         scored = self._scored_ids_on_device
-        return [torch.full((k, self.vocab_size), float("-inf"), device=logits.device).index_copy_(1, scored, part)
-                for k, part in zip(num_logits, out)]  # [num_logits, vocab] each
+        return [
+            torch.full((k, self.vocab_size), float("-inf"), device=logits.device).index_copy_(1, scored, part)
+            for k, part in zip(num_logits, out)
+        ]  # [num_logits, vocab] each
 
     def _attend(self, qkv, caches, layer, cos, sin, starts, ns):
         """Layer `layer`'s attention of every session's rows over its own cache: [rows, heads * head_dim]."""
@@ -269,12 +302,14 @@ class LeanLlamaRunner:
         if len(caches) == 1:
             return ops.attend(qkv, caches[0].k[layer], caches[0].v[layer], cos, sin, starts[0], h)
         if ops is not TorchLayerOps:  # specdec's kernel: all sessions in one parallel region
-            return ops.attend_batch(qkv, [c.k[layer] for c in caches], [c.v[layer] for c in caches], cos, sin,
-                                    starts, ns, h)
+            return ops.attend_batch(
+                qkv, [c.k[layer] for c in caches], [c.v[layer] for c in caches], cos, sin, starts, ns, h
+            )
         parts, row = [], 0
         for c, start, n in zip(caches, starts, ns):
-            parts.append(ops.attend(qkv[row:row + n], c.k[layer], c.v[layer], cos[row:row + n], sin[row:row + n],
-                                    start, h))
+            parts.append(
+                ops.attend(qkv[row : row + n], c.k[layer], c.v[layer], cos[row : row + n], sin[row : row + n], start, h)
+            )
             row += n
         return torch.cat(parts)
 
@@ -288,14 +323,16 @@ def _llama_weights(model, vocab_size: int, scored_ids: torch.Tensor | None, move
     layers = []
     for layer in m.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        layers.append(LayerWeights(
-            ln1=move(layer.input_layernorm.weight),
-            wqkv=move(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
-            wo=move(attn.o_proj.weight),
-            ln2=move(layer.post_attention_layernorm.weight),
-            wgu=move(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-            wd=move(mlp.down_proj.weight),
-        ))
+        layers.append(
+            LayerWeights(
+                ln1=move(layer.input_layernorm.weight),
+                wqkv=move(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
+                wo=move(attn.o_proj.weight),
+                ln2=move(layer.post_attention_layernorm.weight),
+                wgu=move(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                wd=move(mlp.down_proj.weight),
+            )
+        )
     head = model.get_output_embeddings().weight
     if scored_ids is not None:
         lm_head = move(head[scored_ids])

@@ -120,7 +120,7 @@ class Plan:
 
     @property
     def description(self) -> str:
-        """"products: 1-32 rows: onednn, longer passes: linear" and the like, for ModelInfo.forward."""
+        """ "products: 1-32 rows: onednn, longer passes: linear" and the like, for ModelInfo.forward."""
         if self.long.name in INT8_FORMS:
             return f"products on int8 weights in {INT8_FORMS[self.long.name]}"
         blocks = f" (gguf: the file's {self.gguf_blocks})" if "gguf" in self.forms else ""
@@ -207,9 +207,11 @@ def packed(fn: Callable, pack: Callable, layers: list[LayerWeights], head) -> Pr
 
 
 # How LayerStack takes each matrix of a form whose products all run in specdec's kernel: (tensors, its format).
-_STACKED = {"fewrow": lambda w: ([w], "fewrow"),
-            "int8": lambda w: (list(w), "int8"),  # (q, scale)
-            "gguf": lambda w: (list(w[:2]), w[2])}  # (q, scales, format)
+_STACKED = {
+    "fewrow": lambda w: ([w], "fewrow"),
+    "int8": lambda w: (list(w), "int8"),  # (q, scale)
+    "gguf": lambda w: (list(w[:2]), w[2]),
+}  # (q, scales, format)
 
 
 def _stack(layer_kernels, name: str, products: Products, n_heads: int, eps: float):
@@ -229,8 +231,9 @@ def _stack(layer_kernels, name: str, products: Products, n_heads: int, eps: floa
 
 
 # -- timing and planning ---------------------------------------------------------------------------------------
-def time_passes(forms, run_pass, rows=TIMED_ROWS, reps: int = 3,
-                clock=time.perf_counter) -> dict[str, dict[int, float]]:
+def time_passes(
+    forms, run_pass, rows=TIMED_ROWS, reps: int = 3, clock=time.perf_counter
+) -> dict[str, dict[int, float]]:
     """forms: product form names; run_pass(form, n) runs one whole forward pass of n rows with every product
     in that form. The best of `reps` timed sweeps, in ms, per form and row count; the sweeps alternate forms,
     so a slow moment of the machine hits all of them. After two sweeps, a form still more than OUT_OF_THE_RACE
@@ -256,8 +259,9 @@ def time_passes(forms, run_pass, rows=TIMED_ROWS, reps: int = 3,
     return best
 
 
-def plan_products(timings: dict[str, dict[int, float]], margin: float = 0.95,
-                  max_rows: int = SMALL_PASS_ROWS) -> tuple[str, ...]:
+def plan_products(
+    timings: dict[str, dict[int, float]], margin: float = 0.95, max_rows: int = SMALL_PASS_ROWS
+) -> tuple[str, ...]:
     """The product form of a pass of n rows, for n = 0 .. max_rows (index n; 0 unused). A row count takes
     the timings of the nearest timed count at or above it. Another form replaces F.linear only where it
     beats it by `margin`, so that a near tie keeps the usual form rather than flipping between restarts:
@@ -283,10 +287,21 @@ def describe_plan(plan: tuple[str, ...]) -> str:
 
 
 # -- the plan --------------------------------------------------------------------------------------------------
-def make_plan(layers: list[LayerWeights], head: torch.Tensor, matmul: str = "auto", quantize: str = "none", *,
-              layer_kernels=None, n_heads: int, n_kv: int, eps: float, gguf: str | None = None,
-              restricted: bool = False, run_pass: Callable[[Plan, int], None] | None = None,
-              timed_rows: tuple[int, ...] = TIMED_ROWS) -> Plan:
+def make_plan(
+    layers: list[LayerWeights],
+    head: torch.Tensor,
+    matmul: str = "auto",
+    quantize: str = "none",
+    *,
+    layer_kernels=None,
+    n_heads: int,
+    n_kv: int,
+    eps: float,
+    gguf: str | None = None,
+    restricted: bool = False,
+    run_pass: Callable[[Plan, int], None] | None = None,
+    timed_rows: tuple[int, ...] = TIMED_ROWS,
+) -> Plan:
     """The plan of a runner's products. layers, head: its float weights, on its device ([scored, hidden] head);
     layer_kernels: specdec's kernels where they run the work between the products, else None; gguf: the GGUF file
     the model was loaded from, whose blocks give the gguf form; restricted: the head scores a subset of the
@@ -324,9 +339,11 @@ def _timed_plan(forms: dict[str, Form], run_pass, rows: tuple[int, ...]) -> tupl
     timing = {name: one_form_plan(form, forms["linear"]) for name, form in forms.items()}
     timings = time_passes(list(forms), run_pass=lambda name, n: run_pass(timing[name], n), rows=rows)
     chosen = plan_products(timings)
-    log.info("lean runner: product forms (best whole passes, ms: %s) -> %s",
-             {name: {n: round(t, 1) for n, t in by_rows.items()} for name, by_rows in timings.items()},
-             describe_plan(chosen))
+    log.info(
+        "lean runner: product forms (best whole passes, ms: %s) -> %s",
+        {name: {n: round(t, 1) for n, t in by_rows.items()} for name, by_rows in timings.items()},
+        describe_plan(chosen),
+    )
     return chosen, timings
 
 
@@ -356,8 +373,9 @@ def _int8_products(layers: list[LayerWeights], head) -> tuple[str, Products]:
     return name, products
 
 
-def _candidates(layers: list[LayerWeights], head, matmul: str, gguf: str | None, restricted: bool, n_heads: int,
-                n_kv: int) -> tuple[dict[str, Products], str | None]:
+def _candidates(
+    layers: list[LayerWeights], head, matmul: str, gguf: str | None, restricted: bool, n_heads: int, n_kv: int
+) -> tuple[dict[str, Products], str | None]:
     """The float forms a plan may take, and what the gguf form reads (None without it). linear and weights-first
     always; fewrow, specdec's kernel, on CPU float32 where it builds (it reads the plain weights); gguf, the same
     kernel on the blocks of the GGUF file the model came from (bit for bit fewrow's products, from a fifth of the
@@ -367,22 +385,37 @@ def _candidates(layers: list[LayerWeights], head, matmul: str, gguf: str | None,
     blocks = None
     kernels = kernels_for(head) if matmul in ("auto", "fewrow", "gguf") else None
     if kernels is None and matmul in ("fewrow", "gguf"):  # CPU float32 weights were checked: no build
-        raise ValueError(f"matmul {matmul} needs specdec's CPU kernel, which could not be built here "
-                         "(see the log); use auto, linear or onednn")
+        raise ValueError(
+            f"matmul {matmul} needs specdec's CPU kernel, which could not be built here "
+            "(see the log); use auto, linear or onednn"
+        )
     if kernels is not None and matmul != "gguf":
         forms["fewrow"] = Products(kernels.few_rows, layers, head)
     if kernels is not None and matmul in ("auto", "gguf"):
         gguf_form = _gguf_products(kernels, layers, head, gguf, restricted, n_heads, n_kv, required=matmul == "gguf")
         if gguf_form is not None:
             forms["gguf"], blocks = gguf_form
-    if matmul == "onednn" or (matmul == "auto" and cpu_float32(head) and torch.backends.mkldnn.is_available()
-                              and "fewrow" not in forms and _second_copy_fits(layers, head)):
+    if matmul == "onednn" or (
+        matmul == "auto"
+        and cpu_float32(head)
+        and torch.backends.mkldnn.is_available()
+        and "fewrow" not in forms
+        and _second_copy_fits(layers, head)
+    ):
         forms["onednn"] = packed(onednn_linear, pack_onednn, layers, head)
     return forms, blocks
 
 
-def _gguf_products(kernels, layers: list[LayerWeights], head, gguf: str | None, restricted: bool, n_heads: int,
-                   n_kv: int, required: bool) -> tuple[Products, str] | None:
+def _gguf_products(
+    kernels,
+    layers: list[LayerWeights],
+    head,
+    gguf: str | None,
+    restricted: bool,
+    n_heads: int,
+    n_kv: int,
+    required: bool,
+) -> tuple[Products, str] | None:
     """The gguf form's products and what they read, or None (a ValueError where required) without the blocks."""
     try:
         if gguf is None:
@@ -397,10 +430,13 @@ def _gguf_products(kernels, layers: list[LayerWeights], head, gguf: str | None, 
         log.info("lean runner: no gguf product form (%s)", e)
         return None
     described = gguf_blocks.describe(blocks, head_blocks)
-    log.info("lean runner: the gguf form reads %s (read and checked in %.1f s)", described,
-             time.perf_counter() - started)
-    layers = [LayerWeights(layer.ln1, qkv, o, layer.ln2, gate_up, down)
-              for layer, (qkv, o, gate_up, down) in zip(layers, blocks)]
+    log.info(
+        "lean runner: the gguf form reads %s (read and checked in %.1f s)", described, time.perf_counter() - started
+    )
+    layers = [
+        LayerWeights(layer.ln1, qkv, o, layer.ln2, gate_up, down)
+        for layer, (qkv, o, gate_up, down) in zip(layers, blocks)
+    ]
     return Products(lambda x, w: kernels.few_rows_gguf(x, *w), layers, head_blocks), described
 
 
@@ -409,7 +445,10 @@ def _second_copy_fits(layers: list[LayerWeights], head) -> bool:
     size = sum(w.numel() * w.element_size() for w in [*(w for layer in layers for w in layer.matrices), head])
     room = memory_available()
     if room is not None and size > room // 4:
-        log.info("lean runner: not timing oneDNN's packed products, a second copy of %.2f GB with %.2f GB "
-                 "available", size / 1e9, room / 1e9)
+        log.info(
+            "lean runner: not timing oneDNN's packed products, a second copy of %.2f GB with %.2f GB available",
+            size / 1e9,
+            room / 1e9,
+        )
         return False
     return True

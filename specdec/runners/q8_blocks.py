@@ -89,8 +89,7 @@ def _pack_signed(values: torch.Tensor, d: torch.Tensor) -> Q8Weights:
     n, k = values.shape
     v = _tiles(values, 8)  # [t, b, 8, 16, 4]
     correction = 128 * v.sum(dim=(2, 4), dtype=torch.int32)  # [t, b, 16]
-    return Q8Weights("Q8_0", n, v.reshape(v.shape[0], k // BLOCK, 512).view(torch.uint8), _per_block(d, n),
-                     correction)
+    return Q8Weights("Q8_0", n, v.reshape(v.shape[0], k // BLOCK, 512).view(torch.uint8), _per_block(d, n), correction)
 
 
 def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -57,18 +57,32 @@ def cpu_kernels():
         code = [(HERE / name).read_bytes() for name in SOURCES + HEADERS]
         # The folder too: torch's ninja file names the sources by path, so two checkouts sharing one cache
         # would each rebuild over the other's build (45 s) on every switch.
-        key = hashlib.sha256(b"\0".join([*code, " ".join(CFLAGS).encode(), str(HERE).encode(),
-                                          torch.__version__.encode(), _cpu_signature().encode()])).hexdigest()[:16]
+        key = hashlib.sha256(
+            b"\0".join(
+                [
+                    *code,
+                    " ".join(CFLAGS).encode(),
+                    str(HERE).encode(),
+                    torch.__version__.encode(),
+                    _cpu_signature().encode(),
+                ]
+            )
+        ).hexdigest()[:16]
         build = cache_dir() / "kernels" / f"cpu-{key}"
         build.mkdir(parents=True, exist_ok=True)
         with FileLock(str(build) + ".lock"):  # the draft and target servers may start together
-            return load(name=f"specdec_cpu_{key}", sources=[str(HERE / name) for name in SOURCES],
-                        build_directory=str(build), extra_cflags=list(CFLAGS),
-                        verbose=False)
+            return load(
+                name=f"specdec_cpu_{key}",
+                sources=[str(HERE / name) for name in SOURCES],
+                build_directory=str(build),
+                extra_cflags=list(CFLAGS),
+                verbose=False,
+            )
     except Exception as e:  # no compiler, no ninja, a failed build: torch's functions remain
         last_line = (str(e).strip().splitlines() or [""])[-1][:200]
-        log.warning("specdec's CPU kernels are unavailable (%s: %s); using torch's functions",
-                    type(e).__name__, last_line)
+        log.warning(
+            "specdec's CPU kernels are unavailable (%s: %s); using torch's functions", type(e).__name__, last_line
+        )
         return None
 
 
