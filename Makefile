@@ -38,6 +38,7 @@ system-deps:
 # fails CI and style is never a review topic.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python tools/check_lengths.py
 
 test: $(STAMP) system-deps lint
