@@ -33,31 +33,28 @@ class ConfigError(ValueError):
     pass
 
 
+def _option(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
 # Serving over TLS, the same for the three services (a Kubernetes Secret mounts the files).
 def _tls_cert():
-    return field(
-        default="", metadata={"help": "PEM certificate file: serve gRPC over TLS (with --tls-key); empty: plaintext"}
-    )
+    return _option("", "PEM certificate file: serve gRPC over TLS (with --tls-key); empty: plaintext")
 
 
 def _tls_key():
-    return field(default="", metadata={"help": "PEM private key file of --tls-cert"})
+    return _option("", "PEM private key file of --tls-cert")
 
 
 def _tls_client_ca():
-    return field(
-        default="",
-        metadata={"help": "PEM CA file: require client certificates it signed (mutual TLS); empty: clients need none"},
-    )
+    return _option("", "PEM CA file: require client certificates it signed (mutual TLS); empty: clients need none")
 
 
 def _health_port():
-    return field(
-        default=0,
-        metadata={
-            "help": "a plaintext port serving only grpc.health.v1, for probes that do not "
-            "speak TLS (Kubernetes' gRPC probes); 0: none"
-        },
+    return _option(
+        0,
+        "a plaintext port serving only grpc.health.v1, for probes that do not speak TLS (Kubernetes' "
+        "gRPC probes); 0: none",
     )
 
 
@@ -81,9 +78,8 @@ class ModelServerConfig:
     dtype: str = field(
         default="auto",
         metadata={
-            "help": "float32, bfloat16, float16 or auto: float32 on CPU; on a "
-            "GPU bfloat16 where it computes in it natively (compute "
-            "capability 8.0 on), else float16"
+            "help": "float32, bfloat16, float16 or auto: float32 on CPU; on a GPU bfloat16 where it computes in "
+            "it natively (compute capability 8.0 on), else float16"
         },
     )
     device: str = field(default="cpu", metadata={"help": "torch device: cpu, cuda, cuda:1..."})
@@ -97,22 +93,18 @@ class ModelServerConfig:
     matmul: str = field(
         default="auto",
         metadata={
-            "help": "lean runner's product form for steps and verify passes: "
-            "auto (the fastest on this CPU for each row count, timed "
-            "at load), linear (x @ W^T), weights-first (W @ x^T), "
-            "onednn (oneDNN's packed fp32 GEMM; a second copy of the "
-            "weights), fewrow (specdec's kernel, compiled on first "
-            "use) or gguf (the same kernel on the blocks of the GGUF "
-            "file an embedded model comes from: the same products "
+            "help": "lean runner's product form for steps and verify passes: auto (the fastest on this CPU for "
+            "each row count, timed at load), linear (x @ W^T), weights-first (W @ x^T), onednn (oneDNN's packed "
+            "fp32 GEMM; a second copy of the weights), fewrow (specdec's kernel, compiled on first use) or gguf "
+            "(the same kernel on the blocks of the GGUF file an embedded model comes from: the same products "
             "from a fifth of the bytes)"
         },
     )
     quantize: str = field(
         default="auto",
         metadata={
-            "help": "lean runner's weights on CPU: int8 (per-row scales) or "
-            "none; auto = int8 for a draft on CPU in float32, none "
-            "otherwise (a draft's numbers change q, not the output)"
+            "help": "lean runner's weights on CPU: int8 (per-row scales) or none; auto = int8 for a draft on CPU "
+            "in float32, none otherwise (a draft's numbers change q, not the output)"
         },
     )
     host: str = field(default="0.0.0.0", metadata={"help": "address to bind"})
@@ -146,9 +138,8 @@ class ModelServerConfig:
     prefill_threads: int = field(
         default=0,
         metadata={
-            "help": "torch CPU threads for a pass of more than 32 tokens "
-            "(a prefill, a rebuild), which is compute-bound where a "
-            "step is not; 0 = torch's default (the cores)"
+            "help": "torch CPU threads for a pass of more than 32 tokens (a prefill, a rebuild), which is "
+            "compute-bound where a step is not; 0 = torch's default (the cores)"
         },
     )
     max_batch_tokens: int = field(
@@ -193,24 +184,21 @@ class ModelServerConfig:
         for name in ("max_sessions", "max_draft_tokens", "max_sparse_support"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        if (
-            min(
-                self.max_tokens,
-                self.max_model_len,
-                self.threads,
-                self.prefill_threads,
-                self.max_batch_tokens,
-                self.prefix_cache_tokens,
-            )
-            < 0
-            or self.idle_ttl_s <= 0
-            or self.grace_s < 0
-        ):
-            raise ConfigError(
-                "--max-tokens, --max-model-len, --threads, --prefill-threads, --max-batch-tokens, --prefix-cache-tokens "
-                "must be >= 0; "
-                "--idle-ttl-s > 0; --grace-s >= 0"
-            )
+        counts = (
+            "max_tokens",
+            "max_model_len",
+            "threads",
+            "prefill_threads",
+            "max_batch_tokens",
+            "prefix_cache_tokens",
+        )
+        for name in counts:
+            if getattr(self, name) < 0:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be >= 0 (0: the default), not {getattr(self, name)}"
+                )
+        if self.idle_ttl_s <= 0 or self.grace_s < 0:
+            raise ConfigError(f"--idle-ttl-s must be > 0 and --grace-s >= 0, not {self.idle_ttl_s} and {self.grace_s}")
         if 0 < self.max_batch_tokens <= self.max_draft_tokens:
             raise ConfigError(
                 f"--max-batch-tokens must exceed --max-draft-tokens ({self.max_draft_tokens}): a verify "

@@ -22,16 +22,16 @@ pass that fails is run again session by session, so that a defect fails only the
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import torch
 
 from specdec import costs
+from specdec.costs import PassCosts, width_of
 from specdec.errors import ServiceError
 from specdec.kv_pool import Session, SessionPool
 from specdec.runners import to_host
@@ -105,75 +105,6 @@ def plan_pass(feeds: list[Feed], budget: int) -> list[Piece]:
             pieces.append(Piece(feed, n))
             left -= n
     return pieces
-
-
-# Pass widths the cost table keeps apart; a pass counts in the first at or above its rows.
-WIDTHS = (
-    1,
-    2,
-    3,
-    4,
-    5,
-    6,
-    8,
-    10,
-    12,
-    16,
-    20,
-    24,
-    32,
-    48,
-    64,
-    96,
-    128,
-    192,
-    256,
-    384,
-    512,
-    768,
-    1024,
-    1536,
-    2048,
-    3072,
-    4096,
-    6144,
-    8192,
-)
-COST_RATE = 0.1  # each width's estimate weighs its last ~10 passes most
-
-
-def width_of(rows: int) -> int:
-    """The width a pass of `rows` rows counts in: the first of WIDTHS at or above it (the last past them)."""
-    return WIDTHS[min(bisect.bisect_left(WIDTHS, rows), len(WIDTHS) - 1)]
-
-
-@dataclass
-class PassCosts:
-    """Seconds of a pass by its width, learned from the passes the server runs (a moving average per width).
-
-    What a row costs depends on the width: a few rows cost little more than one while the weights' bytes
-    bound the pass, and each costs its arithmetic once the cores' (or the GPU's) multiply-adds do. ``at(rows)``
-    gives the pass's seconds at a width and what one more row adds there, the slope between the measured
-    widths around it; the orchestrator prices a drafted token from it (orchestrator/speculation.py)."""
-
-    rate: float = COST_RATE
-    seconds: dict = field(default_factory=dict)  # width bucket -> (mean rows, mean seconds)
-
-    def observe(self, rows: int, seconds: float) -> None:
-        old = self.seconds.get(key := width_of(rows))
-        self.seconds[key] = (
-            (rows, seconds)
-            if old is None
-            else (costs.ewma(old[0], rows, self.rate), costs.ewma(old[1], seconds, self.rate))
-        )
-
-    def curve(self) -> list[tuple[float, float]]:
-        """(mean rows, mean seconds) of each width measured, ascending."""
-        return sorted(self.seconds.values())
-
-    def at(self, rows: int) -> tuple[float, float]:
-        """(seconds of a pass of `rows` rows, seconds one more row adds there); (0, 0) before any pass."""
-        return costs.at(self.curve(), rows)
 
 
 class Engine:

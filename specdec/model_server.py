@@ -25,100 +25,23 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-from specdec import memory, models
-from specdec.config import ConfigError, ModelServerConfig
+from specdec import models
+from specdec.config import ModelServerConfig
 from specdec.engine import MAX_BATCH_TOKENS, Engine, Feed
 from specdec.errors import ServiceError, invalid
 from specdec.kv_pool import Session, SessionPool
+from specdec.memory import kv_capacity
 from specdec.prefix_cache import PrefixCache
 from specdec.runners import attention_kernels, make_runner, resolve_quantize
 from specdec.sampling import SamplingParams
+from specdec.server_metrics import ModelServerMetrics
 from specdec.v1 import model_server_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 _TORCH_THREADS = torch.get_num_threads()  # torch's default, before any server sets its own
-
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
-_ROWS_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024, 2048, 4096)
-_SESSIONS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
-
-
-class ModelServerMetrics:
-    def __init__(self, registry: CollectorRegistry):
-        self.sessions = Gauge("specdec_kv_sessions", "Sessions held in the KV pool", registry=registry)
-        self.sessions_capacity = Gauge(
-            "specdec_kv_sessions_capacity", "Most sessions the pool holds", registry=registry
-        )
-        self.tokens = Gauge("specdec_kv_tokens", "Tokens held in the KV pool", registry=registry)
-        self.tokens_capacity = Gauge("specdec_kv_tokens_capacity", "Most tokens the pool holds", registry=registry)
-        self.forward_seconds = Histogram(
-            "specdec_forward_seconds",
-            "Time of one model forward pass",
-            ["tokens"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.rpc_seconds = Histogram(
-            "specdec_server_rpc_seconds",
-            "Time to serve one RPC, queueing included",
-            ["method"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.rpc_errors = Counter(
-            "specdec_server_rpc_errors_total",
-            "RPCs answered with an error status",
-            ["method", "code"],
-            registry=registry,
-        )
-        self.sessions_expired = Counter("specdec_kv_sessions_expired_total", "Idle sessions freed", registry=registry)
-        self.batch_rows = Histogram(
-            "specdec_batch_rows",
-            "Rows (new tokens of every session) of one forward pass",
-            buckets=_ROWS_BUCKETS,
-            registry=registry,
-        )
-        self.batch_sessions = Histogram(
-            "specdec_batch_sessions", "Sessions in one forward pass", buckets=_SESSIONS_BUCKETS, registry=registry
-        )
-        self.queue_wait = Histogram(
-            "specdec_queue_wait_seconds",
-            "Time a call waited for its first forward pass",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.forward_tokens = Counter(
-            "specdec_forward_tokens_total", "Tokens fed through forward passes (rows)", registry=registry
-        )
-        self.queued = Gauge("specdec_queued_calls", "Calls waiting for a forward pass", registry=registry)
-        self.prefix_hits = Counter(
-            "specdec_prefix_cache_hit_tokens_total",
-            "Tokens a new session took from the prefix cache instead of computing them",
-            registry=registry,
-        )
-        self.prefix_tokens = Gauge("specdec_prefix_cache_tokens", "Tokens held in the prefix cache", registry=registry)
-        # Each width's series exists from the start at zero, so that rate() counts a series' first passes: one
-        # created by its first observation, between two scrapes, starts at that value and rate() never sees it,
-        # and a short request whose passes all fall between two scrapes would show no data.
-        for width in _TOKENS_BUCKETS:
-            self.forward_seconds.labels(width)
-
-    def observe_pass(self, rows: int, sessions: int, seconds: float) -> None:
-        self.forward_seconds.labels(_tokens_bucket(rows)).observe(seconds)
-        self.batch_rows.observe(rows)
-        self.batch_sessions.observe(sessions)
-        self.forward_tokens.inc(rows)
-
-
-_TOKENS_BUCKETS = ("1", "2-8", "9-64", "65+")
-
-
-def _tokens_bucket(n: int) -> str:
-    """A bounded label for a forward pass's width."""
-    return _TOKENS_BUCKETS[0 if n <= 1 else 1 if n <= 8 else 2 if n <= 64 else 3]
 
 
 class ModelServer:
@@ -153,20 +76,7 @@ class ModelServer:
             max_model_len=self.max_model_len,
             idle_ttl_s=cfg.idle_ttl_s,
         )
-        self.info = pb.ModelInfo(
-            model=cfg.model,
-            vocab_size=self.vocab_size,
-            tokenizer_fingerprint=models.tokenizer_fingerprint(tokenizer),
-            eos_token_ids=models.eos_token_ids(model, tokenizer),
-            max_model_len=self.max_model_len,
-            max_sessions=cfg.max_sessions,
-            max_tokens=self.max_tokens,
-            max_draft_tokens=cfg.max_draft_tokens,
-            dtype=str(self.runner.dtype).removeprefix("torch."),
-            device=str(self.runner.device),
-            forward=self.runner.describe()
-            + ("; attention held to the fused SDPA kernels" if cfg.strict_attention and not on_cpu else ""),
-        )
+        self.info = self._model_info(model, tokenizer)
         self.registry = registry or CollectorRegistry()
         self.metrics = ModelServerMetrics(self.registry)
         self.metrics.sessions_capacity.set(cfg.max_sessions)
@@ -192,6 +102,24 @@ class ModelServer:
         self.engine.measure()  # what a row costs at each width, before the first call asks
         self._stopping: asyncio.Future | None = None  # set by begin_shutdown; ends idle streams
         self.draining = False
+
+    def _model_info(self, model, tokenizer) -> pb.ModelInfo:
+        """What GetModelInfo reports that does not change while the server runs."""
+        cfg, runner = self.cfg, self.runner
+        strict = cfg.strict_attention and runner.device.type != "cpu"
+        return pb.ModelInfo(
+            model=cfg.model,
+            vocab_size=self.vocab_size,
+            tokenizer_fingerprint=models.tokenizer_fingerprint(tokenizer),
+            eos_token_ids=models.eos_token_ids(model, tokenizer),
+            max_model_len=self.max_model_len,
+            max_sessions=cfg.max_sessions,
+            max_tokens=self.max_tokens,
+            max_draft_tokens=cfg.max_draft_tokens,
+            dtype=str(runner.dtype).removeprefix("torch."),
+            device=str(runner.device),
+            forward=runner.describe() + ("; attention held to the fused SDPA kernels" if strict else ""),
+        )
 
     @classmethod
     def load(cls, cfg: ModelServerConfig, registry: CollectorRegistry | None = None) -> ModelServer:
@@ -360,55 +288,6 @@ class ModelServer:
         info.sessions_in_use, info.tokens_in_use = len(self.pool), self.pool.tokens_in_use
         info.draining = self.draining
         return info
-
-
-CPU_MAX_TOKENS = 65536  # KV tokens of a CPU server's pool when --max-tokens is 0
-
-
-def kv_capacity(cfg: ModelServerConfig, runner, config, max_batch_tokens: int, max_model_len: int) -> tuple[int, int]:
-    """(KV tokens of the server's pool, its longest session). On CPU: --max-tokens, or CPU_MAX_TOKENS, and the
-    model's length (a request larger than the pool is refused RESOURCE_EXHAUSTED, naming --max-tokens). On a
-    GPU: what the server's share of the device leaves (specdec/memory.py), measured after a warm-up pass at the
-    widest pass the engine runs, an explicit --max-tokens only if it fits, so that the pool cannot run the
-    device out of memory under load; the longest session is what the pool holds, if less than the model's."""
-    if runner.device.type != "cuda":
-        return cfg.max_tokens or CPU_MAX_TOKENS, max_model_len
-    budget = device_budget(cfg, runner, config, min(max_batch_tokens, max_model_len))
-    log.info("%s: %s", cfg.role, budget.describe())
-    if budget.tokens < 1 or cfg.max_tokens > budget.tokens:
-        raise ConfigError(
-            f"the {cfg.role} server's share of {runner.device} ({budget.share / memory.GiB:.2f} GiB, --memory-fraction "
-            f"{cfg.memory_fraction or memory.ROLE_FRACTIONS[cfg.role]}) holds {budget.tokens} KV tokens after "
-            f"{budget.weights_and_activations / memory.GiB:.2f} GiB of weights and activations"
-            + (f", fewer than --max-tokens {cfg.max_tokens}" if cfg.max_tokens else "")
-            + "; raise --memory-fraction or lower --max-batch-tokens"
-        )
-    tokens = cfg.max_tokens or budget.tokens
-    return tokens, min(max_model_len, tokens)
-
-
-def device_budget(cfg: ModelServerConfig, runner, config, rows: int) -> memory.PoolBudget:
-    """The pool's budget on a CUDA device: a pass of `rows` rows on a scratch session first, so that the
-    allocator's peak holds the weights and the widest pass's activations."""
-    device = runner.device
-    torch.cuda.reset_peak_memory_stats(device)
-    cache = runner.new_cache()
-    with attention_kernels(device, cfg.strict_attention):
-        runner.forward_batch([cache], [[1] * rows], [1])
-    del cache
-    torch.cuda.synchronize(device)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = memory.kv_bytes_per_token(
-        config.num_hidden_layers, config.num_key_value_heads, head_dim, runner.dtype.itemsize
-    )
-    return memory.pool_budget(
-        torch.cuda.mem_get_info(device)[1],
-        cfg.memory_fraction or memory.ROLE_FRACTIONS[cfg.role],
-        torch.cuda.max_memory_reserved(device),
-        per_token,
-        cfg.max_sessions,
-        getattr(runner, "cache_step", 1),
-    )
 
 
 @dataclass

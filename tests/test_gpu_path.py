@@ -265,7 +265,7 @@ def llama_config(name: str):
 
 
 def test_a_gpu_servers_pool_is_what_its_share_leaves_after_a_warm_up_at_the_widest_pass(monkeypatch):
-    from specdec.model_server import kv_capacity
+    from specdec.memory import kv_capacity
 
     cuda = FakeCuda(monkeypatch, total=16 * memory.GiB, peak=7 * memory.GiB)
     runner = WarmUpRunner(cuda.events)

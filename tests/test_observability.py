@@ -92,7 +92,7 @@ def test_every_forward_width_series_exists_at_zero_before_the_first_pass():
     the widths are few and fixed, so each is exported from the start."""
     from prometheus_client import CollectorRegistry
 
-    from specdec.model_server import ModelServerMetrics, _tokens_bucket
+    from specdec.server_metrics import ModelServerMetrics, _tokens_bucket
 
     registry = CollectorRegistry()
     ModelServerMetrics(registry)
