@@ -58,10 +58,13 @@ def machine() -> dict:
     }
 
 
-def start_services(draft: str, target: str, log_path: Path):
+def start_services(draft: str, target: str, log_path: Path, tree: Path | None = None):
+    """`specdec up` and a second orchestrator (adaptive speculation) on free ports; tree: another checkout of specdec
+    to run them from (bench/versions.py), else this one."""
     o, d, t, om, dm, tm, oh, oh2 = free_ports(8)
     env = dict(
         os.environ,
+        **({"PYTHONPATH": str(tree)} if tree is not None else {}),
         SPECDEC_ORCHESTRATOR_PORT=str(o),
         SPECDEC_DRAFT_PORT=str(d),
         SPECDEC_TARGET_PORT=str(t),
@@ -77,7 +80,11 @@ def start_services(draft: str, target: str, log_path: Path):
         SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS="8",
     )
     log = open(log_path, "w")  # noqa: SIM115 - the services write to it while they run
-    procs = [subprocess.Popen([sys.executable, "-m", "cli.main", "up"], env=env, stdout=log, stderr=subprocess.STDOUT)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "up"], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tree
+        )
+    ]
     # The "auto" arm's orchestrator, on the same model servers: adaptive speculation learns its costs and alpha
     # from the rounds it runs, as it would in service, and not from the fixed-K arms' runs of the same prompt.
     o2, om2 = free_ports(2)
@@ -90,7 +97,7 @@ def start_services(draft: str, target: str, log_path: Path):
     )
     procs.append(
         subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "orchestrator"], env=env2, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "cli.main", "orchestrator"], env=env2, stdout=log, stderr=subprocess.STDOUT, cwd=tree
         )
     )
     deadline = time.monotonic() + 600

@@ -1,0 +1,95 @@
+"""Two checkouts of specdec side by side: the target alone's tokens/s (K = 0) and its step, for a change that
+must not cost speed (a refactor, a new default).
+
+    python -m bench.versions --base 07b4b0c [--head REV] [--prompts 8] [--tokens 64] [--reps 3]
+
+Both checkouts' services run at once on the same machine; the prompts go one at a time to each in turn, rep by
+rep, so the machine's drift hits both. The target's step is its 1-row passes' mean time over each run
+(specdec_forward_seconds{tokens="1"}); the ratio head / base is taken within each rep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from bench.load import grpc_sender, run_jobs
+from bench.metrics import delta, scrape, value
+from bench.services import load_prompts, machine, start_services
+from specdec import models
+from specdec.config import DEFAULT_DRAFT
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def checkout(rev: str, folder: Path) -> Path:
+    """A worktree of rev at folder (made once, moved to rev)."""
+    if not folder.exists():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(folder), rev], check=True)
+    subprocess.run(["git", "-C", str(folder), "checkout", "--detach", "--quiet", rev], check=True)
+    return folder
+
+
+def one_run(address: str, target_metrics: str, prompts: list[str], tokens: int) -> dict:
+    before = scrape(target_metrics)
+    results, wall = run_jobs(grpc_sender(address, 0, tokens), prompts, 1)
+    d = delta(before, scrape(target_metrics))
+    steps = value(d, "specdec_forward_seconds_count", tokens="1")
+    return {
+        "tokens_per_s": sum(len(r["ids"]) for r in results) / wall,
+        "step_ms": 1e3 * value(d, "specdec_forward_seconds_sum", tokens="1") / steps if steps else None,
+    }
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", required=True, help="the revision to compare with")
+    p.add_argument("--head", default=None, help="the revision compared (default: the working tree)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default="results/versions")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = checkout(args.base, Path(tempfile.gettempdir()) / f"specdec-{args.base}")
+    prompts = [q["prompt"] for q in load_prompts(args.prompts)]
+    head = checkout(args.head, Path(tempfile.gettempdir()) / f"specdec-{args.head}") if args.head else None
+    trees = {"base": base, "head": head}
+    services = {
+        name: start_services(DEFAULT_DRAFT, models.DEFAULT_TARGET, out / f"{name}.log", tree)
+        for name, tree in trees.items()
+    }
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    try:
+        for _, address, urls, _, _ in services.values():  # warm-up
+            one_run(address, urls["target"], prompts[:2], 8)
+        for rep in range(args.reps):
+            for name, (_, address, urls, _, _) in services.items():
+                runs[name].append(one_run(address, urls["target"], prompts, args.tokens))
+                print(f"rep {rep} {name}: {runs[name][-1]}")
+    finally:
+        for procs, *_ in services.values():
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(60)
+    report = {"machine": machine(), "base": args.base, "prompts": len(prompts), "tokens": args.tokens}
+    for key in ("tokens_per_s", "step_ms"):
+        report[key] = {name: spread([r[key] for r in rs]) for name, rs in runs.items()}
+        report[key + "_ratio"] = spread([h[key] / b[key] for h, b in zip(runs["head"], runs["base"])])
+    (out / "versions.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
