@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from specdec.models import DEFAULT_TARGET, DTYPES
-from specdec.runners.products import MATMUL_FORMS, QUANTIZE
+from specdec.runners.products import ACTIVATIONS, MATMUL_FORMS, QUANTIZE
 
 # The embedded default draft: distilled from the embedded target by training/distill.py, shipped in models/.
 DEFAULT_DRAFT = "embedded:smollm2-135m-draft"
@@ -107,6 +107,12 @@ class ModelServerConfig:
             "in float32, none otherwise (a draft's numbers change q, not the output)"
         },
     )
+    activations: str = _option(
+        "auto",
+        "lean runner's activations on CPU: int8 (quantized per row in blocks of 32 for every product, multiplied "
+        "in integers with the GGUF file's blocks or the draft's int8 rows; AVX-512 VNNI, AVX-VNNI or AVX2), "
+        "float32, or auto (int8 where the CPU, the model and its weights allow it)",
+    )
     host: str = field(default="0.0.0.0", metadata={"help": "address to bind"})
     port: int = field(default=50053, metadata={"help": "gRPC port (0 picks a free one)"})
     metrics_port: int = field(default=8003, metadata={"help": "Prometheus port (0 disables)"})
@@ -173,6 +179,8 @@ class ModelServerConfig:
             raise ConfigError(f"--matmul must be {_one_of(MATMUL_FORMS)}, not {self.matmul!r}")
         if self.quantize not in ("auto", *QUANTIZE):
             raise ConfigError(f"--quantize must be {_one_of(('auto', *QUANTIZE))}, not {self.quantize!r}")
+        if self.activations not in ("auto", *ACTIVATIONS):
+            raise ConfigError(f"--activations must be {_one_of(('auto', *ACTIVATIONS))}, not {self.activations!r}")
         if self.quantize == "int8" and (not self.device.startswith("cpu") or self.dtype not in ("float32", "auto")):
             raise ConfigError(f"--quantize int8 runs on CPU from float32 weights, not {self.device} {self.dtype}")
         if self.dtype not in ("auto", *DTYPES):

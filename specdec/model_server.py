@@ -34,7 +34,7 @@ from specdec.errors import ServiceError, invalid
 from specdec.kv_pool import Session, SessionPool
 from specdec.memory import kv_capacity
 from specdec.prefix_cache import PrefixCache
-from specdec.runners import attention_kernels, make_runner, resolve_quantize
+from specdec.runners import attention_kernels, make_runner, resolve_activations, resolve_quantize
 from specdec.sampling import SamplingParams
 from specdec.server_metrics import ModelServerMetrics
 from specdec.v1 import model_server_pb2 as pb
@@ -53,6 +53,8 @@ class ModelServer:
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         quantize = resolve_quantize(cfg.quantize, cfg.role, model, cfg.device, cfg.runner)
+        gguf = models.gguf_file(cfg.model)
+        activations = resolve_activations(cfg.activations, cfg.role, model, cfg.device, cfg.runner, quantize, gguf)
         self.runner = make_runner(
             model,
             self.vocab_size,
@@ -60,8 +62,9 @@ class ModelServer:
             cfg.runner,
             cfg.matmul,
             quantize,
-            models.gguf_file(cfg.model),
+            gguf,
             device=cfg.device,
+            activations=activations,
         )
         on_cpu = self.runner.device.type == "cpu"
         max_batch_tokens = cfg.max_batch_tokens or MAX_BATCH_TOKENS["cpu" if on_cpu else "accelerator"]

@@ -29,14 +29,18 @@ class PrefixCache:
         self.runner = runner
         self.block = block
         self.capacity_blocks = capacity // block
-        self._blocks: OrderedDict[int, tuple[tuple[int, ...], int | None, torch.Tensor, torch.Tensor]] = OrderedDict()
+        # The chain starts from the runner's product form: blocks computed in one form (float32 or 8-bit
+        # activations) never stand in for another's.
+        plan = getattr(runner, "plan", None)
+        self.root = plan.long.name if plan is not None else type(runner).__name__
+        self._blocks: OrderedDict[int, tuple[tuple[int, ...], int | str, torch.Tensor, torch.Tensor]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks) * self.block  # tokens held
 
     def _chain(self, tokens: list[int], n_blocks: int):
         """(key, block tokens, parent key) of the first n_blocks blocks of tokens."""
-        parent = None
+        parent = self.root
         for i in range(n_blocks):
             chunk = tuple(tokens[i * self.block : (i + 1) * self.block])
             key = hash((parent, chunk))

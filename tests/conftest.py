@@ -144,6 +144,29 @@ def built_kernels():
     return kernels
 
 
+# The lean runner's product forms that run every pass in specdec's kernels: form -> (on the GGUF model, keywords).
+KERNEL_FORMS = {
+    "fewrow": (False, dict(matmul="fewrow")),
+    "gguf": (True, dict(matmul="gguf")),
+    "int8": (False, dict(quantize="int8")),
+    "gguf-q8": (True, dict(activations="int8")),
+    "int8-q8": (False, dict(quantize="int8", activations="int8")),
+}
+
+
+def kernel_runner(form: str, tiny_draft, tiny_gguf, tokenizer, max_len: int = 1024):
+    """A LeanLlamaRunner whose every pass runs in the kernel form `form`: on tiny_gguf's model and file where the
+    form reads GGUF blocks, else on tiny_draft."""
+    from specdec.runners.lean_llama import LeanLlamaRunner
+
+    built_kernels()
+    on_gguf, kw = KERNEL_FORMS[form]
+    model, gguf = tiny_gguf if on_gguf else (tiny_draft, None)
+    runner = LeanLlamaRunner(model, len(tokenizer), max_len=max_len, gguf=gguf, **kw)
+    assert runner.plan.long.name == form and runner.batch_invariant
+    return runner
+
+
 def can_run(matmul: str) -> None:
     """Skip a test of --matmul fewrow or gguf where specdec's CPU kernels cannot be built."""
     if matmul in ("fewrow", "gguf"):

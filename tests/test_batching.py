@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from conftest import built_kernels
+from conftest import KERNEL_FORMS, built_kernels, kernel_runner
 from specdec.engine import Engine, Feed, PassCosts, TorchThreads, has_ready_callbacks, plan_pass
 from specdec.errors import ServiceError
 from specdec.kv_pool import Session, SessionPool
@@ -98,13 +98,9 @@ def _alone_and_batched(runner, feeds=FEEDS, logits=(1, 1, 4, 2)):
     return alone, alone_caches, runner.forward_batch(caches, feeds, list(logits)), caches
 
 
-@pytest.mark.parametrize("form", ["fewrow", "gguf", "int8"])
+@pytest.mark.parametrize("form", list(KERNEL_FORMS))
 def test_a_batched_pass_gives_each_session_its_logits_alone_bit_for_bit(tiny_draft, tiny_gguf, tokenizer, form):
-    built_kernels()
-    model, gguf = tiny_gguf if form == "gguf" else (tiny_draft, None)
-    kw = dict(quantize="int8") if form == "int8" else dict(matmul=form, gguf=gguf)
-    runner = LeanLlamaRunner(model, len(tokenizer), max_len=1024, **kw)
-    assert runner.batch_invariant
+    runner = kernel_runner(form, tiny_draft, tiny_gguf, tokenizer)
     alone, alone_caches, batched, caches = _alone_and_batched(runner)
     for a, b, ca, cb in zip(alone, batched, alone_caches, caches):
         assert torch.equal(a, b)
@@ -114,9 +110,9 @@ def test_a_batched_pass_gives_each_session_its_logits_alone_bit_for_bit(tiny_dra
     assert all(torch.equal(runner.forward(c, [t], 1), b) for c, t, b in zip(alone_caches, (1, 2, 3, 4), nxt))
 
 
-def test_a_sessions_logits_do_not_depend_on_how_its_feed_is_cut_into_passes(tiny_draft, tokenizer):
-    built_kernels()
-    runner = LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=1024, matmul="fewrow")
+@pytest.mark.parametrize("form", ["fewrow", "gguf-q8", "int8-q8"])
+def test_a_sessions_logits_do_not_depend_on_how_its_feed_is_cut_into_passes(tiny_draft, tiny_gguf, tokenizer, form):
+    runner = kernel_runner(form, tiny_draft, tiny_gguf, tokenizer)
     ids = list(range(200, 330))
     whole = runner.forward(cache := runner.new_cache(), ids, 3)
     pieces = runner.new_cache()
@@ -458,6 +454,22 @@ def test_the_prefix_cache_reuses_a_block_only_after_the_same_tokens_and_drops_a_
     assert len(prefix) == 12
     assert probe([1, 2, 3, 4, 10, 11, 12, 13, 14, 15, 16, 17, 0]) == 12
     assert probe([1, 2, 3, 4, 5, 6, 7, 8, 0]) == 4  # the old chain lost its end, not the block both hang on
+
+
+def test_the_prefix_caches_keys_start_from_the_product_form(tiny_draft, tiny_gguf, tokenizer):
+    # A block computed with 8-bit activations is not what a float32 pass computes: a cache never mixes them.
+    from specdec.prefix_cache import PrefixCache
+
+    tokens = list(range(1, 10))
+    keys = {}
+    for form in ("gguf", "gguf-q8"):
+        runner = kernel_runner(form, tiny_draft, tiny_gguf, tokenizer, max_len=256)
+        prefix = PrefixCache(runner, capacity=16, block=4)
+        runner.forward(cache := runner.new_cache(), tokens, 1)
+        prefix.store(cache, tokens)
+        keys[form] = set(prefix._blocks)
+        assert prefix.attach(runner.new_cache(), tokens, 8) == 8
+    assert not keys["gguf"] & keys["gguf-q8"]
 
 
 def test_the_engine_sees_a_callback_scheduled_with_call_soon_as_ready_and_none_on_an_idle_loop():

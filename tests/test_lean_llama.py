@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import specdec.runners.products as product_forms
-from conftest import built_kernels, can_run
+from conftest import KERNEL_FORMS, built_kernels, can_run, kernel_runner
 from specdec import models
 from specdec.runners import CausalLMRunner, make_runner, resolve_quantize
 from specdec.runners.lean_llama import LeanLlamaRunner, TorchLayerOps
@@ -412,15 +412,13 @@ def test_a_runner_names_the_layer_kernels_it_uses(tiny_draft, tokenizer, layer_k
     )
 
 
-@pytest.mark.parametrize("form", ["fewrow", "gguf", "int8"])
+@pytest.mark.parametrize("form", list(KERNEL_FORMS))
 def test_the_layers_loop_in_cpp_gives_the_python_loops_logits_bit_for_bit(
     tiny_draft, tiny_gguf, tokenizer, form, layer_kernels
 ):
     """LayerStack runs the same operations in the same order as the Python loop, so greedy output and seeded
     sampling are unchanged by it: steps, verify-sized passes and a pass after rollback, on a cache that grows."""
-    model, gguf = tiny_gguf if form == "gguf" else (tiny_draft, None)
-    kw = dict(quantize="int8") if form == "int8" else dict(matmul=form, gguf=gguf)
-    runner = LeanLlamaRunner(model, len(tokenizer), max_len=1024, **kw)
+    runner = kernel_runner(form, tiny_draft, tiny_gguf, tokenizer)
     assert form in runner.plan.stacks
     ids = list(range(100, 400))
     chunks = [ids[:250], ids[250:251], ids[251:255], ids[255:264], ids[264:265], ids[200:203]]
@@ -432,15 +430,13 @@ def test_the_layers_loop_in_cpp_gives_the_python_loops_logits_bit_for_bit(
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("form", ["fewrow", "gguf", "int8"])
+@pytest.mark.parametrize("form", list(KERNEL_FORMS))
 def test_a_verify_pass_gives_each_row_the_steps_logits_bit_for_bit(
     tiny_draft, tiny_gguf, tokenizer, form, layer_kernels
 ):
     """Greedy speculative output equals the target alone's only if a verify's logits at a position are the
     step's there, exactly: every product and attention row is summed on its own whatever the pass's width."""
-    model, gguf = tiny_gguf if form == "gguf" else (tiny_draft, None)
-    kw = dict(quantize="int8") if form == "int8" else dict(matmul=form, gguf=gguf)
-    runner = LeanLlamaRunner(model, len(tokenizer), max_len=1024, **kw)
+    runner = kernel_runner(form, tiny_draft, tiny_gguf, tokenizer)
     ids = list(range(100, 160))
     runner.forward(cache := runner.new_cache(), ids[:41], 1)
     verify = runner.forward(cache, ids[41:50], 9)

@@ -106,3 +106,25 @@ def test_q4_1s_minimum_term_takes_the_blocks_integer_sum(kernels, isas):
     for isa in isas:
         got = qb.pack_q4_1(q, scales).product(kernels, x, isa)
         torch.testing.assert_close(got, want[:, None].expand(2, n), rtol=1e-6, atol=0)
+
+
+def test_auto_takes_8_bit_activations_only_where_the_cpu_the_model_and_its_weights_allow_it(tiny_draft, isas):
+    from specdec.runners import make_runner, resolve_activations
+
+    gguf = "model.gguf"
+    assert resolve_activations("auto", "target", tiny_draft, "cpu", "auto", "none", gguf) == "int8"
+    assert resolve_activations("auto", "draft", tiny_draft, "cpu", "auto", "int8", None) == "int8"
+    assert resolve_activations("auto", "target", tiny_draft, "cpu", "auto", "none", None) == "float32"  # no blocks
+    assert resolve_activations("auto", "target", tiny_draft, "cuda", "auto", "none", gguf) == "float32"
+    assert resolve_activations("auto", "target", tiny_draft, "cpu", "hf", "none", gguf) == "float32"
+    assert resolve_activations("float32", "target", tiny_draft, "cpu", "auto", "none", gguf) == "float32"
+    assert resolve_activations("int8", "target", tiny_draft, "cuda", "auto", "none", None) == "int8"  # as asked
+    with pytest.raises(ValueError, match="lean runner"):
+        make_runner(tiny_draft, 49152, 64, "hf", activations="int8")
+
+
+def test_int8_activations_without_blocks_to_multiply_are_refused_saying_why(tiny_draft, tokenizer, isas):
+    from specdec.runners import LeanLlamaRunner
+
+    with pytest.raises(ValueError, match="not loaded from a GGUF file"):
+        LeanLlamaRunner(tiny_draft, len(tokenizer), 64, activations="int8")

@@ -24,16 +24,18 @@ def make_runner(
     quantize: str = "none",
     gguf: str | None = None,
     device=None,
+    activations: str = "float32",
 ):
     """kind: hf (the stock transformers forward), lean (Llama only), auto (lean for Llama, else hf).
     matmul: the lean runner's product form for steps and verify passes; quantize: none, or int8 products
     on CPU; gguf: the GGUF file the model was loaded from, whose blocks the gguf form reads (see
     specdec.runners.lean_llama). The stock forward has none of them. device: where the runner runs (default:
-    where the model is); a model loaded on the CPU for a GPU runner is prepared there and moved once."""
+    where the model is); a model loaded on the CPU for a GPU runner is prepared there and moved once.
+    activations: float32, or int8 (the lean runner's products on 8-bit activations, specdec.runners.products)."""
     if kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama"):
-        return LeanLlamaRunner(model, vocab_size, max_len, matmul, quantize, gguf, device)
-    if quantize != "none":
-        raise ValueError(f"quantize={quantize!r} needs the lean runner (a Llama model)")
+        return LeanLlamaRunner(model, vocab_size, max_len, matmul, quantize, gguf, device, activations)
+    if quantize != "none" or activations != "float32":
+        raise ValueError(f"quantize={quantize!r}, activations={activations!r} need the lean runner (a Llama model)")
     return CausalLMRunner(model, vocab_size, device)
 
 
@@ -69,3 +71,27 @@ def resolve_quantize(quantize: str, role: str, model, device=None, kind: str = "
     on_cpu = torch.device(device if device is not None else weight.device).type == "cpu"
     lean = kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama")
     return "int8" if role == "draft" and lean and on_cpu and weight.dtype == torch.float32 else "none"
+
+
+def resolve_activations(
+    activations: str, role: str, model, device=None, kind: str = "auto", quantize: str = "none", gguf: str | None = None
+) -> str:
+    """auto: int8 where the lean runner serves the model on CPU in float32, specdec's kernels have a form of the
+    8-bit products for this CPU, and there are weights in blocks for them (a GGUF file's, or a draft's int8 rows);
+    else float32. Any other value stays as asked (an impossible int8 fails at load, saying why)."""
+    if activations != "auto":
+        return activations
+    from specdec.runners.kernels import cpu_kernels
+
+    weight = next(model.parameters())
+    on_cpu = torch.device(device if device is not None else weight.device).type == "cpu"
+    lean = kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama")
+    blocks = quantize == "int8" or gguf is not None
+    if not (lean and on_cpu and weight.dtype == torch.float32 and blocks and role in AUTO_INT8_ROLES):
+        return "float32"
+    kernels = cpu_kernels()
+    return "int8" if kernels is not None and list(kernels.q8_isas()) else "float32"
+
+
+# The roles whose servers take 8-bit activations under auto (docs/performance.md has the quality measured).
+AUTO_INT8_ROLES = ("draft", "target")

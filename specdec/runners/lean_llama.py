@@ -136,8 +136,10 @@ class LeanLlamaRunner:
         quantize: str = "none",
         gguf: str | None = None,
         device=None,
+        activations: str = "float32",
     ):
         """gguf: the GGUF file the model was loaded from, if any: its blocks give the gguf product form.
+        activations: float32, or int8 (x quantized to 8 bits in every product, on the GGUF blocks or int8 rows).
         device: where the runner's weights live (default: where the model's are). The fused matrices are built
         where the model is and only they move, so a model loaded on the CPU leaves nothing of itself on the
         device: the device holds each weight once."""
@@ -173,6 +175,7 @@ class LeanLlamaRunner:
             eps=self.eps,
             run_pass=self._scratch_pass(),
             timed_rows=tuple(n for n in TIMED_ROWS if n <= max_len) or (max_len,),
+            activations=activations,
         )
         if quantize == "int8":  # the runner keeps the int8 weights alone, no float copy of the matrices
             self.layers, self.lm_head = self.plan.long.products.layers, self.plan.long.products.head

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import specdec.runners.gguf_blocks as gguf_blocks
+import specdec.runners.q8_blocks as q8_blocks
 from specdec.runners.forms import (
     cpu_float32,
     int8_linear,
@@ -52,8 +53,11 @@ TIMED_ROWS = (1, 2, 3, 4, 6, 9, 16, SMALL_PASS_ROWS)  # row counts `auto` times;
 QUANTIZE = ("none", "int8")
 # Product forms in specdec's kernel: each output row is summed on its own, in an order that depends on nothing
 # but the row (products.cpp), so a row's result is the one it gets alone, whatever the pass's width.
-ROW_INDEPENDENT = ("fewrow", "gguf", "int8")
+ROW_INDEPENDENT = ("fewrow", "gguf", "int8", "gguf-q8", "int8-q8")
 INT8_FORMS = {"int8": "specdec's kernel", "fbgemm": "fbgemm"}  # the forms on int8 weights, by what runs them
+# The activations of the products: float32, or quantized to 8 bits per row in blocks of 32 (kernels/q8_products.cpp)
+# on the GGUF file's blocks ("gguf-q8") or on int8 weights ("int8-q8").
+ACTIVATIONS = ("float32", "int8")
 # A form this many times slower than the best at a row count after two sweeps is not timed again there.
 OUT_OF_THE_RACE = 2.0
 
@@ -132,6 +136,8 @@ class Plan:
         """ "products: 1-32 rows: onednn, longer passes: linear" and the like, for ModelInfo.forward."""
         if self.long.name in INT8_FORMS:
             return f"products on int8 weights in {INT8_FORMS[self.long.name]}"
+        if self.long.name in ("gguf-q8", "int8-q8"):
+            return f"products with 8-bit activations: every pass {self.long.name} ({self.long.products.head.isa})"
         blocks = f" (gguf: the file's {self.gguf_blocks})" if "gguf" in self.forms else ""
         if self.batch_invariant:
             return f"products: every pass {self.long.name}{blocks}"
@@ -151,8 +157,10 @@ def packed(fn: Callable, pack: Callable, layers: list[LayerWeights], head) -> Pr
 _STACKED = {
     "fewrow": lambda w: ([w], "fewrow"),
     "int8": lambda w: (list(w), "int8"),  # (q, scale)
-    "gguf": lambda w: (list(w[:2]), w[2]),
-}  # (q, scales, format)
+    "gguf": lambda w: (list(w[:2]), w[2]),  # (q, scales, format)
+    "gguf-q8": lambda w: w.stacked,  # q8_blocks.Q8Weights
+    "int8-q8": lambda w: w.stacked,
+}
 
 
 def _stack(layer_kernels, name: str, products: Products, n_heads: int, eps: float):
@@ -242,16 +250,21 @@ def make_plan(
     restricted: bool = False,
     run_pass: Callable[[Plan, int], None] | None = None,
     timed_rows: tuple[int, ...] = TIMED_ROWS,
+    activations: str = "float32",
 ) -> Plan:
     """The plan of a runner's products. layers, head: its float weights, on its device ([scored, hidden] head);
     layer_kernels: specdec's kernels where they run the work between the products, else None; gguf: the GGUF file
     the model was loaded from, whose blocks give the gguf form; restricted: the head scores a subset of the
     vocabulary (no gguf form then); run_pass(plan, n): one whole pass of n rows under a plan, on a scratch
-    session, for `auto`'s timing of timed_rows. Raises ValueError for a form or quantization that cannot run."""
+    session, for `auto`'s timing of timed_rows; activations: float32, or int8 (every pass in a q8 form).
+    Raises ValueError for a form, quantization or activations that cannot run."""
     _check(matmul, quantize, head)
     with_stack = lambda name, products: Form(name, products, _stack(layer_kernels, name, products, n_heads, eps))
-    if quantize == "int8":
-        form = with_stack(*_int8_products(layers, head))
+    if quantize == "int8" or activations == "int8":
+        if activations == "int8":
+            form = with_stack(*_q8_products(layers, head, quantize, gguf, restricted, n_heads, n_kv))
+        else:
+            form = with_stack(*_int8_products(layers, head))
         return Plan((form,) * (SMALL_PASS_ROWS + 1), form, layer_kernels is not None)
     candidates, blocks = _candidates(layers, head, matmul, gguf, restricted, n_heads, n_kv)
     forms = {name: with_stack(name, products) for name, products in candidates.items()}
@@ -314,6 +327,28 @@ def _int8_products(layers: list[LayerWeights], head) -> tuple[str, Products]:
     return name, products
 
 
+def _q8_products(
+    layers: list[LayerWeights], head, quantize: str, gguf: str | None, restricted: bool, n_heads: int, n_kv: int
+) -> tuple[str, Products]:
+    """Every product with 8-bit activations, in the best instruction-set form this CPU runs: on the int8 rows a
+    draft is quantized to (int8-q8), else on the GGUF file's blocks (gguf-q8)."""
+    kernels = kernels_for(head)
+    isas = list(kernels.q8_isas()) if kernels is not None else []
+    if not isas:
+        raise ValueError("int8 activations need specdec's CPU kernels on a CPU with AVX2 or VNNI; use float32")
+    isa = isas[0]
+    product = lambda x, w: w.product(kernels, x)
+    if quantize == "int8":
+        pack = lambda w: q8_blocks.pack_int8_rows(*quantize_rows(w), w.shape[1]).with_isa(isa)
+        name, products = "int8-q8", packed(product, pack, layers, head)
+    else:
+        blocks = _gguf_products(kernels, layers, head, gguf, restricted, n_heads, n_kv, required=True)[0]
+        pack = lambda b: (q8_blocks.pack_q4_1 if b[2] == "Q4_1" else q8_blocks.pack_q8_0)(b[0], b[1]).with_isa(isa)
+        name, products = "gguf-q8", packed(product, pack, blocks.layers, blocks.head)
+    log.info("lean runner: products with 8-bit activations (%s, %s)", name, isa)
+    return name, products
+
+
 def _candidates(
     layers: list[LayerWeights], head, matmul: str, gguf: str | None, restricted: bool, n_heads: int, n_kv: int
 ) -> tuple[dict[str, Products], str | None]:
@@ -367,7 +402,7 @@ def _gguf_products(
         blocks, head_blocks = gguf_blocks.read_llama_blocks(gguf, layers, head, n_heads, n_kv)
     except gguf_blocks.BlocksUnavailable as e:
         if required:
-            raise ValueError(f"matmul gguf: {e}") from None
+            raise ValueError(f"the gguf blocks: {e}") from None
         log.info("lean runner: no gguf product form (%s)", e)
         return None
     described = gguf_blocks.describe(blocks, head_blocks)

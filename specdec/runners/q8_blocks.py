@@ -17,6 +17,7 @@ tests hold the kernel to it to float32 rounding, and its instruction-set forms t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,17 +27,27 @@ BLOCK, TILE = 32, 16
 
 @dataclass(frozen=True)
 class Q8Weights:
-    """A matrix of n rows in few_rows_q8's tiles: w [tiles, blocks, bytes], d and extra [tiles, blocks, 16]."""
+    """A matrix of n rows in few_rows_q8's tiles: w [tiles, blocks, bytes], d and extra [tiles, blocks, 16]; isa:
+    the instruction-set form that multiplies it (kernels.q8_isas())."""
 
     format: str  # "Q4_1" or "Q8_0"
     n: int
     w: torch.Tensor
     d: torch.Tensor
     extra: torch.Tensor  # Q4_1: the minimums m; Q8_0: 128 * sum_k q, int32
+    isa: str = "avx512-vnni"
 
-    def product(self, kernels, x: torch.Tensor, isa: str) -> torch.Tensor:
-        """x [rows, k] float32 @ w^T -> [rows, n] in the kernel's form `isa`."""
-        return kernels.few_rows_q8(x, self.w, self.d, self.extra, self.format, self.n, isa)
+    def product(self, kernels, x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+        """x [rows, k] float32 @ w^T -> [rows, n], in the form `isa` (default: the matrix's own)."""
+        return kernels.few_rows_q8(x, self.w, self.d, self.extra, self.format, self.n, isa or self.isa)
+
+    def with_isa(self, isa: str) -> Q8Weights:
+        return dataclasses.replace(self, isa=isa)
+
+    @property
+    def stacked(self) -> tuple[list[torch.Tensor], str]:
+        """How LayerStack takes it: its tensors and its form, "q8:FORMAT:ISA:N"."""
+        return [self.w, self.d, self.extra], f"q8:{self.format}:{self.isa}:{self.n}"
 
 
 def _tiles(values: torch.Tensor, groups: int) -> torch.Tensor:

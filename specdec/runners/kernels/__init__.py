@@ -71,6 +71,10 @@ def cpu_kernels():
         build = cache_dir() / "kernels" / f"cpu-{key}"
         build.mkdir(parents=True, exist_ok=True)
         with FileLock(str(build) + ".lock"):  # the draft and target servers may start together
+            # torch's builder marks a build in progress with a file it deletes when done; a process killed while
+            # building leaves it, and every later load would wait for it forever. Whoever holds the lock above is
+            # the only builder, so a mark found here is stale.
+            (build / "lock").unlink(missing_ok=True)
             return load(
                 name=f"specdec_cpu_{key}",
                 sources=[str(HERE / name) for name in SOURCES],

@@ -347,6 +347,18 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 torch::Tensor few_rows(torch::Tensor x, torch::Tensor w);
 torch::Tensor few_rows_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor few_rows_gguf(torch::Tensor x, torch::Tensor q, torch::Tensor scales, const std::string& format);
+torch::Tensor few_rows_q8(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor extra,
+                          const std::string& format, int64_t N, const std::string& isa);
+
+// A product with 8-bit activations is named "q8:FORMAT:ISA:N" (q8_blocks.Q8Weights.stack_form): its block format,
+// the instruction-set form that runs it and its output rows.
+static bool parse_q8(const std::string& f, Q8Form& out) {
+  if (f.rfind("q8:", 0) != 0) return false;
+  const size_t a = f.find(':', 3), b = a == std::string::npos ? a : f.find(':', a + 1);
+  TORCH_CHECK(b != std::string::npos, "LayerStack: a q8 form is q8:FORMAT:ISA:N, not ", f);
+  out = {f.substr(3, a - 3), f.substr(a + 1, b - a - 1), std::stoll(f.substr(b + 1))};
+  return true;
+}
 
 // All the layers of a Llama pass in one call, with every product in specdec's kernels: the operations of
 // LeanLlamaRunner.forward's Python loop, in the same order, so the same values bit for bit, without its ten
@@ -354,7 +366,8 @@ torch::Tensor few_rows_gguf(torch::Tensor x, torch::Tensor q, torch::Tensor scal
 // runs cold after the other's passes: there a draft step went from 1.04-1.12 to 0.93-0.95 ms, a target step
 // from 7.30-7.47 to 6.75-7.06 ms (2-core VM).
 // norms: ln1 and ln2 of each layer; weights and forms: each layer's four products (QKV, O, gate/up, down),
-// a product's tensors and its form: "fewrow" (w), "int8" (w, scale) or a GGUF block format (q, scales).
+// a product's tensors and its form: "fewrow" (w), "int8" (w, scale), a GGUF block format (q, scales) or
+// "q8:FORMAT:ISA:N" (w, d, extra: q8_blocks.Q8Weights).
 LayerStack::LayerStack(std::vector<torch::Tensor> norms, std::vector<std::vector<torch::Tensor>> weights,
                        std::vector<std::string> forms, int64_t heads, double eps)
     : norms_(std::move(norms)), weights_(std::move(weights)), forms_(std::move(forms)), heads_(heads), eps_(eps) {
@@ -362,8 +375,11 @@ LayerStack::LayerStack(std::vector<torch::Tensor> norms, std::vector<std::vector
               "LayerStack: two norms and four products a layer");
   for (size_t i = 0; i < forms_.size(); i++) {
     const auto& f = forms_[i];
-    const size_t n = f == "fewrow" ? 1 : 2;
-    TORCH_CHECK(f == "fewrow" || f == "int8" || f == "Q4_1" || f == "Q8_0", "LayerStack: unknown form ", f);
+    Q8Form q8;
+    const bool is_q8 = parse_q8(f, q8);
+    q8_.push_back(q8);
+    const size_t n = f == "fewrow" ? 1 : is_q8 ? 3 : 2;
+    TORCH_CHECK(f == "fewrow" || f == "int8" || f == "Q4_1" || f == "Q8_0" || is_q8, "LayerStack: unknown form ", f);
     TORCH_CHECK(weights_[i].size() == n, "LayerStack: form ", f, " takes ", n, " tensors");
   }
 }
@@ -373,6 +389,8 @@ torch::Tensor LayerStack::product(const torch::Tensor& x, size_t i) const {
   const auto& f = forms_[i];
   if (f == "fewrow") return few_rows(x, w[0]);
   if (f == "int8") return few_rows_int8(x, w[0], w[1]);
+  const Q8Form& q8 = q8_[i];
+  if (q8.n >= 0) return few_rows_q8(x, w[0], w[1], w[2], q8.format, q8.n, q8.isa);
   return few_rows_gguf(x, w[0], w[1], f);
 }
 

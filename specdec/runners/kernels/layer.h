@@ -5,6 +5,12 @@
 #include <string>
 #include <vector>
 
+// A product with 8-bit activations (q8_products.cpp), parsed once from its form "q8:FORMAT:ISA:N"; n < 0: another form.
+struct Q8Form {
+  std::string format, isa;
+  int64_t n = -1;
+};
+
 class LayerStack {
  public:
   LayerStack(std::vector<torch::Tensor> norms, std::vector<std::vector<torch::Tensor>> weights,
@@ -20,6 +26,7 @@ class LayerStack {
   std::vector<torch::Tensor> norms_;
   std::vector<std::vector<torch::Tensor>> weights_;
   std::vector<std::string> forms_;
+  std::vector<Q8Form> q8_;
   int64_t heads_;
   double eps_;
 };
