@@ -75,37 +75,27 @@ class ModelServerConfig:
 
     role: str = field(default="target", metadata={"flag": False})
     model: str = field(default=DEFAULT_TARGET, metadata={"help": "hub id, local folder or embedded:NAME"})
-    dtype: str = field(
-        default="auto",
-        metadata={
-            "help": "float32, bfloat16, float16 or auto: float32 on CPU; on a GPU bfloat16 where it computes in "
-            "it natively (compute capability 8.0 on), else float16"
-        },
+    dtype: str = _option(
+        "auto",
+        "float32, bfloat16, float16 or auto: float32 on CPU; on a GPU bfloat16 where it computes in "
+        "it natively (compute capability 8.0 on), else float16",
     )
     device: str = field(default="cpu", metadata={"help": "torch device: cpu, cuda, cuda:1..."})
-    runner: str = field(
-        default="auto",
-        metadata={
-            "help": "forward pass: hf (stock transformers), lean (Llama, "
-            "less per-call overhead) or auto (lean for Llama)"
-        },
+    runner: str = _option(
+        "auto", "forward pass: hf (stock transformers), lean (Llama, less per-call overhead) or auto (lean for Llama)"
     )
-    matmul: str = field(
-        default="auto",
-        metadata={
-            "help": "lean runner's product form for steps and verify passes: auto (the fastest on this CPU for "
-            "each row count, timed at load), linear (x @ W^T), weights-first (W @ x^T), onednn (oneDNN's packed "
-            "fp32 GEMM; a second copy of the weights), fewrow (specdec's kernel, compiled on first use) or gguf "
-            "(the same kernel on the blocks of the GGUF file an embedded model comes from: the same products "
-            "from a fifth of the bytes)"
-        },
+    matmul: str = _option(
+        "auto",
+        "lean runner's product form for steps and verify passes: auto (the fastest on this CPU for "
+        "each row count, timed at load), linear (x @ W^T), weights-first (W @ x^T), onednn (oneDNN's packed "
+        "fp32 GEMM; a second copy of the weights), fewrow (specdec's kernel, compiled on first use) or gguf "
+        "(the same kernel on the blocks of the GGUF file an embedded model comes from: the same products "
+        "from a fifth of the bytes)",
     )
-    quantize: str = field(
-        default="auto",
-        metadata={
-            "help": "lean runner's weights on CPU: int8 (per-row scales) or none; auto = int8 for a draft on CPU "
-            "in float32, none otherwise (a draft's numbers change q, not the output)"
-        },
+    quantize: str = _option(
+        "auto",
+        "lean runner's weights on CPU: int8 (per-row scales) or none; auto = int8 for a draft on CPU "
+        "in float32, none otherwise (a draft's numbers change q, not the output)",
     )
     activations: str = _option(
         "auto",
@@ -121,19 +111,15 @@ class ModelServerConfig:
     tls_client_ca: str = _tls_client_ca()
     health_port: int = _health_port()
     max_sessions: int = field(default=16, metadata={"help": "sessions held at once"})
-    max_tokens: int = field(
-        default=0,
-        metadata={
-            "help": "KV tokens held across all sessions; 0 = 65536 on CPU, and on a GPU what --memory-fraction leaves "
-            "after the weights, the largest pass's activations and the CUDA context"
-        },
+    max_tokens: int = _option(
+        0,
+        "KV tokens held across all sessions; 0 = 65536 on CPU, and on a GPU what --memory-fraction leaves "
+        "after the weights, the largest pass's activations and the CUDA context",
     )
-    memory_fraction: float = field(
-        default=0.0,
-        metadata={
-            "help": "share of the GPU's memory this server takes (weights, activations, KV pool); two servers share "
-            "one card, so neither takes what is free; 0 = 0.65 for a target, 0.25 for a draft"
-        },
+    memory_fraction: float = _option(
+        0.0,
+        "share of the GPU's memory this server takes (weights, activations, KV pool); two servers share "
+        "one card, so neither takes what is free; 0 = 0.65 for a target, 0.25 for a draft",
     )
     max_model_len: int = field(default=0, metadata={"help": "longest session; 0 = the model's own limit"})
     idle_ttl_s: float = field(default=300.0, metadata={"help": "seconds before an idle session is freed"})
@@ -141,33 +127,25 @@ class ModelServerConfig:
     max_sparse_support: int = field(default=1024, metadata={"help": "largest support sent in sparse form"})
     grace_s: float = field(default=10.0, metadata={"help": "seconds in-flight calls get on shutdown"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = torch's default"})
-    prefill_threads: int = field(
-        default=0,
-        metadata={
-            "help": "torch CPU threads for a pass of more than 32 tokens (a prefill, a rebuild), which is "
-            "compute-bound where a step is not; 0 = torch's default (the cores)"
-        },
+    prefill_threads: int = _option(
+        0,
+        "torch CPU threads for a pass of more than 32 tokens (a prefill, a rebuild), which is "
+        "compute-bound where a step is not; 0 = torch's default (the cores)",
     )
-    max_batch_tokens: int = field(
-        default=0,
-        metadata={
-            "help": "most rows (new tokens of every session) in one batched forward pass; a long prompt is fed in "
-            "pieces beside the other sessions' steps; 0 = 64 on CPU, 2048 on an accelerator"
-        },
+    max_batch_tokens: int = _option(
+        0,
+        "most rows (new tokens of every session) in one batched forward pass; a long prompt is fed in "
+        "pieces beside the other sessions' steps; 0 = 64 on CPU, 2048 on an accelerator",
     )
-    strict_attention: bool = field(
-        default=False,
-        metadata={
-            "help": "on a GPU, hold attention to the fused SDPA kernels (flash, memory-efficient): a call only the "
-            "math kernel takes fails instead of running slowly; for checks such as tools/gpu_smoke.py"
-        },
+    strict_attention: bool = _option(
+        False,
+        "on a GPU, hold attention to the fused SDPA kernels (flash, memory-efficient): a call only the "
+        "math kernel takes fails instead of running slowly; for checks such as tools/gpu_smoke.py",
     )
-    prefix_cache_tokens: int = field(
-        default=2048,
-        metadata={
-            "help": "KV tokens kept of prompt prefixes that new sessions share (a chat template's opening, a rebuilt "
-            "session's history), where the runner is batch-invariant; 0 turns it off"
-        },
+    prefix_cache_tokens: int = _option(
+        2048,
+        "KV tokens kept of prompt prefixes that new sessions share (a chat template's opening, a rebuilt "
+        "session's history), where the runner is batch-invariant; 0 turns it off",
     )
 
     def validate(self) -> None:
@@ -221,59 +199,40 @@ class OrchestratorConfig:
     host: str = field(default="0.0.0.0", metadata={"help": "address to bind"})
     port: int = field(default=50051, metadata={"help": "gRPC port (0 picks a free one)"})
     metrics_port: int = field(default=8001, metadata={"help": "Prometheus port (0 disables)"})
-    http_port: int = field(
-        default=8000,
-        metadata={
-            "help": "OpenAI-compatible HTTP API port: /v1/chat/completions, /v1/completions, /v1/models (0 disables)"
-        },
+    http_port: int = _option(
+        8000, "OpenAI-compatible HTTP API port: /v1/chat/completions, /v1/completions, /v1/models (0 disables)"
     )
-    api_key: str = field(
-        default="",
-        metadata={
-            "help": "bearer token clients must send, over gRPC (metadata "
-            "authorization: Bearer KEY; UNAUTHENTICATED otherwise) and "
-            "HTTP (401); empty: none"
-        },
+    api_key: str = _option(
+        "",
+        "bearer token clients must send, over gRPC (metadata "
+        "authorization: Bearer KEY; UNAUTHENTICATED otherwise) and "
+        "HTTP (401); empty: none",
     )
     tls_cert: str = _tls_cert()
     tls_key: str = _tls_key()
     tls_client_ca: str = _tls_client_ca()
     health_port: int = _health_port()
-    upstream_tls_ca: str = field(
-        default="",
-        metadata={
-            "help": "PEM CA file: call the model servers over TLS, "
-            "trusting the certificates it signed; empty: plaintext"
-        },
+    upstream_tls_ca: str = _option(
+        "", "PEM CA file: call the model servers over TLS, trusting the certificates it signed; empty: plaintext"
     )
-    upstream_tls_cert: str = field(
-        default="",
-        metadata={
-            "help": "PEM certificate file the orchestrator presents to "
-            "the model servers (mutual TLS), with --upstream-tls-key"
-        },
+    upstream_tls_cert: str = _option(
+        "", "PEM certificate file the orchestrator presents to the model servers (mutual TLS), with --upstream-tls-key"
     )
     upstream_tls_key: str = field(default="", metadata={"help": "PEM private key file of --upstream-tls-cert"})
-    upstream_tls_name: str = field(
-        default="",
-        metadata={
-            "help": "the name the model servers' certificates carry, where it is not the host dialled (replicas found by "
-            "dns:/// are dialled by address); empty: the host dialled"
-        },
+    upstream_tls_name: str = _option(
+        "",
+        "the name the model servers' certificates carry, where it is not the host dialled (replicas found by "
+        "dns:/// are dialled by address); empty: the host dialled",
     )
-    draft_address: str = field(
-        default="localhost:50052",
-        metadata={
-            "help": "the draft service's replicas: comma-separated host:port, or dns:///NAME:PORT for every address a "
-            "name resolves to (a Kubernetes headless Service)"
-        },
+    draft_address: str = _option(
+        "localhost:50052",
+        "the draft service's replicas: comma-separated host:port, or dns:///NAME:PORT for every address a "
+        "name resolves to (a Kubernetes headless Service)",
     )
-    target_address: str = field(
-        default="localhost:50053",
-        metadata={
-            "help": "the target service's replicas, as --draft-address; each generation goes to the least-loaded one "
-            "and moves to another if its replica fails"
-        },
+    target_address: str = _option(
+        "localhost:50053",
+        "the target service's replicas, as --draft-address; each generation goes to the least-loaded one "
+        "and moves to another if its replica fails",
     )
     resolve_interval_s: float = field(
         default=10.0,
@@ -285,48 +244,38 @@ class OrchestratorConfig:
     # 3 for the embedded pair on a CPU: the fastest K in specdec bench, and where the Leviathan bound at the
     # measured alpha and c peaks (docs/performance.md, "Behind the defaults"). docker-compose.yml sets 4 for
     # the Llama 3.2 pair on a GPU, where a verify pass costs about one step, and 3 for its CPU profile.
-    num_speculative_tokens: int = field(
-        default=3,
-        metadata={
-            "help": "K of a request that leaves it unset: where adaptive speculation is on, the K it starts from "
-            "until the costs are measured"
-        },
+    num_speculative_tokens: int = _option(
+        3,
+        "K of a request that leaves it unset: where adaptive speculation is on, the K it starts from "
+        "until the costs are measured",
     )
     max_speculative_tokens: int = field(default=8, metadata={"help": "largest K a request may ask"})
-    adaptive_speculation: bool = field(
-        default=True,
-        metadata={
-            "help": "for requests that leave num_speculative_tokens unset, choose K round by round, 0 to "
-            "--max-speculative-tokens, for the most expected tokens per second of the servers' time, from what "
-            "their batched passes cost and the request's acceptance so far: speculation fades out where a "
-            "verify row is dear (a CPU under load) and stays on where it is nearly free. The speed changes, "
-            "not the output; a seeded sampled request replays token for token only with K set"
-        },
+    adaptive_speculation: bool = _option(
+        True,
+        "for requests that leave num_speculative_tokens unset, choose K round by round, 0 to "
+        "--max-speculative-tokens, for the most expected tokens per second of the servers' time, from what "
+        "their batched passes cost and the request's acceptance so far: speculation fades out where a "
+        "verify row is dear (a CPU under load) and stays on where it is nearly free. The speed changes, "
+        "not the output; a seeded sampled request replays token for token only with K set",
     )
-    draft_confidence_threshold: float = field(
-        default=0.0,
-        metadata={
-            "help": "default per request: a round drafts fewer than K tokens once the draft's confidence that all "
-            "of them are accepted falls below this (0 = always K)"
-        },
+    draft_confidence_threshold: float = _option(
+        0.0,
+        "default per request: a round drafts fewer than K tokens once the draft's confidence that all "
+        "of them are accepted falls below this (0 = always K)",
     )
-    prompt_lookup_min: int = field(
-        default=0,
-        metadata={
-            "help": "default per request: a round proposes the tokens that followed the sequence's last n tokens "
-            "earlier in it, for n from --prompt-lookup-max down to this, before asking the draft (0 = off)"
-        },
+    prompt_lookup_min: int = _option(
+        0,
+        "default per request: a round proposes the tokens that followed the sequence's last n tokens "
+        "earlier in it, for n from --prompt-lookup-max down to this, before asking the draft (0 = off)",
     )
     prompt_lookup_max: int = field(default=4, metadata={"help": "longest n-gram prompt lookup matches"})
     # Off, the first token waits only for the target's prefill, as without speculation, and tokens/s does not
     # change, since the draft's prefill moves to the second round (docs/performance.md, 2026-11-24, early morning).
-    speculate_first_round: bool = field(
-        default=False,
-        metadata={
-            "help": "draft in a request's first round too, so that the first message can carry accepted drafts, "
-            "after the draft's prefill and K steps (false: the first token comes from the target's prefill "
-            "alone and the draft prefills in the second round)"
-        },
+    speculate_first_round: bool = _option(
+        False,
+        "draft in a request's first round too, so that the first message can carry accepted drafts, "
+        "after the draft's prefill and K steps (false: the first token comes from the target's prefill "
+        "alone and the draft prefills in the second round)",
     )
     max_tokens: int = field(default=256, metadata={"help": "default max_tokens per request"})
     temperature: float = field(default=0.7, metadata={"help": "default temperature (0 = greedy)"})
@@ -334,26 +283,17 @@ class OrchestratorConfig:
     top_k: int = field(default=0, metadata={"help": "default top_k (0 = off)"})
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request"})
     max_request_bytes: int = field(default=1 << 20, metadata={"help": "largest request message"})
-    max_concurrent_requests: int = field(
-        default=0,
-        metadata={
-            "help": "generations run at once, each holding a KV session on both model servers; 0 = the smaller of "
-            "the two servers' --max-sessions. A request also waits until the KV tokens it may hold (prompt + "
-            "max_tokens + K) fit in the servers' --max-tokens beside the running ones'"
-        },
+    max_concurrent_requests: int = _option(
+        0,
+        "generations run at once, each holding a KV session on both model servers; 0 = the smaller of "
+        "the two servers' --max-sessions. A request also waits until the KV tokens it may hold (prompt + "
+        "max_tokens + K) fit in the servers' --max-tokens beside the running ones'",
     )
-    max_queued_requests: int = field(
-        default=256,
-        metadata={
-            "help": "requests that may wait for a free slot; past them a request gets RESOURCE_EXHAUSTED at once"
-        },
+    max_queued_requests: int = _option(
+        256, "requests that may wait for a free slot; past them a request gets RESOURCE_EXHAUSTED at once"
     )
-    rpc_streams: bool = field(
-        default=True,
-        metadata={
-            "help": "send each generation's ProposeTokens and Verify "
-            "over one stream per server (false: a unary call each)"
-        },
+    rpc_streams: bool = _option(
+        True, "send each generation's ProposeTokens and Verify over one stream per server (false: a unary call each)"
     )
     rpc_timeout_s: float = field(default=60.0, metadata={"help": "deadline of one call to a model server"})
     unavailable_retry_s: float = field(
