@@ -64,6 +64,23 @@ def _serve_orchestrator(args) -> int:
     return 0
 
 
+def _up_arguments(up: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from specdec.config import DEFAULT_DRAFT
+
+    up.add_argument("--draft-model", help=f"draft model (default {DEFAULT_DRAFT})")
+    up.add_argument("--target-model", help="target model (default the embedded SmolLM2-135M-Instruct)")
+    up.add_argument(
+        "--dtype", help="auto (the default: float32 on CPU, bfloat16 or float16 on a GPU), float32, bfloat16 or float16"
+    )
+    up.add_argument("--device", help="cpu, cuda...")
+    up.add_argument("--threads", type=int, default=0, help="torch threads per model server")
+    up.add_argument(
+        "--with-prometheus", action="store_true", help="also start Prometheus (the binary must be installed)"
+    )
+    up.add_argument("--prometheus-port", type=int, default=9090, help="with --with-prometheus (default %(default)s)")
+    return up
+
+
 def _up(args) -> int:
     """Start the three services as child processes; stop all when one exits or on a signal."""
     from specdec.config import ModelServerConfig, OrchestratorConfig, env_prefix
@@ -202,6 +219,47 @@ def _start_prometheus(env: dict, port: int) -> subprocess.Popen:
     )
 
 
+def _generate_arguments(g: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g.add_argument("prompt", help="raw text to continue, or with --chat the user's message")
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    g.add_argument(
+        "--address",
+        default=os.environ.get("SPECDEC_ADDRESS", "localhost:50051"),
+        help="the orchestrator's host:port (default %(default)s; env SPECDEC_ADDRESS)",
+    )
+    unset = "; unset: the orchestrator's default"
+    g.add_argument("--max-tokens", type=int, help="most tokens to generate" + unset)
+    g.add_argument("--temperature", type=float, help="0 is greedy" + unset)
+    g.add_argument("--top-p", type=float, help="nucleus sampling, in (0, 1]" + unset)
+    g.add_argument("--top-k", type=int, help="sample among the k likeliest tokens, 0 for all" + unset)
+    g.add_argument("--seed", type=int, help="makes a sampled completion reproducible; unset: a random one, printed")
+    g.add_argument("--stop", action="append", default=[], help="a string that ends the completion (repeatable)")
+    g.add_argument(
+        "-k",
+        "--num-speculative-tokens",
+        dest="k",
+        type=int,
+        help="tokens the draft proposes a round, 0 for the target alone" + unset,
+    )
+    g.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        help="propose tokens copied from earlier in the sequence when its last n >= this tokens repeat (0: off)",
+    )
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up (default %(default)s)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECDEC_API_KEY", ""),
+        help="the orchestrator's --api-key, where it has one (env SPECDEC_API_KEY)",
+    )
+    g.add_argument(
+        "--tls-ca",
+        default=os.environ.get("SPECDEC_TLS_CA", ""),
+        help="PEM CA file: connect over TLS, trusting the certificates it signed (env SPECDEC_TLS_CA)",
+    )
+    return g
+
+
 def _generate(args) -> int:
     import grpc
 
@@ -296,65 +354,17 @@ _LIGHT = {"health": (_health_arguments, _health), "fetch": (_fetch_arguments, _f
 
 
 def parser() -> argparse.ArgumentParser:
-    from specdec.config import DEFAULT_DRAFT, ROLE_DEFAULTS, ModelServerConfig, OrchestratorConfig, add_arguments
+    from specdec.config import ROLE_DEFAULTS, ModelServerConfig, OrchestratorConfig, add_arguments
 
     p = argparse.ArgumentParser(prog="specdec", description="Speculative decoding as three gRPC services.")
     sub = p.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="start draft, target and orchestrator here (foreground)")
-    up.add_argument("--draft-model", help=f"draft model (default {DEFAULT_DRAFT})")
-    up.add_argument("--target-model", help="target model (default the embedded SmolLM2-135M-Instruct)")
-    up.add_argument(
-        "--dtype", help="auto (the default: float32 on CPU, bfloat16 or float16 on a GPU), float32, bfloat16 or float16"
-    )
-    up.add_argument("--device", help="cpu, cuda...")
-    up.add_argument("--threads", type=int, default=0, help="torch threads per model server")
-    up.add_argument(
-        "--with-prometheus", action="store_true", help="also start Prometheus (the binary must be installed)"
-    )
-    up.add_argument("--prometheus-port", type=int, default=9090, help="with --with-prometheus (default %(default)s)")
+    _up_arguments(sub.add_parser("up", help="start draft, target and orchestrator here (foreground)"))
     for role in ("draft", "target"):
         s = sub.add_parser(role, help=f"start the {role} service")
         add_arguments(s, ModelServerConfig, ROLE_DEFAULTS[role])
     o = sub.add_parser("orchestrator", help="start the orchestrator")
     add_arguments(o, OrchestratorConfig)
-    g = sub.add_parser("generate", help="stream a completion from a running orchestrator")
-    g.add_argument("prompt", help="raw text to continue, or with --chat the user's message")
-    g.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
-    g.add_argument(
-        "--address",
-        default=os.environ.get("SPECDEC_ADDRESS", "localhost:50051"),
-        help="the orchestrator's host:port (default %(default)s; env SPECDEC_ADDRESS)",
-    )
-    unset = "; unset: the orchestrator's default"
-    g.add_argument("--max-tokens", type=int, help="most tokens to generate" + unset)
-    g.add_argument("--temperature", type=float, help="0 is greedy" + unset)
-    g.add_argument("--top-p", type=float, help="nucleus sampling, in (0, 1]" + unset)
-    g.add_argument("--top-k", type=int, help="sample among the k likeliest tokens, 0 for all" + unset)
-    g.add_argument("--seed", type=int, help="makes a sampled completion reproducible; unset: a random one, printed")
-    g.add_argument("--stop", action="append", default=[], help="a string that ends the completion (repeatable)")
-    g.add_argument(
-        "-k",
-        "--num-speculative-tokens",
-        dest="k",
-        type=int,
-        help="tokens the draft proposes a round, 0 for the target alone" + unset,
-    )
-    g.add_argument(
-        "--prompt-lookup-min",
-        type=int,
-        help="propose tokens copied from earlier in the sequence when its last n >= this tokens repeat (0: off)",
-    )
-    g.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up (default %(default)s)")
-    g.add_argument(
-        "--api-key",
-        default=os.environ.get("SPECDEC_API_KEY", ""),
-        help="the orchestrator's --api-key, where it has one (env SPECDEC_API_KEY)",
-    )
-    g.add_argument(
-        "--tls-ca",
-        default=os.environ.get("SPECDEC_TLS_CA", ""),
-        help="PEM CA file: connect over TLS, trusting the certificates it signed (env SPECDEC_TLS_CA)",
-    )
+    _generate_arguments(sub.add_parser("generate", help="stream a completion from a running orchestrator"))
     sub.add_parser("bench", help="measure the speedup side by side (specdec bench --help)", add_help=False)
     _health_arguments(sub.add_parser("health", help="check a server's gRPC health service"))
     _fetch_arguments(sub.add_parser("fetch", help="download hub models into the Hugging Face cache"))

@@ -77,10 +77,11 @@ def check_compatible(cfg: OrchestratorConfig, tokenizer, draft: ms_pb.ModelInfo,
         )
 
 
-async def start_orchestrator(cfg: OrchestratorConfig, registry: CollectorRegistry, tokenizer=None):
-    """Connect, check, bind; returns (server, port, health servicer, servicer). The OpenAI-compatible API, where
-    --http-port is set, is servicer.http (an aiohttp runner on this loop)."""
-    tokenizer = tokenizer or await asyncio.to_thread(models.load_tokenizer, cfg.tokenizer)
+async def _connect(
+    cfg: OrchestratorConfig, tokenizer
+) -> tuple[ReplicaSet, ReplicaSet, ms_pb.ModelInfo, ms_pb.ModelInfo]:
+    """The draft's and the target's replicas, once one of each has reported and the pair passed
+    ``check_compatible``; returns them with those first reports. Raises ConfigError."""
     draft = ReplicaSet(
         Role.DRAFT,
         cfg.draft_address,
@@ -104,6 +105,14 @@ async def start_orchestrator(cfg: OrchestratorConfig, registry: CollectorRegistr
     )
     check_compatible(cfg, tokenizer, draft_info, target_info)
     draft.fingerprint = target.fingerprint = target_info.tokenizer_fingerprint
+    return draft, target, draft_info, target_info
+
+
+async def start_orchestrator(cfg: OrchestratorConfig, registry: CollectorRegistry, tokenizer=None):
+    """Connect, check, bind; returns (server, port, health servicer, servicer). The OpenAI-compatible API, where
+    --http-port is set, is servicer.http (an aiohttp runner on this loop)."""
+    tokenizer = tokenizer or await asyncio.to_thread(models.load_tokenizer, cfg.tokenizer)
+    draft, target, draft_info, target_info = await _connect(cfg, tokenizer)
     eos = set(target_info.eos_token_ids) | set(models.eos_token_ids(None, tokenizer))
     metrics = OrchestratorMetrics(registry, cfg.max_speculative_tokens)
     slots, kv_tokens = capacity(cfg, draft, target)  # the first replicas' until the others report

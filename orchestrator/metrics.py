@@ -58,9 +58,20 @@ class RoundTrace:
 
 
 class OrchestratorMetrics:
+    """The orchestrator's metrics, registered on registry; max_k (the largest K) sets the draft positions
+    labelled and K's buckets. Registration order is the exposition's order: each group adds its own in turn."""
+
     def __init__(self, registry: CollectorRegistry, max_k: int):
-        r = registry
         self.positions = [str(i) for i in range(1, max_k + 1)]
+        self._add_round_metrics(registry)
+        self._add_request_metrics(registry)
+        self._add_cost_metrics(registry, max_k)
+        self._add_failover_metrics(registry)
+        self._add_load_metrics(registry)
+        self._export_zeros()
+
+    def _add_round_metrics(self, r: CollectorRegistry) -> None:
+        """What the rounds proposed and what the target accepted: overall, per draft position, from prompt lookup."""
         self.rounds = Counter("specdec_rounds_total", "Draft/verify rounds (target forward passes)", registry=r)
         self.draft_tokens = Counter("specdec_draft_tokens_total", "Draft tokens proposed", registry=r)
         self.accepted_tokens = Counter("specdec_accepted_tokens_total", "Draft tokens accepted", registry=r)
@@ -98,6 +109,9 @@ class OrchestratorMetrics:
             buckets=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17],
             registry=r,
         )
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
+        """Finished requests: their acceptance, tokens in and out, how they ended."""
         self.request_acceptance = Histogram(
             "specdec_request_acceptance_rate",
             "Acceptance rate (accepted/drafted) of each finished request",
@@ -112,6 +126,9 @@ class OrchestratorMetrics:
         self.request_errors = Counter(
             "specdec_request_errors_total", "Requests ended by an error status", ["code"], registry=r
         )
+
+    def _add_cost_metrics(self, r: CollectorRegistry, max_k: int) -> None:
+        """What decoding costs: a round's time by phase, its K and its wire traffic, and the latency a client sees."""
         self.phase_seconds = Histogram(
             "specdec_round_phase_seconds",
             "Time of one decoding round by phase: draft and verify compute on the servers "
@@ -155,14 +172,6 @@ class OrchestratorMetrics:
         self.rpcs_per_round = Histogram(
             "specdec_rpcs_per_round", "Model-server RPCs per round", buckets=[1, 2, 3, 4, 6, 8], registry=r
         )
-        self._add_failover_metrics(r)
-        self.active = Gauge("specdec_active_requests", "Requests being generated", registry=r)
-        self.waiting = Gauge(
-            "specdec_waiting_requests",
-            "Requests waiting in line for a KV session and tokens on the model servers (--max-concurrent-requests)",
-            registry=r,
-        )
-        self._export_zeros()
 
     def _add_failover_metrics(self, r: CollectorRegistry) -> None:
         """Replicas (orchestrator/replicas.py) and failover (orchestrator/failover.py): where generations go, and
@@ -210,6 +219,15 @@ class OrchestratorMetrics:
             "From a replica's failed call to the generation's next answered one on another replica (or the same, back)",
             ["role"],
             buckets=_SECONDS,
+            registry=r,
+        )
+
+    def _add_load_metrics(self, r: CollectorRegistry) -> None:
+        """Requests being generated and waiting in line (orchestrator/admission.py)."""
+        self.active = Gauge("specdec_active_requests", "Requests being generated", registry=r)
+        self.waiting = Gauge(
+            "specdec_waiting_requests",
+            "Requests waiting in line for a KV session and tokens on the model servers (--max-concurrent-requests)",
             registry=r,
         )
 

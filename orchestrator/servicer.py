@@ -78,31 +78,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         cfg = self.cfg
         if bool(req.prompt) == bool(req.messages):
             raise invalid("set exactly one of prompt (non-empty text) and messages")
-        temperature = req.temperature if req.HasField("temperature") else cfg.temperature
-        top_p = req.top_p if req.HasField("top_p") else cfg.top_p
-        top_k = req.top_k if req.HasField("top_k") else cfg.top_k
-        k = req.num_speculative_tokens if req.HasField("num_speculative_tokens") else cfg.num_speculative_tokens
-        adaptive = cfg.adaptive_speculation and not req.HasField("num_speculative_tokens")  # a K asked for is kept
-        confidence = (
-            req.draft_confidence_threshold
-            if req.HasField("draft_confidence_threshold")
-            else cfg.draft_confidence_threshold
-        )
-        lookup_min = req.prompt_lookup_min if req.HasField("prompt_lookup_min") else cfg.prompt_lookup_min
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise invalid(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
-        if not (math.isfinite(top_p) and 0 < top_p <= 1):
-            raise invalid(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise invalid(f"top_k must be >= 0 (0 disables it), got {top_k}")
-        if not 0 <= k <= cfg.max_speculative_tokens:
-            raise invalid(f"num_speculative_tokens must be within [0, {cfg.max_speculative_tokens}], got {k}")
-        if not 0 <= confidence < 1:
-            raise invalid(f"draft_confidence_threshold must be in [0, 1), got {confidence}")
-        if lookup_min > cfg.prompt_lookup_max:
-            raise invalid(
-                f"prompt_lookup_min must be within [0, {cfg.prompt_lookup_max}] (0 turns it off), got {lookup_min}"
-            )
+        temperature, top_p, top_k = self._sampling_fields(req)
+        k, adaptive, confidence, lookup_min = self._speculation_fields(req)
         if req.HasField("max_tokens") and req.max_tokens < 1:
             raise invalid("max_tokens must be at least 1")
         if len(req.stop) > cfg.max_stop_strings or any(not s for s in req.stop):
@@ -113,22 +90,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         ids = self._tokenize(req)
         if not ids:
             raise invalid("the prompt encodes to no tokens")
-        room = self.max_model_len - len(ids)
-        if req.HasField("max_tokens"):
-            if req.max_tokens > room:
-                raise ServiceError(
-                    grpc.StatusCode.OUT_OF_RANGE,
-                    f"prompt ({len(ids)} tokens) plus max_tokens ({req.max_tokens}) exceeds the "
-                    f"context length {self.max_model_len}; shorten one of them",
-                )
-            max_tokens = req.max_tokens
-        else:
-            if room < 1:
-                raise ServiceError(
-                    grpc.StatusCode.OUT_OF_RANGE,
-                    f"prompt ({len(ids)} tokens) leaves no room in the context length {self.max_model_len}",
-                )
-            max_tokens = min(cfg.max_tokens, room)
+        max_tokens = self._max_tokens(req, len(ids))
         seed = req.seed if req.HasField("seed") else secrets.randbits(63)
         return GenerationSpec(
             ids,
@@ -141,6 +103,61 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             speculate_first_round=cfg.speculate_first_round,
             adaptive_start=k if adaptive else None,
         )
+
+    def _sampling_fields(self, req: gen_pb.GenerateRequest) -> tuple[float, float, int]:
+        """temperature, top_p and top_k, the request's or the defaults; raises INVALID_ARGUMENT."""
+        cfg = self.cfg
+        temperature = req.temperature if req.HasField("temperature") else cfg.temperature
+        top_p = req.top_p if req.HasField("top_p") else cfg.top_p
+        top_k = req.top_k if req.HasField("top_k") else cfg.top_k
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise invalid(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+        if not (math.isfinite(top_p) and 0 < top_p <= 1):
+            raise invalid(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise invalid(f"top_k must be >= 0 (0 disables it), got {top_k}")
+        return temperature, top_p, top_k
+
+    def _speculation_fields(self, req: gen_pb.GenerateRequest) -> tuple[int, bool, float, int]:
+        """K, whether adaptive speculation may change it, the draft's confidence threshold and prompt lookup's
+        minimum match, the request's or the defaults; raises INVALID_ARGUMENT."""
+        cfg = self.cfg
+        k = req.num_speculative_tokens if req.HasField("num_speculative_tokens") else cfg.num_speculative_tokens
+        adaptive = cfg.adaptive_speculation and not req.HasField("num_speculative_tokens")  # a K asked for is kept
+        confidence = (
+            req.draft_confidence_threshold
+            if req.HasField("draft_confidence_threshold")
+            else cfg.draft_confidence_threshold
+        )
+        lookup_min = req.prompt_lookup_min if req.HasField("prompt_lookup_min") else cfg.prompt_lookup_min
+        if not 0 <= k <= cfg.max_speculative_tokens:
+            raise invalid(f"num_speculative_tokens must be within [0, {cfg.max_speculative_tokens}], got {k}")
+        if not 0 <= confidence < 1:
+            raise invalid(f"draft_confidence_threshold must be in [0, 1), got {confidence}")
+        if lookup_min > cfg.prompt_lookup_max:
+            raise invalid(
+                f"prompt_lookup_min must be within [0, {cfg.prompt_lookup_max}] (0 turns it off), got {lookup_min}"
+            )
+        return k, adaptive, confidence, lookup_min
+
+    def _max_tokens(self, req: gen_pb.GenerateRequest, prompt_len: int) -> int:
+        """The tokens to generate: the request's max_tokens if the context holds them after the prompt, else the
+        default cut to the room left; raises OUT_OF_RANGE."""
+        room = self.max_model_len - prompt_len
+        if req.HasField("max_tokens"):
+            if req.max_tokens > room:
+                raise ServiceError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"prompt ({prompt_len} tokens) plus max_tokens ({req.max_tokens}) exceeds the "
+                    f"context length {self.max_model_len}; shorten one of them",
+                )
+            return req.max_tokens
+        if room < 1:
+            raise ServiceError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"prompt ({prompt_len} tokens) leaves no room in the context length {self.max_model_len}",
+            )
+        return min(self.cfg.max_tokens, room)
 
     def _tokenize(self, req: gen_pb.GenerateRequest) -> list[int]:
         if req.prompt:
@@ -177,28 +194,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         counted once, finished or errored; its sessions are freed on both servers however it ends."""
         arrived = time.perf_counter()
         m = self.metrics
-        try:
-            spec = self.build_spec(request)
-            gen = Generation(
-                spec,
-                uuid.uuid4().hex,
-                self.draft,
-                self.target,
-                self.tokenizer,
-                self.eos_ids,
-                self.max_model_len,
-                m,
-                self.cfg,
-                self.speculation,
-            )
-            kv_tokens = min(len(spec.prompt_ids) + spec.max_tokens + spec.k, self.max_model_len)
-            await self.admission.enter(kv_tokens)  # given back once the generation's sessions are freed, below
-        except ServiceError as e:
-            m.request_errors.labels(e.code.name).inc()
-            raise
-        except asyncio.CancelledError:  # the client left, or its deadline passed, while it waited in line
-            m.request_errors.labels("CANCELLED").inc()
-            raise
+        spec, gen, kv_tokens = await self._admit(request)
         m.active.inc()
         m.prompt_tokens.inc(len(spec.prompt_ids))
         last = None
@@ -236,10 +232,42 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise
         finally:
             m.active.dec()
-            task = asyncio.ensure_future(gen.release())  # survives the cancellation of this handler
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
-            task.add_done_callback(lambda _: self.admission.leave(kv_tokens))  # once both servers freed the sessions
+            self._release(gen, kv_tokens)
+
+    async def _admit(self, request: gen_pb.GenerateRequest) -> tuple[GenerationSpec, Generation, int]:
+        """The request checked and its generation set up, once admission gave it a slot and its KV tokens
+        (returned by ``_release``); a request refused or cancelled while in line is counted as an error."""
+        m = self.metrics
+        try:
+            spec = self.build_spec(request)
+            gen = Generation(
+                spec,
+                uuid.uuid4().hex,
+                self.draft,
+                self.target,
+                self.tokenizer,
+                self.eos_ids,
+                self.max_model_len,
+                m,
+                self.cfg,
+                self.speculation,
+            )
+            kv_tokens = min(len(spec.prompt_ids) + spec.max_tokens + spec.k, self.max_model_len)
+            await self.admission.enter(kv_tokens)  # given back once the generation's sessions are freed
+        except ServiceError as e:
+            m.request_errors.labels(e.code.name).inc()
+            raise
+        except asyncio.CancelledError:  # the client left, or its deadline passed, while it waited in line
+            m.request_errors.labels("CANCELLED").inc()
+            raise
+        return spec, gen, kv_tokens
+
+    def _release(self, gen: Generation, kv_tokens: int) -> None:
+        """Free the generation's sessions on both servers in the background, then give its KV tokens back."""
+        task = asyncio.ensure_future(gen.release())  # survives the cancellation of this handler
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        task.add_done_callback(lambda _: self.admission.leave(kv_tokens))  # once both servers freed the sessions
 
     def start(self) -> None:
         """Watch the replicas in the background (``watch``) until ``close``."""

@@ -153,30 +153,9 @@ def _draft_part(args, tokenizer, part: int) -> Path:
         if time.monotonic() > deadline:
             log(f"  time budget reached after {len(records)} of {len(prompts)} prompts")
             break
-        batch = prompts[s : s + args.batch_size]
-        greedy = [int((j + 1) * ON_POLICY_GREEDY) > int(j * ON_POLICY_GREEDY) for j in range(len(batch))]
-        answers = []
-        for mode, rows, temperature in (
-            ("draft-greedy", [p for p, g in zip(batch, greedy) if g], 0.0),
-            ("draft-sampled", [p for p, g in zip(batch, greedy) if not g], 0.7),
-        ):
-            got = batched.generate(draft, rows, args.max_new, temperature, 0.9, eos, seed + s, top_k_labels=0)
-            answers += [(mode, p, ids) for p, (ids, _, _) in zip(rows, got) if ids]
-        answers.sort(key=lambda a: len(a[1]) + len(a[2]))
-        for i in range(0, len(answers), SCORE_ROWS):
-            group = answers[i : i + SCORE_ROWS]
-            for (mode, p, ids), (top_i, top_v) in zip(group, batched.score(target, [(p, ids) for _, p, ids in group])):
-                records.append(
-                    {
-                        "prompt": p,
-                        "completion": ids,
-                        "top_ids": top_i,
-                        "top_logp": top_v,
-                        "mode": mode,
-                        "hard": top_i[:, 0].tolist(),
-                    }
-                )
-                tokens += len(ids)
+        labelled = _answer_and_label(draft, target, prompts[s : s + args.batch_size], args.max_new, eos, seed + s)
+        records += labelled
+        tokens += sum(len(r["completion"]) for r in labelled)
         log(
             f"  {len(records)}/{len(prompts)} prompts, {tokens} tokens, "
             f"{tokens / (time.monotonic() - t0):.0f} labelled tokens/s"
@@ -184,6 +163,35 @@ def _draft_part(args, tokenizer, part: int) -> Path:
     torch.save(records, path)
     log(f"data: {len(records)} on-policy answers, {tokens} tokens -> {path}")
     return path
+
+
+def _answer_and_label(draft, target, batch: list, max_new: int, eos: set[int], seed: int) -> list[dict]:
+    """One batch of on-policy records: the draft answers the prompts (ON_POLICY_GREEDY of them greedily, the
+    rest sampled), then the target labels the answers, SCORE_ROWS a pass, shortest first."""
+    greedy = [int((j + 1) * ON_POLICY_GREEDY) > int(j * ON_POLICY_GREEDY) for j in range(len(batch))]
+    answers = []
+    for mode, rows, temperature in (
+        ("draft-greedy", [p for p, g in zip(batch, greedy) if g], 0.0),
+        ("draft-sampled", [p for p, g in zip(batch, greedy) if not g], 0.7),
+    ):
+        got = batched.generate(draft, rows, max_new, temperature, 0.9, eos, seed, top_k_labels=0)
+        answers += [(mode, p, ids) for p, (ids, _, _) in zip(rows, got) if ids]
+    answers.sort(key=lambda a: len(a[1]) + len(a[2]))
+    records = []
+    for i in range(0, len(answers), SCORE_ROWS):
+        group = answers[i : i + SCORE_ROWS]
+        for (mode, p, ids), (top_i, top_v) in zip(group, batched.score(target, [(p, ids) for _, p, ids in group])):
+            records.append(
+                {
+                    "prompt": p,
+                    "completion": ids,
+                    "top_ids": top_i,
+                    "top_logp": top_v,
+                    "mode": mode,
+                    "hard": top_i[:, 0].tolist(),
+                }
+            )
+    return records
 
 
 def main(argv=None) -> None:
