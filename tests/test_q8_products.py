@@ -108,10 +108,15 @@ def test_q4_1s_minimum_term_takes_the_blocks_integer_sum(kernels, isas):
         torch.testing.assert_close(got, want[:, None].expand(2, n), rtol=1e-6, atol=0)
 
 
-def test_auto_takes_8_bit_activations_only_where_the_cpu_the_model_and_its_weights_allow_it(tiny_draft, isas):
+def test_auto_takes_8_bit_activations_only_where_the_cpu_the_model_and_its_weights_allow_it(
+    tiny_draft, isas, monkeypatch
+):
+    import specdec.runners
     from specdec.runners import make_runner, resolve_activations
 
     gguf = "model.gguf"
+    assert resolve_activations("auto", "target", tiny_draft, "cpu", "auto", "none", gguf) == "float32"  # by default
+    monkeypatch.setattr(specdec.runners, "AUTO_INT8_ROLES", ("draft", "target"))
     assert resolve_activations("auto", "target", tiny_draft, "cpu", "auto", "none", gguf) == "int8"
     assert resolve_activations("auto", "draft", tiny_draft, "cpu", "auto", "int8", None) == "int8"
     assert resolve_activations("auto", "target", tiny_draft, "cpu", "auto", "none", None) == "float32"  # no blocks
