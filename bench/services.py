@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from specdec.health import health_status
-from specdec.server import free_ports
+from specdec.server import free_ports, up_environment
 
 PROMPTS = Path(__file__).resolve().parent / "prompts.json"
 
@@ -61,19 +61,12 @@ def machine() -> dict:
 def start_services(draft: str, target: str, log_path: Path, tree: Path | None = None):
     """`specdec up` and a second orchestrator (adaptive speculation) on free ports; tree: another checkout of specdec
     to run them from (bench/versions.py), else this one."""
-    o, d, t, om, dm, tm, oh, oh2 = free_ports(8)
+    ports = free_ports(8)
+    o, d, t, om, dm, tm, _, oh2 = ports
     env = dict(
         os.environ,
         **({"PYTHONPATH": str(tree)} if tree is not None else {}),
-        SPECDEC_ORCHESTRATOR_PORT=str(o),
-        SPECDEC_DRAFT_PORT=str(d),
-        SPECDEC_TARGET_PORT=str(t),
-        SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh),
-        SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om),
-        SPECDEC_DRAFT_METRICS_PORT=str(dm),
-        SPECDEC_TARGET_METRICS_PORT=str(tm),
-        SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=f"127.0.0.1:{d}",
-        SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"127.0.0.1:{t}",
+        **up_environment(ports[:7]),
         SPECDEC_DRAFT_MODEL=draft,
         SPECDEC_TARGET_MODEL=target,
         SPECDEC_ORCHESTRATOR_TOKENIZER=target,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,24 +19,10 @@ from orchestrator.link import Link
 from orchestrator.metrics import OrchestratorMetrics, RoundTrace
 from orchestrator.prompt_lookup import PromptLookup
 from orchestrator.replicas import ReplicaSet, Role
+from orchestrator.spec import GenerationSpec
 from orchestrator.speculation import AdaptiveK, CallCost, Speculation
 from specdec.config import OrchestratorConfig
-from specdec.sampling import SamplingParams
 from specdec.v1 import draft_pb2, generation_pb2 as gen_pb, model_server_pb2 as ms_pb, target_pb2
-
-
-@dataclass
-class GenerationSpec:
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    k: int
-    stops: list[str] = field(default_factory=list)
-    min_confidence: float = 0.0  # the draft stops a round early below it (ProposeTokensRequest.min_confidence)
-    lookup: tuple[int, int] = (0, 0)  # prompt lookup's (n_min, n_max); n_min 0 turns it off
-    speculate_first_round: bool = False  # False: the first round is the target's prefill alone (K = 0)
-    adaptive_start: int | None = None  # set: each round chooses K in 0..k (orchestrator.speculation), this one
-    # until the process has measured a drafted round; None: every round drafts k
 
 
 class Generation:

@@ -14,9 +14,10 @@ import uuid
 import grpc
 
 from orchestrator.admission import Admission
-from orchestrator.generation import Generation, GenerationSpec
+from orchestrator.generation import Generation
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.replicas import ReplicaSet
+from orchestrator.spec import GenerationSpec
 from orchestrator.speculation import Speculation
 from specdec.config import OrchestratorConfig
 from specdec.errors import ServiceError, invalid

@@ -34,6 +34,23 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def up_environment(ports: list[int], host: str = "127.0.0.1") -> dict[str, str]:
+    """The environment that puts `specdec up`'s services on ports (orchestrator, draft, target, their metrics
+    ports in that order, the HTTP API), the orchestrator calling the model servers at host."""
+    o, d, t, om, dm, tm, oh = ports
+    return {
+        "SPECDEC_ORCHESTRATOR_PORT": str(o),
+        "SPECDEC_DRAFT_PORT": str(d),
+        "SPECDEC_TARGET_PORT": str(t),
+        "SPECDEC_ORCHESTRATOR_METRICS_PORT": str(om),
+        "SPECDEC_DRAFT_METRICS_PORT": str(dm),
+        "SPECDEC_TARGET_METRICS_PORT": str(tm),
+        "SPECDEC_ORCHESTRATOR_HTTP_PORT": str(oh),
+        "SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS": f"{host}:{d}",
+        "SPECDEC_ORCHESTRATOR_TARGET_ADDRESS": f"{host}:{t}",
+    }
+
+
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from cli import hub
-from specdec.server import free_ports
+from specdec.server import free_ports, up_environment
 
 
 def specdec(*args, env=None, timeout=120):
@@ -24,21 +24,9 @@ def specdec(*args, env=None, timeout=120):
 
 @pytest.fixture(scope="module")
 def services():
-    o, d, t, om, dm, tm, oh = free_ports(7)
-    env = dict(
-        os.environ,
-        SPECDEC_ORCHESTRATOR_PORT=str(o),
-        SPECDEC_DRAFT_PORT=str(d),
-        SPECDEC_TARGET_PORT=str(t),
-        SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh),
-        SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om),
-        SPECDEC_DRAFT_METRICS_PORT=str(dm),
-        SPECDEC_TARGET_METRICS_PORT=str(tm),
-        SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=f"localhost:{d}",
-        SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"localhost:{t}",
-        SPECDEC_DRAFT_THREADS="1",
-        SPECDEC_TARGET_THREADS="1",
-    )
+    ports = free_ports(7)
+    o, _, _, om, dm, tm, _ = ports
+    env = dict(os.environ, **up_environment(ports, "localhost"), SPECDEC_DRAFT_THREADS="1", SPECDEC_TARGET_THREADS="1")
     up = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

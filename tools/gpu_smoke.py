@@ -29,6 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
+from specdec.server import up_environment  # noqa: E402
+
 PROMPTS = ["Write a haiku about the sea.", "List three uses of a paperclip, one line each."]
 SAMPLED = dict(temperature=0.7, top_p=0.9)
 
@@ -125,20 +127,7 @@ def describe_machine(device: str) -> str | None:
 def launch(args: argparse.Namespace, ports: list[int], environ: dict) -> tuple[list[str], dict]:
     """The command line and environment of `specdec up` on ports (orchestrator, draft, target, their three metrics
     ports, the HTTP API)."""
-    o, d, t, om, dm, tm, oh = ports
-    env = dict(
-        environ,
-        SPECDEC_ORCHESTRATOR_PORT=str(o),
-        SPECDEC_DRAFT_PORT=str(d),
-        SPECDEC_TARGET_PORT=str(t),
-        SPECDEC_ORCHESTRATOR_HTTP_PORT=str(oh),
-        SPECDEC_ORCHESTRATOR_METRICS_PORT=str(om),
-        SPECDEC_DRAFT_METRICS_PORT=str(dm),
-        SPECDEC_TARGET_METRICS_PORT=str(tm),
-        SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS=f"127.0.0.1:{d}",
-        SPECDEC_ORCHESTRATOR_TARGET_ADDRESS=f"127.0.0.1:{t}",
-        SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS=str(max(8, args.k)),
-    )
+    env = dict(environ, **up_environment(ports), SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS=str(max(8, args.k)))
     if args.sdpa_strict:
         env["SPECDEC_TARGET_STRICT_ATTENTION"] = env["SPECDEC_DRAFT_STRICT_ATTENTION"] = "true"
     argv = [sys.executable, "-m", "cli.main", "up", "--device", args.device, "--dtype", args.dtype]

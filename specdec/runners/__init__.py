@@ -34,8 +34,9 @@ def make_runner(
     activations: float32, or int8 (the lean runner's products on 8-bit activations, specdec.runners.products)."""
     if kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama"):
         return LeanLlamaRunner(model, vocab_size, max_len, matmul, quantize, gguf, device, activations)
-    if quantize != "none" or activations != "float32":
-        raise ValueError(f"quantize={quantize!r}, activations={activations!r} need the lean runner (a Llama model)")
+    for name, value, plain in (("quantize", quantize, "none"), ("activations", activations, "float32")):
+        if value != plain:
+            raise ValueError(f"{name}={value!r} needs the lean runner (a Llama model)")
     return CausalLMRunner(model, vocab_size, device)
 
 

@@ -1,0 +1,22 @@
+"""What a request asks of its generation, once its fields are checked and its defaults filled in
+(GenerationServicer.build_spec)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.sampling import SamplingParams
+
+
+@dataclass
+class GenerationSpec:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    k: int
+    stops: list[str] = field(default_factory=list)
+    min_confidence: float = 0.0  # the draft stops a round early below it (ProposeTokensRequest.min_confidence)
+    lookup: tuple[int, int] = (0, 0)  # prompt lookup's (n_min, n_max); n_min 0 turns it off
+    speculate_first_round: bool = False  # False: the first round is the target's prefill alone (K = 0)
+    adaptive_start: int | None = None  # set: each round chooses K in 0..k (orchestrator.speculation), this one
+    # until the process has measured a drafted round; None: every round drafts k
