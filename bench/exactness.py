@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from bench.load import grpc_sender, run_jobs
-from bench.services import load_prompts, machine, start_services
+from bench.services import load_prompts, machine, start_services, stop_services
 from specdec import models
 
 
@@ -70,10 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
         run_jobs(grpc_sender(address, 0, 4), prompts[:1], 1)  # warm-up
         report = run(address, prompts, args.tokens, [int(k) for k in args.k.split(",")], args.concurrency)
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(60)
+        stop_services(procs)
     report = {
         "machine": machine(),
         "dtype": args.dtype,

@@ -271,7 +271,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def main(args, progress=print) -> dict:
     """Run the load benchmark as `specdec bench --concurrency ...` asked; writes load.json, load.md, load.png."""
-    from bench.services import load_prompts, machine, start_services
+    from bench.services import load_prompts, machine, start_services, stop_services
     from specdec import models
 
     out_dir = Path(args.out)
@@ -307,10 +307,7 @@ def main(args, progress=print) -> dict:
     finally:
         if peer is not None:
             peer.stop()
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(60)
+        stop_services(procs)
     report = {
         "machine": machine(),
         "forward": forward,

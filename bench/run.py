@@ -43,7 +43,7 @@ from pathlib import Path
 import grpc
 
 from bench.metrics import delta, histogram_median, leviathan_alpha, leviathan_bound, mean_step_s, scrape_all, value
-from bench.services import load_prompts, machine, start_services
+from bench.services import load_prompts, machine, start_services, stop_services
 from specdec import models
 from specdec.config import DEFAULT_DRAFT, OrchestratorConfig
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
@@ -177,10 +177,7 @@ def run_services(args, prompts, arms, progress) -> dict:
                             decode_speedups[name].append(decode[name] / statistics.mean(base_decode))
             results[f"T={temperature}"] = summarize(runs, metric, speedups, decode_speedups, temperature, top_p)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=60)
+        stop_services(procs)
     return results, forward
 
 

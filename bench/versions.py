@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.load import grpc_sender, run_jobs
 from bench.metrics import delta, scrape, value
-from bench.services import load_prompts, machine, start_services
+from bench.services import load_prompts, machine, start_services, stop_services
 from specdec import models
 from specdec.config import DEFAULT_DRAFT
 
@@ -78,10 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"rep {rep} {name}: {runs[name][-1]}")
     finally:
         for procs, *_ in services.values():
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                proc.wait(60)
+            stop_services(procs)
     report = {"machine": machine(), "base": args.base, "prompts": len(prompts), "tokens": args.tokens}
     for key in ("tokens_per_s", "step_ms"):
         report[key] = {name: spread([r[key] for r in rs]) for name, rs in runs.items()}

@@ -33,15 +33,9 @@ needs = lambda tool: pytest.mark.skipif(
 @needs("docker-compose")
 @pytest.mark.parametrize("profile", ["gpu", "cpu"])
 def test_compose_file_is_valid(profile):
-    out = subprocess.run(
-        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={"COMPOSE_PROFILES": profile, "PATH": "/usr/bin:/bin"},
-    )
-    assert out.returncode == 0, out.stderr
-    services = yaml.safe_load(out.stdout)["services"]
+    from tests.test_deploy import compose_config
+
+    services = compose_config(profile)
     for name in ("draft", "target", "orchestrator", "prometheus", "grafana"):
         assert name in services
     gpu = services["target"]["deploy"]["resources"]["reservations"]["devices"][0]
