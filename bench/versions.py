@@ -1,7 +1,9 @@
-"""Two checkouts of specdec side by side: the target alone's tokens/s (K = 0) and its step, for a change that
-must not cost speed (a refactor, a new default).
+"""Two checkouts of specdec, or two settings, side by side: tokens/s of the target alone (K = 0) and with
+adaptive speculation, and the target's step, for a change that must not cost speed (a refactor, a new default)
+or should gain it.
 
     python -m bench.versions --base 07b4b0c [--head REV] [--prompts 8] [--tokens 64] [--reps 3]
+    python -m bench.versions --base HEAD --head HEAD --head-env SPECDEC_TARGET_ACTIVATIONS=int8
 
 Both checkouts' services run at once on the same machine; the prompts go one at a time to each in turn, rep by
 rep, so the machine's drift hits both. The target's step is its 1-row passes' mean time over each run
@@ -34,13 +36,17 @@ def checkout(rev: str, folder: Path) -> Path:
     return folder
 
 
-def one_run(address: str, target_metrics: str, prompts: list[str], tokens: int) -> dict:
-    before = scrape(target_metrics)
+def one_run(services, prompts: list[str], tokens: int) -> dict:
+    """The prompts one at a time at K = 0, then through the adaptive orchestrator; the target's 1-row passes."""
+    _, address, urls, (auto_address, _), _ = services
+    before = scrape(urls["target"])
     results, wall = run_jobs(grpc_sender(address, 0, tokens), prompts, 1)
-    d = delta(before, scrape(target_metrics))
+    d = delta(before, scrape(urls["target"]))
+    auto, auto_wall = run_jobs(grpc_sender(auto_address, None, tokens), prompts, 1)
     steps = value(d, "specdec_forward_seconds_count", tokens="1")
     return {
         "tokens_per_s": sum(len(r["ids"]) for r in results) / wall,
+        "auto_tokens_per_s": sum(len(r["ids"]) for r in auto) / auto_wall,
         "step_ms": 1e3 * value(d, "specdec_forward_seconds_sum", tokens="1") / steps if steps else None,
     }
 
@@ -53,6 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="the revision to compare with")
     p.add_argument("--head", default=None, help="the revision compared (default: the working tree)")
+    p.add_argument("--head-env", action="append", default=[], help="KEY=VALUE for the head's services (repeatable)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
@@ -64,23 +71,25 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [q["prompt"] for q in load_prompts(args.prompts)]
     head = checkout(args.head, Path(tempfile.gettempdir()) / f"specdec-{args.head}") if args.head else None
     trees = {"base": base, "head": head}
+    env = {"base": {}, "head": dict(kv.split("=", 1) for kv in args.head_env)}
     services = {
-        name: start_services(DEFAULT_DRAFT, models.DEFAULT_TARGET, out / f"{name}.log", tree)
+        name: start_services(DEFAULT_DRAFT, models.DEFAULT_TARGET, out / f"{name}.log", tree, env[name])
         for name, tree in trees.items()
     }
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     try:
-        for _, address, urls, _, _ in services.values():  # warm-up
-            one_run(address, urls["target"], prompts[:2], 8)
+        for started in services.values():  # warm-up
+            one_run(started, prompts[:2], 8)
         for rep in range(args.reps):
-            for name, (_, address, urls, _, _) in services.items():
-                runs[name].append(one_run(address, urls["target"], prompts, args.tokens))
+            for name, started in services.items():
+                runs[name].append(one_run(started, prompts, args.tokens))
                 print(f"rep {rep} {name}: {runs[name][-1]}")
     finally:
         for procs, *_ in services.values():
             stop_services(procs)
     report = {"machine": machine(), "base": args.base, "prompts": len(prompts), "tokens": args.tokens}
-    for key in ("tokens_per_s", "step_ms"):
+    report["head_env"] = env["head"]
+    for key in ("tokens_per_s", "auto_tokens_per_s", "step_ms"):
         report[key] = {name: spread([r[key] for r in rs]) for name, rs in runs.items()}
         report[key + "_ratio"] = spread([h[key] / b[key] for h, b in zip(runs["head"], runs["base"])])
     (out / "versions.json").write_text(json.dumps(report, indent=1))
