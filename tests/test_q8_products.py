@@ -59,8 +59,13 @@ def test_the_quantizer_rounds_each_block_of_a_row_on_its_own_ties_to_even(kernel
     assert torch.equal(s, q.reshape(3, 2, 32).sum(-1, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "int8 rows"])
-@pytest.mark.parametrize("n, k", [(48, 64), (37, 96), (8, 32)])  # 37 and 8: a last tile partly filled
+@pytest.mark.parametrize(
+    "kind, n, k",
+    [
+        *((kind, n, k) for kind in ("Q4_1", "Q8_0", "int8 rows") for n, k in [(48, 64), (37, 96), (8, 32)]),
+        ("int8 rows", 20, 84),  # 37, 8 and 20: a last tile partly filled; 84 inputs: a last block padded
+    ],
+)
 def test_every_instruction_set_form_gives_the_same_products_bit_for_bit(kernels, isas, kind, n, k):
     w = _weights(kind, n, k)
     x = torch.randn(11, k)  # 11 rows: a tile of 8 rows and one of 3
@@ -133,3 +138,33 @@ def test_int8_activations_without_blocks_to_multiply_are_refused_saying_why(tiny
 
     with pytest.raises(ValueError, match="not loaded from a GGUF file"):
         LeanLlamaRunner(tiny_draft, len(tokenizer), 64, activations="int8")
+
+
+def test_a_draft_whose_width_is_not_a_multiple_of_32_runs_on_8_bit_activations(tokenizer, isas):
+    # The shipped draft is 252 wide: its int8 rows are padded to whole blocks, and so is x, with zeros.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.runners import LeanLlamaRunner
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=84,
+        intermediate_size=100,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    runner = LeanLlamaRunner(model, len(tokenizer), 256, quantize="int8", activations="int8")
+    assert runner.plan.long.name == "int8-q8"
+    ids = list(range(100, 130))
+    runner.forward(cache := runner.new_cache(), ids[:20], 1)
+    verify = runner.forward(cache, ids[20:25], 5)
+    runner.forward(cache := runner.new_cache(), ids[:20], 1)
+    assert torch.equal(verify, torch.cat([runner.forward(cache, [t], 1) for t in ids[20:25]]))
+    float_runner = LeanLlamaRunner(model, len(tokenizer), 256, matmul="linear")
+    p = float_runner.forward(float_runner.new_cache(), ids, 1).softmax(-1)
+    q = runner.forward(runner.new_cache(), ids, 1).softmax(-1)
+    assert float(0.5 * (p - q).abs().sum()) < 0.05  # total variation: the same model, within 8 bits' rounding

@@ -113,10 +113,12 @@ def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def reference(x: torch.Tensor, w: Q8Weights) -> torch.Tensor:
-    """few_rows_q8's products in torch, the same numbers in the same order: [m, k] -> [m, n]."""
+    """few_rows_q8's products in torch, from the same quantized numbers: [m, k] -> [m, n] (x padded with zeros to
+    the weights' whole blocks, as the kernel pads it)."""
+    blocks = w.w.shape[1]
+    x = torch.nn.functional.pad(x, (0, blocks * BLOCK - x.shape[1]))
     q, dx, sx = quantize_reference(x)
-    m, k = x.shape
-    blocks = k // BLOCK
+    m = x.shape[0]
     if w.format == "Q4_1":
         p = w.w.reshape(-1, blocks, 4, TILE, 4)
         values = torch.cat([p & 15, p >> 4], dim=2)  # [t, b, 8, 16, 4]

@@ -266,11 +266,15 @@ torch::Tensor few_rows_q8(torch::Tensor x, torch::Tensor w, torch::Tensor d, tor
   TORCH_CHECK(format == "Q4_1" || format == "Q8_0", "few_rows_q8: format Q4_1 or Q8_0, not ", format);
   const Format f = format == "Q4_1" ? Format::Q4_1 : Format::Q8_0;
   const Isa isa = parse_isa(isa_name);
-  const int64_t K = x.size(1), blocks = K / kBlock, T = w.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.device().is_cpu() && w.dim() == 3,
+              "few_rows_q8: float32 x [M, K] on CPU");
+  const int64_t blocks = w.size(1), K = blocks * kBlock, T = w.size(0);
+  TORCH_CHECK(x.size(1) <= K && x.size(1) > K - kBlock, "few_rows_q8: x's width ", x.size(1), " is not the weights' ",
+              K, " less a block's padding");
+  // the weights' inputs past x's width are zeros: so are x's there, which leaves every block's scale as it was
+  if (x.size(1) < K) x = torch::constant_pad_nd(x, {0, K - x.size(1)});
   const int64_t w_block_bytes = f == Format::Q4_1 ? 256 : 512;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.device().is_cpu() && K % kBlock == 0,
-              "few_rows_q8: float32 x [M, K] on CPU, K a multiple of 32");
-  TORCH_CHECK(w.dim() == 3 && w.size(1) == blocks && w.size(2) == w_block_bytes && w.is_contiguous() &&
+  TORCH_CHECK(w.size(2) == w_block_bytes && w.is_contiguous() &&
               d.dim() == 3 && d.size(0) == T && d.size(1) == blocks && d.size(2) == 16 && d.is_contiguous() &&
               extra.sizes() == d.sizes() && extra.is_contiguous() && N <= T * kTileRows && N > (T - 1) * kTileRows,
               "few_rows_q8: ", format, " tiles do not match x's width ", K, " and ", N, " rows");
