@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def checkout(rev: str, folder: Path) -> Path:
-    """A worktree of rev at folder (made once, moved to rev)."""
+    """A worktree of rev (named in this checkout: HEAD is this one's) at folder, made once, moved to rev."""
+    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", rev], check=True, capture_output=True, text=True)
+    rev = rev.stdout.strip()
     if not folder.exists():
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(folder), rev], check=True)
     subprocess.run(["git", "-C", str(folder), "checkout", "--detach", "--quiet", rev], check=True)
