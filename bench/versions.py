@@ -39,16 +39,19 @@ def checkout(rev: str, folder: Path) -> Path:
 
 
 def one_run(services, prompts: list[str], tokens: int) -> dict:
-    """The prompts one at a time at K = 0, then through the adaptive orchestrator; the target's 1-row passes."""
+    """The prompts one at a time at K = 0, then through the adaptive orchestrator, then all at once at K = 0; the
+    target's 1-row passes."""
     _, address, urls, (auto_address, _), _ = services
     before = scrape(urls["target"])
     results, wall = run_jobs(grpc_sender(address, 0, tokens), prompts, 1)
     d = delta(before, scrape(urls["target"]))
     auto, auto_wall = run_jobs(grpc_sender(auto_address, None, tokens), prompts, 1)
+    load, load_wall = run_jobs(grpc_sender(address, 0, tokens), prompts, len(prompts))
     steps = value(d, "specdec_forward_seconds_count", tokens="1")
     return {
         "tokens_per_s": sum(len(r["ids"]) for r in results) / wall,
         "auto_tokens_per_s": sum(len(r["ids"]) for r in auto) / auto_wall,
+        "all_at_once_tokens_per_s": sum(len(r["ids"]) for r in load) / load_wall,
         "step_ms": 1e3 * value(d, "specdec_forward_seconds_sum", tokens="1") / steps if steps else None,
     }
 
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
             stop_services(procs)
     report = {"machine": machine(), "base": args.base, "prompts": len(prompts), "tokens": args.tokens}
     report["head_env"] = env["head"]
-    for key in ("tokens_per_s", "auto_tokens_per_s", "step_ms"):
+    for key in ("tokens_per_s", "auto_tokens_per_s", "all_at_once_tokens_per_s", "step_ms"):
         report[key] = {name: spread([r[key] for r in rs]) for name, rs in runs.items()}
         report[key + "_ratio"] = spread([h[key] / b[key] for h, b in zip(runs["head"], runs["base"])])
     (out / "versions.json").write_text(json.dumps(report, indent=1))
