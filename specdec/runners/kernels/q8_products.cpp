@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <vector>
 #include <immintrin.h>
 
 namespace {
@@ -47,20 +48,24 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* s) {
   }
 }
 
+// A pass's rows of x quantized: q [M, K], d, s and d * float(s) [M, K / 32]. A product runs 120 times a pass on the
+// embedded target, so the buffers are the calling thread's, reused, not tensors allocated each time.
 struct Quantized {
-  torch::Tensor q, d, s, ds;
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int32_t> s;
 };
 
-Quantized quantize(const torch::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1);
-  Quantized out{torch::empty({M, K}, x.options().dtype(torch::kChar)), torch::empty({M, K / kBlock}, x.options()),
-                torch::empty({M, K / kBlock}, x.options().dtype(torch::kInt))};
-  const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; m++)
-    quantize_row(xp + m * K, K, out.q.data_ptr<int8_t>() + m * K, out.d.data_ptr<float>() + m * (K / kBlock),
-                 out.s.data_ptr<int32_t>() + m * (K / kBlock));
-  out.ds = out.d * out.s.to(torch::kFloat);  // one rounding each, as d * float(s)
-  return out;
+void quantize_into(const float* x, int64_t M, int64_t K, Quantized& out) {
+  const int64_t blocks = K / kBlock;
+  out.q.resize(M * K);
+  out.d.resize(M * blocks);
+  out.ds.resize(M * blocks);
+  out.s.resize(M * blocks);
+  for (int64_t m = 0; m < M; m++) {
+    quantize_row(x + m * K, K, out.q.data() + m * K, out.d.data() + m * blocks, out.s.data() + m * blocks);
+    for (int64_t b = m * blocks; b < (m + 1) * blocks; b++) out.ds[b] = out.d[b] * (float)out.s[b];
+  }
 }
 
 enum class Format { Q4_1, Q8_0 };
@@ -255,8 +260,15 @@ std::vector<std::string> q8_isas() {
 std::vector<torch::Tensor> quantize_q8(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.device().is_cpu() && x.size(1) % kBlock == 0,
               "quantize_q8: float32 x [M, K] on CPU, K a multiple of 32");
-  const Quantized q = quantize(x.contiguous());
-  return {q.q, q.d, q.s};
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  Quantized q;
+  quantize_into(x.data_ptr<float>(), M, K, q);
+  auto opts = x.options();
+  auto out_q = torch::from_blob(q.q.data(), {M, K}, opts.dtype(torch::kChar)).clone();
+  auto out_d = torch::from_blob(q.d.data(), {M, K / kBlock}, opts).clone();
+  auto out_s = torch::from_blob(q.s.data(), {M, K / kBlock}, opts.dtype(torch::kInt)).clone();
+  return {out_q, out_d, out_s};
 }
 
 // w [T, K / 32, bytes] (uint8 for Q4_1, int8 for Q8_0), d [T, K / 32, 16] fp16 or float32, extra: the minimums
@@ -282,8 +294,13 @@ torch::Tensor few_rows_q8(torch::Tensor x, torch::Tensor w, torch::Tensor d, tor
   TORCH_CHECK(half || d.scalar_type() == torch::kFloat, "few_rows_q8: scales fp16 or float32");
   TORCH_CHECK(f == Format::Q8_0 ? extra.scalar_type() == torch::kInt : extra.scalar_type() == d.scalar_type(),
               "few_rows_q8: Q4_1 minimums as its scales, Q8_0 corrections int32");
-  const Quantized q = quantize(x.contiguous());
+  x = x.contiguous();
   const int64_t M = x.size(0);
+  thread_local Quantized buffer;  // the calling thread's; the workers below read it through these pointers
+  quantize_into(x.data_ptr<float>(), M, K, buffer);
+  const int8_t* xq = buffer.q.data();
+  const float *xd = buffer.d.data(), *xds = buffer.ds.data();
+  const int32_t* xs = buffer.s.data();
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* wp = (const uint8_t*)w.data_ptr();
   const char* dp = (const char*)d.data_ptr();
@@ -295,8 +312,7 @@ torch::Tensor few_rows_q8(torch::Tensor x, torch::Tensor w, torch::Tensor d, tor
       const Tile tile_w{wp + t * blocks * w_block_bytes, dp + t * d_tile, ep + t * e_tile, half, w_block_bytes};
       const int64_t valid = std::min<int64_t>(kTileRows, N - t * kTileRows);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        const Rows rows{q.q.data_ptr<int8_t>() + m0 * K, q.d.data_ptr<float>() + m0 * blocks,
-                        q.s.data_ptr<int32_t>() + m0 * blocks, q.ds.data_ptr<float>() + m0 * blocks, K};
+        const Rows rows{xq + m0 * K, xd + m0 * blocks, xs + m0 * blocks, xds + m0 * blocks, K};
         float* yt = yp + m0 * N + t * kTileRows;
         switch (std::min<int64_t>(kMaxRows, M - m0)) {
 #define ROWS(m)                                                            \
