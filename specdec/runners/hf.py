@@ -61,11 +61,10 @@ class CausalLMRunner:
         piece) runs alone, so that it pads no one else's rows to its length."""
         out: list = [None] * len(caches)
         short = [i for i, t in enumerate(token_ids) if len(t) <= PADDED_FEED]
-        for i in (i for i in range(len(caches)) if i not in set(short)):
+        alone = [i for i in range(len(caches)) if len(token_ids[i]) > PADDED_FEED or len(short) == 1]
+        for i in alone:
             out[i] = self.forward(caches[i], token_ids[i], num_logits[i], scored_only)
-        if len(short) == 1:
-            out[short[0]] = self.forward(caches[short[0]], token_ids[short[0]], num_logits[short[0]], scored_only)
-        elif short:
+        if len(short) > 1:
             pick = lambda seq: [seq[i] for i in short]
             for i, logits in zip(short, self._padded(pick(caches), pick(token_ids), pick(num_logits), scored_only)):
                 out[i] = logits
