@@ -136,3 +136,52 @@ def test_held_out_prompts_share_no_content_with_training_prompts_and_no_bench_pr
     trained = {m[-1]["content"] for m in make_prompts(5000, seed=20261121)}
     assert len(trained) > 2500  # varied, not a few templates repeated
     assert not trained & {p["prompt"] for p in bench}
+
+
+def test_features_recorded_while_generating_are_the_target_s_final_norm_output_at_each_fed_position(
+    target_model, tokenizer
+):
+    """The head's data: per row the features of every position the target fed (the prompt's, then each answer
+    token but the last), each the final-norm output of a lone teacher-forced pass at that position."""
+    import torch
+
+    from specdec.runners.lean_llama import LeanLlamaRunner
+    from training.batched import generate
+
+    runner = LeanLlamaRunner(target_model, len(tokenizer), 512)
+    prompts = _chat_prompts(tokenizer)
+    feats = []
+    got = generate(runner, prompts, 8, 0.7, 0.9, set(), seed=5, features=feats)
+    assert len(feats) == len(prompts) and len({len(p) for p in prompts}) > 1
+    for prompt, (ids, _, _), f in zip(prompts, got, feats):
+        seq = prompt + ids
+        assert f.shape == (len(seq) - 1, target_model.config.hidden_size) and f.dtype == torch.bfloat16
+        with torch.no_grad():
+            alone = target_model.model(torch.tensor([seq[:-1]])).last_hidden_state[0]
+        assert torch.allclose(f.float(), alone, atol=0.05, rtol=0.02)  # bf16 storage of the same vectors
+
+
+def test_the_head_s_second_training_pass_computes_what_a_second_draft_step_sees(target_model, tokenizer):
+    """Training-time test: at every p the second pass reads the head's own g_{p-1} and attends to the first
+    pass's entries before p, as a second draft step does over a cache of the target's features. Recomputing
+    each p as that step (a sequence whose last entry reads g_{p-1}) gives the same g."""
+    import torch
+
+    from specdec.runners.lean_llama import LeanLlamaRunner
+    from training.head import Head
+
+    torch.manual_seed(0)
+    runner = LeanLlamaRunner(target_model, len(tokenizer), 64)
+    head = Head(runner, intermediate=64)
+    T, H = 12, runner.embed.shape[1]
+    ids = torch.randint(0, len(tokenizer), (1, T))
+    fprev = torch.randn(1, T, H)
+    fprev[:, 0] = 0
+    valid = torch.ones(1, T, dtype=torch.bool)
+    with torch.no_grad():
+        g1, g2 = head(ids, fprev, valid, second=True)
+        for p in range(1, T):
+            f = fprev[:, : p + 1].clone()
+            f[:, p] = g1[:, p - 1]
+            step, _ = head(ids[:, : p + 1], f, valid[:, : p + 1], second=False)
+            assert torch.allclose(step[0, p], g2[0, p], atol=1e-5), p

@@ -24,9 +24,11 @@ def _rms(r: LeanLlamaRunner, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(r: LeanLlamaRunner, ids, pos, k_cache, v_cache, start: int, key_valid):
-    """ids, pos: [B, n]; caches [L, B, kv, T, d]; key_valid [B, T]. Returns logits of the last position
-    [B, vocab], or [B, scored] for a draft that scores only some tokens (r.scored_ids)."""
-    return F.linear(_rms(r, _hidden(r, ids, pos, k_cache, v_cache, start, key_valid)[:, -1], r.norm), r.lm_head).float()
+    """ids, pos: [B, n]; caches [L, B, kv, T, d]; key_valid [B, T]. Returns the logits of the last position
+    [B, vocab], or [B, scored] for a draft that scores only some tokens (r.scored_ids), and the features of every
+    position [B, n, hidden]: the final norm's output, which the output layer multiplies."""
+    feats = _rms(r, _hidden(r, ids, pos, k_cache, v_cache, start, key_valid), r.norm)
+    return F.linear(feats[:, -1], r.lm_head).float(), feats
 
 
 def _hidden(r: LeanLlamaRunner, ids, pos, k_cache, v_cache, start: int, key_valid):
@@ -71,6 +73,32 @@ def _left_padded(r: LeanLlamaRunner, seqs: list[list[int]], capacity: int):
     return ids, pos, pad, key_valid, k_cache, torch.empty_like(k_cache)
 
 
+def _choose(logits, temperature: float, top_p: float, g: torch.Generator, token_of) -> torch.Tensor:
+    """Each row's next token: the argmax, or a draw at the temperature and top-p; token ids even where the
+    logits index a draft's scored tokens (token_of)."""
+    if temperature == 0:
+        nxt = logits.argmax(-1)
+    else:
+        nxt = torch.multinomial(logits_to_probs(logits, temperature, 0, top_p), 1, generator=g)[:, 0]
+    return nxt if token_of is None else token_of[nxt]
+
+
+class _FeatureLog:
+    """The features a generating batch fed, per original row: the prompt's (after its left padding), then the
+    last position of each step for the rows still answering."""
+
+    def __init__(self, feats: torch.Tensor, pad: torch.Tensor):
+        self.parts = [[feats[b, int(pad[b]) :].to(torch.bfloat16).cpu()] for b in range(len(feats))]
+
+    def step(self, last: torch.Tensor, rows: torch.Tensor, done: torch.Tensor) -> None:
+        last = last.to(torch.bfloat16).cpu()
+        for j in torch.nonzero(~done).flatten().tolist():
+            self.parts[int(rows[j])].append(last[j : j + 1])
+
+    def rows(self) -> list[torch.Tensor]:
+        return [torch.cat(parts) for parts in self.parts]
+
+
 @torch.inference_mode()
 def generate(
     r: LeanLlamaRunner,
@@ -81,9 +109,11 @@ def generate(
     eos_ids: set[int],
     seed: int,
     top_k_labels: int = 20,
+    features: list | None = None,
 ):
     """One batch. Returns per row: (completion ids, top-k ids [m, k] int32, top-k log-probs [m, k] fp16);
-    with top_k_labels=0, (completion ids, None, None). A draft that scores only its kept tokens samples
+    with top_k_labels=0, (completion ids, None, None). A list `features` gets per row the features (bf16) of every
+    position fed, [prompt + m - 1, hidden] (training/head.py). A draft that scores only its kept tokens samples
     among them (its own q), and its labels would index the kept list: use top_k_labels=0 for drafts.
 
     Rows that finished are dropped from the batch (and its caches) once they are a quarter of it,
@@ -92,24 +122,18 @@ def generate(
     g = torch.Generator(device=dev).manual_seed(seed)
     B, P = len(prompts), max(len(p) for p in prompts)
     ids, pos, pad, key_valid, k_cache, v_cache = _left_padded(r, prompts, P + max_new)
-    logits = _forward(r, ids, pos, k_cache, v_cache, 0, key_valid)
-    out = [[] for _ in range(B)]
-    labels_i, labels_v = [[] for _ in range(B)], [[] for _ in range(B)]
+    logits, feats = _forward(r, ids, pos, k_cache, v_cache, 0, key_valid)
+    fed = _FeatureLog(feats, pad) if features is not None else None
+    out, labels_i, labels_v = ([[] for _ in range(B)] for _ in range(3))
     # the bookkeeping stays on the CPU: one copy of the step's tokens (and labels) per step, not one per row
     rows = torch.arange(B)  # original index of each row still in the batch
     done = torch.zeros(B, dtype=torch.bool)
-    eos = torch.tensor(sorted(eos_ids))
-    token_of = r.scored_ids.to(dev) if r.scored_ids is not None else None  # a draft's logits index its scored ids
+    eos, token_of = torch.tensor(sorted(eos_ids)), r.scored_ids.to(dev) if r.scored_ids is not None else None
     for t in range(max_new):
         if top_k_labels:
             top = torch.topk(torch.log_softmax(logits, dim=-1), top_k_labels, dim=-1)
             top_i, top_v = top.indices.int().cpu(), top.values.half().cpu()
-        if temperature == 0:
-            nxt = logits.argmax(-1)
-        else:
-            nxt = torch.multinomial(logits_to_probs(logits, temperature, 0, top_p), 1, generator=g)[:, 0]
-        if token_of is not None:
-            nxt = token_of[nxt]
+        nxt = _choose(logits, temperature, top_p, g, token_of)
         nxt_cpu = nxt.cpu()
         tokens = nxt_cpu.tolist()
         for j in torch.nonzero(~done).flatten().tolist():
@@ -127,7 +151,11 @@ def generate(
             keep = keep.to(dev)
             nxt, pad, key_valid = nxt[keep], pad[keep], key_valid[keep]
             k_cache, v_cache = k_cache[:, keep], v_cache[:, keep]
-        logits = _forward(r, nxt[:, None], (P - pad + t)[:, None], k_cache, v_cache, P + t, key_valid)
+        logits, feats = _forward(r, nxt[:, None], (P - pad + t)[:, None], k_cache, v_cache, P + t, key_valid)
+        if fed is not None:
+            fed.step(feats[:, -1], rows, done)
+    if fed is not None:
+        features.extend(fed.rows())
     if not top_k_labels:
         return [(out[b], None, None) for b in range(B)]
     return [(out[b], torch.stack(labels_i[b]), torch.stack(labels_v[b])) for b in range(B)]
@@ -162,8 +190,11 @@ def budget_order(lengths: list[int], batch_size: int, seed: int, blocks_of: int 
     return [i for s in range(0, len(order), block) for i in sorted(order[s : s + block], key=lambda i: lengths[i])]
 
 
-def generate_all(r, prompts, max_new, temperature, top_p, eos_ids, seed, batch_size, deadline=None, log=print):
-    """Batches of similar length in budget_order; stops starting batches after the deadline (monotonic seconds)."""
+def generate_all(
+    r, prompts, max_new, temperature, top_p, eos_ids, seed, batch_size, deadline=None, log=print, features=False
+):
+    """Batches of similar length in budget_order; stops starting batches after the deadline (monotonic seconds).
+    With `features`, each result carries the row's features as a fourth item (generate's `features`)."""
     order = budget_order([len(p) for p in prompts], batch_size, seed)
     results, t0, tokens = {}, time.monotonic(), 0
     for s in range(0, len(order), batch_size):
@@ -171,8 +202,10 @@ def generate_all(r, prompts, max_new, temperature, top_p, eos_ids, seed, batch_s
             log(f"  time budget reached after {len(results)} of {len(prompts)} prompts")
             break
         idx = order[s : s + batch_size]
-        for i, res in zip(idx, generate(r, [prompts[i] for i in idx], max_new, temperature, top_p, eos_ids, seed + s)):
-            results[i] = res
+        fed = [] if features else None
+        got = generate(r, [prompts[i] for i in idx], max_new, temperature, top_p, eos_ids, seed + s, features=fed)
+        for j, (i, res) in enumerate(zip(idx, got)):
+            results[i] = (*res, fed[j]) if features else res
             tokens += len(res[0])
         log(
             f"  {len(results)}/{len(prompts)} prompts, {tokens} tokens, {tokens / (time.monotonic() - t0):.0f} tokens/s"

@@ -79,7 +79,9 @@ def stage_data(args, tokenizer) -> list[Path]:
 
 def _data_part(args, tokenizer, part: int) -> Path:
     seed = SEED + part
-    key = hashlib.sha256(json.dumps([args.num_prompts, args.max_new, seed, PROMPTS_VERSION, "distinct"]).encode())
+    features = getattr(args, "features", False)  # training/head.py: the target's features at every position too
+    tags = ["distinct", "features"] if features else ["distinct"]
+    key = hashlib.sha256(json.dumps([args.num_prompts, args.max_new, seed, PROMPTS_VERSION, *tags]).encode())
     key = key.hexdigest()[:10]
     path = work_dir() / f"data-{key}.pt"
     if path.exists():
@@ -107,11 +109,11 @@ def _data_part(args, tokenizer, part: int) -> Path:
             args.batch_size,
             deadline=share,
             log=log,
+            features=features,
         )
-        for i, (ids, top_i, top_v) in got.items():
-            records.append(
-                {"prompt": prompts[lo + i], "completion": ids, "top_ids": top_i, "top_logp": top_v, "mode": mode}
-            )
+        for i, (ids, top_i, top_v, *feats) in got.items():
+            rec = {"prompt": prompts[lo + i], "completion": ids, "top_ids": top_i, "top_logp": top_v, "mode": mode}
+            records.append(rec | ({"feats": feats[0]} if features else {}))
     torch.save(records, path)
     log(f"data: {len(records)} answers, {sum(len(r['completion']) for r in records)} tokens -> {path}")
     return path

@@ -1,0 +1,320 @@
+"""Train an EAGLE-style head for the embedded target: a draft that reads the target's own features.
+
+    python -m training.head [--data-minutes 40] [--train-minutes 30] [--out models/smollm2-head]
+
+The head's entry at position p reads the token t_p and the target's feature f_{p-1} (its final-norm output at
+p - 1, the vector its output layer multiplies; zeros at p = 0): x = W_fc [E t_p ; f_{p-1}], then one Llama
+decoder layer with the target's attention layout, then its own RMSNorm, g_p = norm(layer(x)). g_p predicts f_p,
+and the head's logits are the target's output rows over the scored tokens times g_p. Drafting K tokens, step
+j > 1 feeds the head's own g of the step before in place of the target's feature (EAGLE, Li et al. 2024).
+
+Stages, each cached under ~/.cache/specdec/head:
+1. data: the target's answers to the training prompts (training.distill's data part, generated the same way),
+   with its features at every position it fed, recorded as it generated them.
+2. train: cross-entropy to the target's distribution over the scored tokens (softmax of its output rows times
+   f_p) plus a regression of f_p (smooth L1), at every answer position. A second pass per batch feeds the head
+   its own g_{p-1} where serving does (training-time test, EAGLE-3): its queries see the first pass's keys
+   before p and their own at p, exactly what a second draft step sees.
+3. save: the head's format (specdec/runners/head.py): fc, one layer and a norm; the embedding and the output
+   rows come from the target at load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec import models
+from specdec.runners.lean_llama import LeanLlamaRunner, rope
+from training import distill
+from training.common import SEED, log
+
+REGRESSION_WEIGHT = 1.0  # EAGLE weighs the feature regression above the tokens' cross-entropy
+SECOND_PASS_WEIGHT = 0.5  # the loss of the pass that reads the head's own features
+NOISE = 0.1  # uniform noise added to the target's features in training (EAGLE-1's robustness to its own errors)
+
+
+def feature_fingerprint(lm_head: torch.Tensor) -> str:
+    """16 hex digits of sha256 over the output layer's float32 bytes (every vocabulary row): which output space
+    the features were read from. A head records it; the orchestrator compares it with the target's."""
+    return hashlib.sha256(lm_head.detach().float().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+class Head(nn.Module):
+    """The head in training: fc, one pre-norm Llama layer (fused QKV and gate/up, as the lean runner holds
+    them), a final norm; the target's embedding, output rows and rotary tables held frozen beside it."""
+
+    def __init__(self, r: LeanLlamaRunner, intermediate: int):
+        super().__init__()
+        H = r.embed.shape[1]
+        self.n_heads, self.n_kv, self.d, self.eps = r.n_heads, r.n_kv, r.head_dim, r.eps
+        qkv = (self.n_heads + 2 * self.n_kv) * self.d
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.wqkv = nn.Linear(H, qkv, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.d, H, bias=False)
+        self.wgu = nn.Linear(H, 2 * intermediate, bias=False)
+        self.wd = nn.Linear(intermediate, H, bias=False)
+        self.ln1, self.ln2, self.norm = (nn.Parameter(torch.ones(H)) for _ in range(3))
+        for lin in (self.fc, self.wqkv, self.wo, self.wgu, self.wd):
+            nn.init.normal_(lin.weight, std=0.02)
+        self.register_buffer("embed", r.embed.float(), persistent=False)
+        self.register_buffer("cos", r.cos.float(), persistent=False)
+        self.register_buffer("sin", r.sin.float(), persistent=False)
+
+    def _rms(self, x, w):
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+    def qkv(self, ids: torch.Tensor, fprev: torch.Tensor):
+        """x [B, T, H] entering the layer, and its rotated q [B, h, T, d], k, v [B, kv, T, d]."""
+        B, T = ids.shape
+        x = self.fc(torch.cat([self.embed[ids], fprev], dim=-1))
+        qkv = self.wqkv(self._rms(x, self.ln1))
+        h, kv, d = self.n_heads, self.n_kv, self.d
+        q = qkv[..., : h * d].view(B, T, h, d).transpose(1, 2)
+        k = qkv[..., h * d : (h + kv) * d].view(B, T, kv, d).transpose(1, 2)
+        v = qkv[..., (h + kv) * d :].view(B, T, kv, d).transpose(1, 2)
+        cos, sin = self.cos[:T], self.sin[:T]
+        return x, rope(q, cos, sin), rope(k, cos, sin), v
+
+    def finish(self, x, q, k, v, mask):
+        """The rest of the layer after attention over keys k, v under mask [B, 1, T, keys]: g [B, T, H]."""
+        B, _, T, _ = q.shape
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        x = x + self.wo(att.transpose(1, 2).reshape(B, T, -1))
+        gate, up = self.wgu(self._rms(x, self.ln2)).chunk(2, dim=-1)
+        return self._rms(x + self.wd(F.silu(gate) * up), self.norm)
+
+    def forward(self, ids, fprev, valid, second: bool):
+        """g of the first pass (the target's features in), and with `second` also of the pass that reads the
+        first pass's g_{p-1} at every p, attending to the first pass's keys before p and its own at p."""
+        T = ids.shape[1]
+        x, q, k, v = self.qkv(ids, fprev)
+        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        mask = (causal[None] & valid[:, None, :])[:, None]  # [B, 1, T, T]
+        g1 = self.finish(x, q, k, v, mask)
+        if not second:
+            return g1, None
+        f2 = torch.cat([torch.zeros_like(g1[:, :1]), g1[:, :-1]], dim=1)
+        x2, q2, k2, v2 = self.qkv(ids, f2)
+        before = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril(-1)
+        own = torch.eye(T, dtype=torch.bool, device=ids.device)
+        mask2 = torch.cat([before[None] & valid[:, None, :], own[None].expand(len(ids), T, T)], dim=-1)[:, None]
+        return g1, self.finish(x2, q2, torch.cat([k, k2], 2), torch.cat([v, v2], 2), mask2)
+
+
+def batch_of(recs: list[dict], dev) -> tuple:
+    """Right-padded ids [B, T]; the features each position reads (f_{p-1}, zeros at p = 0) and the ones it
+    predicts (f_p) [B, T, H] float32; the valid positions [B, T]; and the positions that predict an answer token
+    [B, T]: from the prompt's last to the answer's last but one (a record's features stop there: f_0 .. f_{n-2})."""
+    T = max(len(r["ids"]) for r in recs)
+    H = recs[0]["feats"].shape[1]
+    ids = torch.zeros(len(recs), T, dtype=torch.long)
+    f = torch.zeros(len(recs), T + 1, H)
+    valid = torch.zeros(len(recs), T, dtype=torch.bool)
+    scored = torch.zeros(len(recs), T, dtype=torch.bool)
+    for b, r in enumerate(recs):
+        n, m = len(r["ids"]), len(r["feats"])
+        ids[b, :n] = r["ids"].long()
+        f[b, 1 : m + 1] = r["feats"].float()
+        valid[b, :n] = True
+        scored[b, r["prompt_len"] - 1 : m] = True
+    return ids.to(dev), f[:, :T].to(dev), f[:, 1:].to(dev), valid.to(dev), scored.to(dev)
+
+
+def as_records(data: list[dict]) -> list[dict]:
+    """training.distill's records (with features) as the head trains on them."""
+    return [
+        {
+            "ids": torch.tensor(d["prompt"] + d["completion"], dtype=torch.int32),
+            "prompt_len": len(d["prompt"]),
+            "feats": d["feats"],
+        }
+        for d in data
+        if d["completion"]
+    ]
+
+
+def loss_on(head: Head, rows: torch.Tensor, recs: list[dict], second: bool, noise: float = 0.0):
+    """(loss, greedy agreement of the first pass, of the second pass or None). rows: the target's output rows
+    of the scored tokens [scored, H]; the target's distribution over them is softmax(rows f_p)."""
+    ids, fprev, fnext, valid, scored = batch_of(recs, rows.device)
+    if noise:
+        fprev = fprev + (torch.rand_like(fprev) - 0.5) * (2 * noise)
+    g1, g2 = head(ids, fprev, valid, second)
+    target = F.softmax(fnext[scored] @ rows.T, dim=-1)
+    loss, agree = 0.0, []
+    for g, w in ((g1, 1.0), (g2, SECOND_PASS_WEIGHT)):
+        if g is None:
+            continue
+        logits = g[scored] @ rows.T
+        ce = -(target * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+        loss = loss + w * (ce + REGRESSION_WEIGHT * F.smooth_l1_loss(g[scored], fnext[scored]))
+        agree.append((logits.argmax(-1) == target.argmax(-1)).float().mean().item())
+    return loss, agree[0], agree[1] if second else None
+
+
+def batches(records: list[dict], batch_tokens: int, rng: random.Random) -> list[list[dict]]:
+    """Records of similar length, about batch_tokens tokens a batch, in random order."""
+    order = sorted(records, key=lambda r: len(r["ids"]))
+    groups, cur = [], []
+    for r in order:
+        if cur and len(r["ids"]) * (len(cur) + 1) > batch_tokens:
+            groups.append(cur)
+            cur = []
+        cur.append(r)
+    groups += [cur] if cur else []
+    rng.shuffle(groups)
+    return groups
+
+
+@torch.no_grad()
+def validate(head: Head, rows, val: list[dict], batch_tokens: int) -> tuple[float, float, float]:
+    """Mean loss, first-step and second-step greedy agreement over the validation records."""
+    head.eval()
+    n, loss, a1, a2 = 0, 0.0, 0.0, 0.0
+    for group in batches(val, batch_tokens, random.Random(0)):
+        lo, g1, g2 = loss_on(head, rows, group, second=True)
+        w = sum(len(r["feats"]) - r["prompt_len"] + 1 for r in group)
+        n, loss, a1, a2 = n + w, loss + w * float(lo), a1 + w * g1, a2 + w * g2
+    head.train()
+    return loss / n, a1 / n, a2 / n
+
+
+def train(head: Head, rows, train_recs, val, args) -> Head:
+    """AdamW, warm-up then cosine decay over the time budget; the best validation checkpoint is kept."""
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    rng, t0, step = random.Random(SEED), time.monotonic(), 0
+    budget = 60 * args.train_minutes
+    best, best_state = -1.0, None
+    while time.monotonic() - t0 < budget:
+        for group in batches(train_recs, args.batch_tokens, rng):
+            frac = (time.monotonic() - t0) / budget
+            if frac >= 1:
+                break
+            lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * frac))
+            for pg in opt.param_groups:
+                pg["lr"] = lr
+            loss, a1, _ = loss_on(head, rows, group, second=args.second_pass, noise=NOISE)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            if step % args.check_every == 0:
+                vl, v1, v2 = validate(head, rows, val, args.batch_tokens)
+                log(
+                    f"step {step}: train loss {float(loss):.3f} agree {a1:.3f}; val loss {vl:.3f} agree {v1:.3f} / {v2:.3f}"
+                )
+                if v1 + v2 > best:
+                    best, best_state = v1 + v2, {k: v.clone() for k, v in head.state_dict().items()}
+    if best_state is not None:
+        head.load_state_dict(best_state)
+    return head
+
+
+def save(head: Head, target, kept: list[int], fingerprint: str, out: Path, notes: dict) -> None:
+    """The head's folder: a one-layer LlamaConfig with the scored tokens and the head's own fields, and the
+    weights that are the head's alone (bf16), named as transformers names a LlamaForCausalLM's."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    tc, H, d = target.config, head.embed.shape[1], head.d
+    theta = (getattr(tc, "rope_parameters", None) or {}).get("rope_theta") or getattr(tc, "rope_theta", 10000.0)
+    cfg = LlamaConfig(
+        vocab_size=tc.vocab_size,
+        hidden_size=H,
+        intermediate_size=head.wd.weight.shape[1],
+        num_hidden_layers=1,
+        num_attention_heads=head.n_heads,
+        num_key_value_heads=head.n_kv,
+        head_dim=d,
+        max_position_embeddings=tc.max_position_embeddings,
+        rope_theta=theta,
+        rms_norm_eps=head.eps,
+        tie_word_embeddings=False,
+        bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id,
+    )
+    cfg.specdec_output_token_ids = kept
+    cfg.specdec_head = {"kind": "eagle1", "target": models.DEFAULT_TARGET, "feature_fingerprint": fingerprint, **notes}
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(out)
+    q, k, v = head.wqkv.weight.split([head.n_heads * d, head.n_kv * d, head.n_kv * d])
+    gate, up = head.wgu.weight.chunk(2)
+    L = "model.layers.0."
+    weights = {
+        "fc.weight": head.fc.weight,
+        L + "self_attn.q_proj.weight": q,
+        L + "self_attn.k_proj.weight": k,
+        L + "self_attn.v_proj.weight": v,
+        L + "self_attn.o_proj.weight": head.wo.weight,
+        L + "mlp.gate_proj.weight": gate,
+        L + "mlp.up_proj.weight": up,
+        L + "mlp.down_proj.weight": head.wd.weight,
+        L + "input_layernorm.weight": head.ln1,
+        L + "post_attention_layernorm.weight": head.ln2,
+        "model.norm.weight": head.norm,
+    }
+    save_file(
+        {n: w.detach().to(torch.bfloat16).contiguous() for n, w in weights.items()}, str(out / "model.safetensors")
+    )
+
+
+def stage_data(args, tokenizer) -> list[dict]:
+    """The target's answers with their features (training.distill's data part, cached there)."""
+    args.data_parts, args.data_from, args.features = 1, "target", True
+    return as_records(torch.load(distill.stage_data(args, tokenizer)[0], weights_only=False))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", default="all", choices=["data", "all"])
+    ap.add_argument("--num-prompts", type=int, default=12000)
+    ap.add_argument("--max-new", type=int, default=192)
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--gen-minutes", type=float, default=40, help="time budget of the target's answers")
+    ap.add_argument("--train-minutes", type=float, default=30)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--check-every", type=int, default=100)
+    ap.add_argument("--intermediate", type=int, default=1536, help="the head's MLP width (the target's: 1536)")
+    ap.add_argument("--no-second-pass", dest="second_pass", action="store_false")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "models" / "smollm2-head"))
+    args = ap.parse_args(argv)
+    torch.manual_seed(SEED)
+    tokenizer = models.load_tokenizer(models.DEFAULT_TARGET)
+    records = stage_data(args, tokenizer)
+    if args.stage == "data":
+        return
+    random.Random(SEED).shuffle(records)
+    val, train_recs = records[: max(20, len(records) // 40)], records[max(20, len(records) // 40) :]
+    target = models.load_model(models.DEFAULT_TARGET, dtype="float32")
+    runner = LeanLlamaRunner(target, len(tokenizer), 4096)
+    kept = json.loads((models.REPO_MODELS["smollm2-135m-draft"] / "config.json").read_text())[
+        "specdec_output_token_ids"
+    ]
+    rows = runner.lm_head[torch.tensor(kept)].float()
+    head = Head(runner, args.intermediate)
+    n_train = sum(len(r["feats"]) - r["prompt_len"] + 1 for r in train_recs)
+    log(f"train: {len(train_recs)} answers ({n_train} answer positions), {len(val)} for validation")
+    head = train(head, rows, train_recs, val, args)
+    vl, v1, v2 = validate(head, rows, val, args.batch_tokens)
+    log(f"final: val loss {vl:.3f}, agreement first step {v1:.3f}, second {v2:.3f}")
+    notes = {"validation_agreement": [round(v1, 4), round(v2, 4)], "train_positions": n_train}
+    save(head, target, kept, feature_fingerprint(runner.lm_head), Path(args.out), notes)
+    log(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
