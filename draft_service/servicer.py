@@ -4,6 +4,12 @@ A round may stop short of K (``min_confidence``): once the draft's own estimate 
 every token so far, the product of its probabilities of them, falls below the threshold, a further token
 would cost a draft step and a verify row for a small chance of being kept. The length depends only on the
 draft's outputs, never on the target's, so the ratio test stays exact.
+
+A head draft (specdec/head.py) reads the target's features beside its tokens: the cursor's tokens come with the
+rows the orchestrator sends, and each drafted token with the head's own prediction of the feature before it (the
+final-norm row of its last step). Those predicted rows are not the target's, so the session keeps none of the
+drafted tokens: after the call it holds the cursor's tokens alone, and the next call feeds the accepted tokens
+with their true features. num_tokens 0 only appends the tokens, for a session built in pieces.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specdec import features
 from specdec.errors import invalid
+from specdec.kv_pool import Session
 from specdec.model_server import CallStats, ModelServer, SessionRpcs
 from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, support, top_probability, uniform
 from specdec.v1 import draft_pb2, draft_pb2_grpc
@@ -35,44 +43,75 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
     async def _propose(self, req: draft_pb2.ProposeTokensRequest) -> draft_pb2.ProposeTokensResponse:
         core = self.core
         k = req.num_tokens
-        if not 1 <= k <= core.cfg.max_draft_tokens:
-            raise invalid(f"num_tokens must be within [1, {core.cfg.max_draft_tokens}], got {k}")
+        if k > core.cfg.max_draft_tokens:
+            raise invalid(f"num_tokens must be within [0, {core.cfg.max_draft_tokens}], got {k}")
         params = core.sampling(req.sampling)
         if not 0 <= req.min_confidence < 1:
             raise invalid(f"min_confidence must be in [0, 1), got {req.min_confidence}")
         feed = core.check_tokens(req.cursor.tokens)
         if not feed:
             raise invalid("tokens is empty: send at least the last token of the sequence")
+        rows = self._features(req.features, len(feed))  # [len(feed), hidden] for a head, else None
         resp = draft_pb2.ProposeTokensResponse()
         stats = CallStats(core.engine)
-        rows = []
-        confidence = 1.0  # the draft's estimate that the target accepts every token so far
-        with core.session(req.cursor, len(feed) + k - 1) as s:
-            for _ in range(k):  # each step a pass of the engine, beside the other sessions' steps
-                logits = await core.forward(s, feed, 1, stats, scored_only=True)  # [1, scored tokens]
-                position = len(s.tokens)  # absolute position of the token drafted now
-                if params.greedy:
-                    x, qx = self._token(argmax_rows(logits)[0]), 1.0
-                    if req.min_confidence:
-                        confidence *= top_probability(logits[0])
-                else:
-                    probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)[0]
-                    columns, p = support(probs)
-                    found = (columns if self.ids is None else self.column_tokens[columns], p)  # ids stay ascending
-                    x = sample_sparse(*found, uniform(params.seed, position, Purpose.DRAFT))
-                    qx = float(p[np.searchsorted(found[0], x)])
-                    rows.append(probs)
-                    resp.distributions.append(core.sparse(found))
-                    confidence *= qx
-                resp.token_ids.append(x)
-                resp.token_probs.append(qx)
-                if confidence < req.min_confidence:
-                    break
-                feed = [x]
-        s.keep_probs(torch.stack(rows) if rows else None, len(s.tokens) - (len(resp.token_ids) - 1), self.ids)
+        with core.session(req.cursor, len(feed) + max(k - 1, 0)) as s:
+            first = len(s.tokens) + len(feed)  # absolute position of the first drafted token
+            if k == 0:
+                await core.forward(s, feed, 1, stats, scored_only=True, features=rows)
+                s.keep_probs(None)
+            else:
+                probs = await self._draft(s, feed, rows, k, params, req.min_confidence, resp, stats)
+                s.keep_probs(probs, first, self.ids)
+            if rows is not None:
+                core.pool.truncate(s, first)  # the drafted tokens' rows were fed predicted features
         resp.length = len(s.tokens)
         stats.fill(resp)
         return resp
+
+    def _features(self, data: bytes, n: int) -> torch.Tensor | None:
+        """The request's feature rows, checked: required for a head (one row a cursor token), refused otherwise."""
+        core = self.core
+        if not core.reads_features:
+            if data:
+                raise invalid(f"features sent to {core.cfg.model!r}, a standalone draft that reads none")
+            return None
+        row = 2 * core.feature_size
+        if len(data) != n * row:
+            raise invalid(
+                f"a head draft needs one feature row per cursor token: {n} rows of {core.feature_size} bf16 values "
+                f"({n * row} bytes), got {len(data)} bytes"
+            )
+        return features.decode(data, core.feature_size)
+
+    async def _draft(self, s: Session, feed, rows, k: int, params, min_confidence: float, resp, stats):
+        """Draft up to k tokens into resp, a pass of the engine each; the sampled rows' distributions, or None."""
+        core, head = self.core, rows is not None
+        dists = []
+        confidence = 1.0  # the draft's estimate that the target accepts every token so far
+        for _ in range(k):  # each step a pass of the engine, beside the other sessions' steps
+            step = await core.feed(s, feed, 1, stats, scored_only=True, features=rows, num_norms=int(head))
+            logits = step.logits  # [1, scored tokens]
+            position = len(s.tokens)  # absolute position of the token drafted now
+            if params.greedy:
+                x, qx = self._token(argmax_rows(logits)[0]), 1.0
+                if min_confidence:
+                    confidence *= top_probability(logits[0])
+            else:
+                probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)[0]
+                columns, p = support(probs)
+                found = (columns if self.ids is None else self.column_tokens[columns], p)  # ids stay ascending
+                x = sample_sparse(*found, uniform(params.seed, position, Purpose.DRAFT))
+                qx = float(p[np.searchsorted(found[0], x)])
+                dists.append(probs)
+                resp.distributions.append(core.sparse(found))
+                confidence *= qx
+            resp.token_ids.append(x)
+            resp.token_probs.append(qx)
+            if confidence < min_confidence:
+                break
+            feed = [x]
+            rows = step.normed if head else None  # [1, hidden]: g at the last position, read beside x
+        return torch.stack(dists) if dists else None
 
     def _token(self, column: int) -> int:
         return column if self.ids is None else int(self.column_tokens[column])

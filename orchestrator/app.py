@@ -70,6 +70,15 @@ def check_compatible(cfg: OrchestratorConfig, tokenizer, draft: ms_pb.ModelInfo,
             f"--tokenizer {cfg.tokenizer!r} ({mine}) is not the target's tokenizer "
             f"({target.tokenizer_fingerprint}); pass the target model there"
         )
+    if draft.reads_features and (
+        draft.feature_fingerprint != target.feature_fingerprint or draft.feature_size != target.feature_size
+    ):
+        raise ConfigError(
+            f"the draft {draft.model!r} is a head that reads the features of a target with lm_head fingerprint "
+            f"{draft.feature_fingerprint} and hidden size {draft.feature_size}; the target {target.model!r} has "
+            f"{target.feature_fingerprint or 'no features'} and {target.feature_size}: serve the head's own target, "
+            "on the lean runner"
+        )
     limit = min(draft.max_draft_tokens, target.max_draft_tokens)
     if cfg.max_speculative_tokens > limit:
         raise ConfigError(
@@ -105,6 +114,9 @@ async def _connect(
     )
     check_compatible(cfg, tokenizer, draft_info, target_info)
     draft.fingerprint = target.fingerprint = target_info.tokenizer_fingerprint
+    if draft_info.reads_features:
+        draft.reads_features, draft.feature_size = True, draft_info.feature_size
+        draft.feature_fingerprint = target.feature_fingerprint = draft_info.feature_fingerprint
     return draft, target, draft_info, target_info
 
 

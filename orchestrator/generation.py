@@ -15,6 +15,7 @@ import numpy as np
 
 from orchestrator import failover, rejection_sampler as rs
 from orchestrator.detokenizer import TextStream
+from orchestrator.head_draft import HeadDraft
 from orchestrator.link import Link
 from orchestrator.metrics import OrchestratorMetrics, RoundTrace
 from orchestrator.prompt_lookup import PromptLookup
@@ -43,6 +44,7 @@ class Generation:
         self.session_id = session_id
         self.draft = Link(Role.DRAFT, draft, session_id, cfg, metrics)
         self.target = Link(Role.TARGET, target, session_id, cfg, metrics)
+        self.head = HeadDraft(self.draft, self.target, draft.feature_size) if draft.reads_features else None
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.metrics = metrics
@@ -111,15 +113,16 @@ class Generation:
                 min_confidence=self.spec.min_confidence,
             )
 
-        answered = await failover.call(draft, request)
+        answered = await (self.head.call(request, history) if self.head else failover.call(draft, request))
         if answered is None:
             return None
         req, resp, wall = answered
         trace.draft_wall_s = wall
-        trace.draft_built = req.cursor.expected_length == 0
+        trace.draft_built = req.cursor.expected_length == 0 or bool(self.head and self.head.built)
         trace.draft_cost = CallCost.of(wall, resp)
         trace.add_call(req, resp, wall, "draft_s")
-        draft.mirror = history + list(resp.token_ids[:-1])  # the last drafted token is not fed
+        # what the session holds: the drafts but the last (not fed); a head keeps none of them (head_draft.py)
+        draft.mirror = (history + list(resp.token_ids[:-1]))[: resp.length]
         return resp
 
     async def _verify(self, drafts: list[int], trace: RoundTrace) -> target_pb2.VerifyResponse:
@@ -127,8 +130,15 @@ class Generation:
         target, history = self.target, self.history
         req, resp, wall = await failover.call(
             target,
-            lambda: target_pb2.VerifyRequest(cursor=target.cursor(history), draft_tokens=drafts, sampling=self._params),
+            lambda: target_pb2.VerifyRequest(
+                cursor=target.cursor(history),
+                draft_tokens=drafts,
+                sampling=self._params,
+                return_features=self.head is not None,
+            ),
         )
+        if self.head:
+            self.head.absorb(resp)
         trace.target_cost = CallCost.of(wall, resp)
         trace.add_call(req, resp, wall, "verify_s")
         target.mirror = history + drafts

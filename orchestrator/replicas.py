@@ -123,6 +123,11 @@ class ReplicaSet:
         self.replicas: dict[str, Replica] = {}
         self._resolved_at = -float("inf")
         self.fingerprint: str | None = None  # the tokenizer all replicas must share (set by the orchestrator)
+        # With a head draft (set by the orchestrator): the draft reads the target's features, feature_size a row, and
+        # every replica of either role must report this feature fingerprint.
+        self.reads_features = False
+        self.feature_size = 0
+        self.feature_fingerprint: str | None = None
         for e in self.endpoints:
             if not e.dns:
                 self._add(e.address)
@@ -184,6 +189,10 @@ class ReplicaSet:
     def check(self, r: Replica, info: ms_pb.ModelInfo) -> None:
         """A replica whose tokenizer is not the pair's never takes a generation."""
         ok = self.fingerprint is None or info.tokenizer_fingerprint == self.fingerprint
+        if self.feature_fingerprint is not None and info.feature_fingerprint != self.feature_fingerprint:
+            ok = False  # another target's features, or a head of another target
+        if self.role is Role.DRAFT and self.fingerprint is not None and info.reads_features != self.reads_features:
+            ok = False  # a standalone draft among heads, or the reverse
         if r.compatible and not ok:
             log.error(
                 "%s replica %s serves %r with tokenizer %s, not the pair's %s: it takes no generations",

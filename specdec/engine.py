@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -72,6 +72,14 @@ class Feed:
     last_rows: int = 0  # rows and sessions of the last pass it took part in
     last_sessions: int = 0
     logits: torch.Tensor | None = None  # once fed
+    features: torch.Tensor | None = None  # [len(tokens), hidden]: what a head draft reads beside each token
+    num_norms: int = 0  # final-norm rows wanted, of the last positions (a target's features, a head's predicted)
+    norms: list = field(default_factory=list)  # those rows, a tensor a piece, once fed
+
+    @property
+    def normed(self) -> torch.Tensor | None:
+        """The final-norm rows of the feed's last num_norms positions: [num_norms, hidden] (None without)."""
+        return torch.cat(self.norms) if self.norms else None
 
     @property
     def remaining(self) -> int:
@@ -165,14 +173,31 @@ class Engine:
             self.costs.seconds[width_of(w)] = (w, best)
 
     # -- what the calls use --------------------------------------------------------
-    async def forward(self, s: Session, tokens: list[int], num_logits: int, scored_only: bool = False) -> Feed:
+    async def forward(
+        self,
+        s: Session,
+        tokens: list[int],
+        num_logits: int,
+        scored_only: bool = False,
+        features: torch.Tensor | None = None,
+        num_norms: int = 0,
+    ) -> Feed:
         """Feed tokens to the session in the next passes; the feed, whose logits are those of its last
-        num_logits positions as the runner's forward gives them. Cancelling the caller takes it out of the queue."""
-        if not tokens or not 1 <= num_logits <= len(tokens):
-            raise ValueError(f"a feed of {len(tokens)} tokens cannot give {num_logits} logits")
+        num_logits positions as the runner's forward gives them. features: a head draft's rows beside the tokens;
+        num_norms: also keep the final-norm rows of the last num_norms positions (Feed.normed). Cancelling the
+        caller takes it out of the queue."""
+        if not tokens or not 1 <= num_logits <= len(tokens) or not 0 <= num_norms <= len(tokens):
+            raise ValueError(f"a feed of {len(tokens)} tokens cannot give {num_logits} logits, {num_norms} norms")
         self._start()
         feed = Feed(
-            s, list(tokens), num_logits, scored_only, asyncio.get_running_loop().create_future(), time.perf_counter()
+            s,
+            list(tokens),
+            num_logits,
+            scored_only,
+            asyncio.get_running_loop().create_future(),
+            time.perf_counter(),
+            features=features,
+            num_norms=num_norms,
         )
         self._queue.append(feed)
         self._arrived(s.id, feed.queued_at)
@@ -321,15 +346,19 @@ class Engine:
     def _run_pieces(self, pieces: list[Piece]) -> None:
         rows = sum(p.n for p in pieces)
         start = time.perf_counter()
+        extra, norms = _feature_arguments(self.runner, pieces), None
         with self._long_pass_threads if rows > LONG_PASS_TOKENS else _SAME_THREADS, self.pass_context():
-            logits = to_host(
-                self.runner.forward_batch(
-                    [p.feed.session.cache for p in pieces],
-                    [p.feed.tokens[p.feed.done : p.feed.done + p.n] for p in pieces],
-                    [p.feed.num_logits if p.last else 1 for p in pieces],
-                    pieces[0].feed.scored_only,
-                )
+            logits = self.runner.forward_batch(
+                [p.feed.session.cache for p in pieces],
+                [p.feed.tokens[p.feed.done : p.feed.done + p.n] for p in pieces],
+                [p.feed.num_logits if p.last else 1 for p in pieces],
+                pieces[0].feed.scored_only,
+                **extra,
             )
+            if "num_norms" in extra:
+                logits, norms = logits
+                norms = [n.float().cpu() for n in norms]
+            logits = to_host(logits)
         seconds = time.perf_counter() - start
         self.passes += 1
         self.last_pass_s, self.last_rows = seconds, rows
@@ -337,7 +366,7 @@ class Engine:
         self.costs.observe(rows, seconds)
         if self.metrics is not None:
             self.metrics.observe_pass(rows, len(pieces), seconds)
-        for p, last, out in zip(pieces, [p.last for p in pieces], logits):
+        for i, (p, last, out) in enumerate(zip(pieces, [p.last for p in pieces], logits)):
             f = p.feed
             f.session.append(f.tokens[f.done : f.done + p.n])
             if f.started_at is None:
@@ -345,6 +374,8 @@ class Engine:
                 if self.metrics is not None:
                     self.metrics.queue_wait.observe(start - f.queued_at)
             f.done += p.n
+            if norms is not None and len(norms[i]):
+                f.norms.append(norms[i])
             f.compute_s += seconds
             f.last_rows, f.last_sessions = rows, len(pieces)
             if last and not f.future.done():
@@ -358,6 +389,19 @@ class Engine:
             feed.future.set_exception(error)
         if feed in self._queue:
             self._queue.remove(feed)
+
+
+def _feature_arguments(runner, pieces: list[Piece]) -> dict:
+    """What a pass passes the runner beyond tokens: a head's features of each piece's rows, and the final-norm rows
+    of the positions feeds keep (a piece keeps those of its rows among its feed's last num_norms)."""
+    extra = {}
+    if getattr(runner, "mix", None) is not None:
+        extra["features"] = [
+            None if p.feed.features is None else p.feed.features[p.feed.done : p.feed.done + p.n] for p in pieces
+        ]
+    if any(p.feed.num_norms for p in pieces):
+        extra["num_norms"] = [max(0, min(p.n, p.feed.num_norms - (p.feed.remaining - p.n))) for p in pieces]
+    return extra
 
 
 class TorchThreads:

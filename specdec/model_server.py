@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
-from specdec import models
+from specdec import features, models
 from specdec.config import ModelServerConfig
 from specdec.engine import MAX_BATCH_TOKENS, Engine, Feed
 from specdec.errors import ServiceError, invalid
@@ -79,6 +79,8 @@ class ModelServer:
             max_model_len=self.max_model_len,
             idle_ttl_s=cfg.idle_ttl_s,
         )
+        self.head = getattr(model, "specdec_head", None)  # a head draft's HeadInfo (specdec/head.py), else None
+        self.feature_size = self.head.feature_size if self.head else model.config.hidden_size
         self.info = self._model_info(model, tokenizer)
         self.registry = registry or CollectorRegistry()
         self.metrics = ModelServerMetrics(self.registry)
@@ -98,9 +100,9 @@ class ModelServer:
         self.metrics.queued.set_function(lambda: self.engine.waiting)
         self.prefix = (
             PrefixCache(self.runner, cfg.prefix_cache_tokens)
-            if cfg.prefix_cache_tokens and getattr(self.runner, "batch_invariant", False)
+            if cfg.prefix_cache_tokens and getattr(self.runner, "batch_invariant", False) and not self.reads_features
             else None
-        )
+        )  # a head's keys and values depend on the features it was fed, which the cache's keys do not name
         self.metrics.prefix_tokens.set_function(lambda: len(self.prefix) if self.prefix is not None else 0)
         self.engine.measure()  # what a row costs at each width, before the first call asks
         self._stopping: asyncio.Future | None = None  # set by begin_shutdown; ends idle streams
@@ -121,8 +123,23 @@ class ModelServer:
             max_draft_tokens=cfg.max_draft_tokens,
             dtype=str(runner.dtype).removeprefix("torch."),
             device=str(runner.device),
-            forward=runner.describe() + ("; attention held to the fused SDPA kernels" if strict else ""),
+            forward=(f"EAGLE-1 head over {self.head.target}; " if self.head else "")
+            + runner.describe()
+            + ("; attention held to the fused SDPA kernels" if strict else ""),
+            feature_size=self.feature_size,
+            feature_fingerprint=self.head.feature_fingerprint if self.head else self._fingerprint(model),
+            reads_features=self.reads_features,
         )
+
+    @property
+    def reads_features(self) -> bool:
+        return self.head is not None
+
+    def _fingerprint(self, model) -> str:
+        """A target's feature fingerprint (specdec.features); none where its runner cannot return features."""
+        if self.cfg.role != "target" or not hasattr(self.runner, "mix"):
+            return ""
+        return features.fingerprint(model.get_output_embeddings().weight)
 
     @classmethod
     def load(cls, cfg: ModelServerConfig, registry: CollectorRegistry | None = None) -> ModelServer:
@@ -233,22 +250,44 @@ class ModelServer:
             s.end_call()
 
     async def forward(
-        self, s: Session, token_ids: list[int], num_logits: int, stats: CallStats, scored_only: bool = False
+        self,
+        s: Session,
+        token_ids: list[int],
+        num_logits: int,
+        stats: CallStats,
+        scored_only: bool = False,
+        features: torch.Tensor | None = None,
+        num_norms: int = 0,
     ) -> torch.Tensor:
         """Feed tokens to the session in the engine's next passes; [num_logits, vocab] logits, or
         [num_logits, len(runner.scored_ids)] with scored_only (see the runners). A new session first takes the
         longest prefix of its tokens the prefix cache holds, and leaves its own blocks there. A failed pass
-        drops the session."""
-        fresh = not s.tokens and self.prefix is not None
+        drops the session. features, num_norms: see ``feed``."""
+        return (await self.feed(s, token_ids, num_logits, stats, scored_only, features, num_norms)).logits
+
+    async def feed(
+        self,
+        s: Session,
+        token_ids: list[int],
+        num_logits: int,
+        stats: CallStats,
+        scored_only: bool = False,
+        features: torch.Tensor | None = None,
+        num_norms: int = 0,
+    ) -> Feed:
+        """``forward``'s feed, whose ``normed`` holds the final-norm rows of its last num_norms positions (a
+        target's features); features: a head draft's rows beside the tokens. A feed that keeps norms takes
+        nothing from the prefix cache, whose blocks hold keys and values, not features."""
+        fresh = not s.tokens and self.prefix is not None and not num_norms
         if fresh and (n := self.prefix.attach(s.cache, token_ids, len(token_ids) - num_logits)):
             s.append(token_ids[:n])
             token_ids = token_ids[n:]
             self.metrics.prefix_hits.inc(n)
-        feed = await self.engine.forward(s, token_ids, num_logits, scored_only)
+        feed = await self.engine.forward(s, token_ids, num_logits, scored_only, features, num_norms)
         stats.add(feed)
         if fresh:
             self.prefix.store(s.cache, s.tokens)
-        return feed.logits
+        return feed
 
     def sparse(self, found: tuple[np.ndarray, np.ndarray]) -> pb.SparseDistribution:
         """A distribution's support (sampling.support) on the wire, or complete=False past max_sparse_support."""

@@ -125,9 +125,15 @@ def _convert_gguf(name: str, out: Path) -> None:
 
 
 def load_tokenizer(spec: str):
+    """The model's tokenizer; a head draft's is its target's."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve(spec))
+    from specdec import head
+
+    path = resolve(spec)
+    if head.is_head(path):
+        return load_tokenizer(head.head_target(path))
+    return AutoTokenizer.from_pretrained(path)
 
 
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu"):
@@ -136,7 +142,12 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu"):
     dtype = resolve_dtype(dtype, device)
     if dtype not in DTYPES:
         raise ModelSpecError(f"dtype must be one of auto, {', '.join(DTYPES)}, not {dtype!r}")
-    model = AutoModelForCausalLM.from_pretrained(resolve(spec), dtype=DTYPES[dtype])
+    from specdec import head
+
+    path = resolve(spec)
+    if head.is_head(path):  # a head draft's folder: its layer, on its target's embedding and lm_head
+        return head.load_head(path, dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     return model.to(device).eval().requires_grad_(False)
 
 

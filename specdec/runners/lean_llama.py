@@ -158,6 +158,7 @@ class LeanLlamaRunner:
         self._scored_ids_on_device = None if self.scored_ids is None else self.scored_ids.to(self.device)
         move = functools.partial(_to_device, device=self.device)
         self.embed, self.layers, self.norm, self.lm_head = _llama_weights(model, vocab_size, self.scored_ids, move)
+        self.mix, self._mix_product = _input_mix(model, move)
         self.cos, self.sin = _rotary_tables(model, max_len, self.dtype, move)
         self.quantize = quantize
         self.matmul = matmul
@@ -249,11 +250,17 @@ class LeanLlamaRunner:
         scored_only: bool = False,
         *,
         plan: Plan | None = None,
-    ) -> list[torch.Tensor]:
+        features: list | None = None,
+        num_norms: list[int] | None = None,
+    ):
         """One pass over several sessions: session i appends token_ids[i] to caches[i] and gets the logits of
         its last num_logits[i] positions, as ``forward`` gives them. The products run once over every session's
         rows (the weights are read once), in the form the runner's plan has for the pass's rows (`plan`: another
-        plan, for the timing at load); attention runs per session, over its own cache and positions."""
+        plan, for the timing at load); attention runs per session, over its own cache and positions.
+
+        A head draft's runner (``mix``, specdec/head.py) reads features[i], [len(token_ids[i]), hidden] rows beside
+        the tokens (zeros where None: the timing passes). num_norms: also return the final-norm output of each
+        session's last num_norms[i] rows (a target's features, a head's predicted ones): (logits, norms) lists."""
         ns, starts = [len(t) for t in token_ids], [c.length for c in caches]
         for n, start in zip(ns, starts):
             if start + n > self.max_len:
@@ -273,7 +280,7 @@ class LeanLlamaRunner:
             ids = torch.tensor([t for ts in token_ids for t in ts], device=self.device)
             positions = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, ns)]).to(self.device)
             cos, sin = self.cos[positions], self.sin[positions]
-        x = self.embed[ids]  # [rows, hidden]
+        x = self._mixed(self.embed[ids], features, ns)  # [rows, hidden]
         ops, eps = self.layer_ops, self.eps
         if form.stack is not None:
             x = form.stack.forward_batch(x, [c.k for c in caches], [c.v for c in caches], cos, sin, starts, ns)
@@ -284,18 +291,45 @@ class LeanLlamaRunner:
                 x = x + linear(ops.silu_mul(linear(ops.rms_norm(x, ln2, eps), wgu)), wd)
         for c, start, n in zip(caches, starts, ns):
             c.length = start + n
-        if len(caches) == 1:
-            x = x[rows - num_logits[0] :]
-        else:
-            ends = torch.tensor(ns).cumsum(0)
-            x = x[torch.cat([torch.arange(end - k, end) for end, k in zip(ends.tolist(), num_logits)]).to(self.device)]
+        if num_norms is not None:
+            return self._logits_and_norms(x, ns, num_logits, num_norms, linear, lm_head, scored_only)
+        x = x[rows - num_logits[0] :] if len(caches) == 1 else x[self._last_rows(ns, num_logits)]
         logits = linear(ops.rms_norm(x, self.norm, eps), lm_head).float()  # [sum num_logits, vocab or scored]
-        out = list(logits.split(num_logits)) if len(caches) > 1 else [logits]
+        return self._widened(list(logits.split(num_logits)) if len(caches) > 1 else [logits], num_logits, scored_only)
+
+    def _last_rows(self, ns: list[int], last: list[int]) -> torch.Tensor:
+        """Indices of each session's last[i] rows of a pass's ns[i]."""
+        ends = torch.tensor(ns).cumsum(0)
+        return torch.cat([torch.arange(end - k, end) for end, k in zip(ends.tolist(), last)]).to(self.device)
+
+    def _mixed(self, x: torch.Tensor, features: list | None, ns: list[int]) -> torch.Tensor:
+        """A head's input: fc . [embedding ; feature] for every row ([rows, hidden]); a plain model's embeddings."""
+        if self.mix is None:
+            if features is not None:
+                raise ValueError("this model reads no features")
+            return x
+        rows = [
+            torch.zeros(n, x.shape[1], dtype=x.dtype, device=x.device) if f is None else f.to(x.device, x.dtype)
+            for f, n in zip(features or [None] * len(ns), ns)
+        ]
+        return self._mix_product(torch.cat([x, torch.cat(rows)], dim=1), self.mix)
+
+    def _logits_and_norms(self, x, ns, num_logits, num_norms, linear, lm_head, scored_only):
+        """(logits, final-norm rows) of each session: the norm runs once over the rows either needs."""
+        keep = [max(k, m) for k, m in zip(num_logits, num_norms)]
+        h = self.layer_ops.rms_norm(x[self._last_rows(ns, keep)], self.norm, self.eps)  # [sum keep, hidden]
+        parts = h.split(keep)
+        logits = linear(torch.cat([p[len(p) - k :] for p, k in zip(parts, num_logits)]), lm_head).float()
+        norms = [p[len(p) - m :] for p, m in zip(parts, num_norms)]
+        return self._widened(list(logits.split(num_logits)), num_logits, scored_only), norms
+
+    def _widened(self, out: list[torch.Tensor], num_logits: list[int], scored_only: bool) -> list[torch.Tensor]:
+        """A restricted model's logits widened to the vocabulary (-inf elsewhere), unless scored_only."""
         if self.scored_ids is None or scored_only:
             return out
         scored = self._scored_ids_on_device
         return [
-            torch.full((k, self.vocab_size), float("-inf"), device=logits.device).index_copy_(1, scored, part)
+            torch.full((k, self.vocab_size), float("-inf"), device=part.device).index_copy_(1, scored, part)
             for k, part in zip(num_logits, out)
         ]  # [num_logits, vocab] each
 
@@ -344,6 +378,17 @@ def _llama_weights(model, vocab_size: int, scored_ids: torch.Tensor | None, move
     else:
         lm_head = move(head[:vocab_size])
     return embed, layers, move(m.norm.weight), lm_head
+
+
+def _input_mix(model, move):
+    """A head draft's fc ([hidden, 2 hidden]) and the product that applies it, or (None, None). On specdec's CPU
+    kernels where they take it, so that a row's input is the same whatever pass it is in (batch invariance)."""
+    head = getattr(model, "specdec_head", None)
+    if head is None:
+        return None, None
+    fc = move(head.fc)
+    kernels = kernels_for(fc)
+    return fc, (kernels.few_rows if kernels is not None else F.linear)
 
 
 def _rotary_tables(model, max_len: int, dtype, move) -> tuple[torch.Tensor, torch.Tensor]:

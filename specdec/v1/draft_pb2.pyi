@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeTokensRequest(_message.Message):
-    __slots__ = ("cursor", "num_tokens", "sampling", "min_confidence")
+    __slots__ = ("cursor", "num_tokens", "sampling", "min_confidence", "features")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     cursor: _model_server_pb2.SessionCursor
     num_tokens: int
     sampling: _model_server_pb2.SamplingParams
     min_confidence: float
-    def __init__(self, cursor: _Optional[_Union[_model_server_pb2.SessionCursor, _Mapping]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_model_server_pb2.SamplingParams, _Mapping]] = ..., min_confidence: _Optional[float] = ...) -> None: ...
+    features: bytes
+    def __init__(self, cursor: _Optional[_Union[_model_server_pb2.SessionCursor, _Mapping]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_model_server_pb2.SamplingParams, _Mapping]] = ..., min_confidence: _Optional[float] = ..., features: _Optional[bytes] = ...) -> None: ...
 
 class ProposeTokensResponse(_message.Message):
     __slots__ = ("token_ids", "token_probs", "distributions", "length", "compute_seconds", "batch")
