@@ -28,9 +28,10 @@ def decode(b: bytes, hidden: int) -> torch.Tensor:
 
 
 def fingerprint(lm_head: torch.Tensor) -> str:
-    """Which target's features these are: the first 16 hex characters of the sha256 of its lm_head weight in float32
-    (every vocabulary row, contiguous)."""
-    w = lm_head.detach().float().contiguous().cpu().numpy()
+    """Which target's features these are: the first 16 hex characters of the sha256 of its lm_head weight (every
+    vocabulary row, contiguous), rounded to bf16 and widened to float32, so that the target loaded in float32 or in
+    bf16 (on a GPU) gives the same fingerprint."""
+    w = lm_head.detach().to(torch.bfloat16).float().contiguous().cpu().numpy()
     return hashlib.sha256(w.astype("<f4", copy=False).tobytes()).hexdigest()[:16]
 
 

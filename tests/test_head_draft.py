@@ -291,3 +291,14 @@ def test_a_head_draft_killed_mid_stream_is_rebuilt_in_pieces_from_the_targets_fe
         assert any(k for _, k, _ in calls)  # then it drafted
     finally:
         stop_stack(stack)
+
+
+def test_a_target_loaded_in_bf16_has_the_feature_fingerprint_of_its_float32_load():
+    """A head trained against the float32 target must serve beside the same target loaded in bf16 on a GPU."""
+    import torch
+
+    from specdec.features import fingerprint
+
+    w = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    assert fingerprint(w) == fingerprint(w.to(torch.bfloat16))
+    assert fingerprint(w) != fingerprint(w * 1.01)

@@ -185,3 +185,36 @@ def test_the_head_s_second_training_pass_computes_what_a_second_draft_step_sees(
             f[:, p] = g1[:, p - 1]
             step, _ = head(ids[:, : p + 1], f, valid[:, : p + 1], second=False)
             assert torch.allclose(step[0, p], g2[0, p], atol=1e-5), p
+
+
+def test_a_head_saved_by_training_computes_in_the_draft_service_what_it_computed_in_training(
+    tmp_path, target_model, tokenizer
+):
+    """training.head's module and its saved folder, loaded as the draft service loads a head and run by the lean
+    runner: the same g at every position and the same scored logits, so what training measured is what is served."""
+    import torch
+
+    from specdec import models
+    from specdec.runners.lean_llama import LeanLlamaRunner
+    from training.head import Head, save
+
+    torch.manual_seed(1)
+    target_runner = LeanLlamaRunner(target_model, len(tokenizer), 64)
+    trained = Head(target_runner, intermediate=96)
+    for p in trained.parameters():  # norms away from ones, so a swapped or dropped weight shows
+        p.data += 0.05 * torch.randn_like(p)
+    kept = list(range(0, len(tokenizer), 7))
+    save(trained, target_model, kept, tmp_path / "head")
+    served = LeanLlamaRunner(models.load_model(str(tmp_path / "head")), len(tokenizer), 64, matmul="linear")
+    T, H = 9, target_runner.embed.shape[1]
+    ids = torch.randint(0, len(tokenizer), (1, T))
+    fprev = torch.randn(1, T, H)
+    with torch.no_grad():
+        for p in trained.parameters():  # the file holds bf16: compare with the weights as stored
+            p.data = p.data.bfloat16().float()
+        g, _ = trained(ids, fprev, torch.ones(1, T, dtype=torch.bool), second=False)
+        logits, norms = served.forward_batch(
+            [served.new_cache()], [ids[0].tolist()], [T], scored_only=True, features=[fprev[0]], num_norms=[T]
+        )
+    torch.testing.assert_close(norms[0], g[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[0], g[0] @ target_runner.lm_head[torch.tensor(kept)].T, atol=1e-3, rtol=1e-4)

@@ -22,7 +22,6 @@ Stages, each cached under ~/.cache/specdec/head:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import random
@@ -34,6 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec import models
+from specdec.features import fingerprint
+from specdec.head import head_config, save_head
 from specdec.runners.lean_llama import LeanLlamaRunner, rope
 from training import distill
 from training.common import SEED, log
@@ -41,12 +42,6 @@ from training.common import SEED, log
 REGRESSION_WEIGHT = 1.0  # EAGLE weighs the feature regression above the tokens' cross-entropy
 SECOND_PASS_WEIGHT = 0.5  # the loss of the pass that reads the head's own features
 NOISE = 0.1  # uniform noise added to the target's features in training (EAGLE-1's robustness to its own errors)
-
-
-def feature_fingerprint(lm_head: torch.Tensor) -> str:
-    """16 hex digits of sha256 over the output layer's float32 bytes (every vocabulary row): which output space
-    the features were read from. A head records it; the orchestrator compares it with the target's."""
-    return hashlib.sha256(lm_head.detach().float().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
 class Head(nn.Module):
@@ -204,7 +199,8 @@ def train(head: Head, rows, train_recs, val, args) -> Head:
             lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * frac))
             for pg in opt.param_groups:
                 pg["lr"] = lr
-            loss, a1, _ = loss_on(head, rows, group, second=args.second_pass, noise=NOISE)
+            with torch.autocast(rows.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                loss, a1, _ = loss_on(head, rows, group, second=args.second_pass, noise=NOISE)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -222,51 +218,31 @@ def train(head: Head, rows, train_recs, val, args) -> Head:
     return head
 
 
-def save(head: Head, target, kept: list[int], fingerprint: str, out: Path, notes: dict) -> None:
-    """The head's folder: a one-layer LlamaConfig with the scored tokens and the head's own fields, and the
-    weights that are the head's alone (bf16), named as transformers names a LlamaForCausalLM's."""
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig
-
-    tc, H, d = target.config, head.embed.shape[1], head.d
-    theta = (getattr(tc, "rope_parameters", None) or {}).get("rope_theta") or getattr(tc, "rope_theta", 10000.0)
-    cfg = LlamaConfig(
-        vocab_size=tc.vocab_size,
-        hidden_size=H,
-        intermediate_size=head.wd.weight.shape[1],
-        num_hidden_layers=1,
-        num_attention_heads=head.n_heads,
-        num_key_value_heads=head.n_kv,
-        head_dim=d,
-        max_position_embeddings=tc.max_position_embeddings,
-        rope_theta=theta,
-        rms_norm_eps=head.eps,
-        tie_word_embeddings=False,
-        bos_token_id=tc.bos_token_id,
-        eos_token_id=tc.eos_token_id,
-    )
-    cfg.specdec_output_token_ids = kept
-    cfg.specdec_head = {"kind": "eagle1", "target": models.DEFAULT_TARGET, "feature_fingerprint": fingerprint, **notes}
-    out.mkdir(parents=True, exist_ok=True)
-    cfg.save_pretrained(out)
+def save(head: Head, target, kept: list[int], out: Path) -> None:
+    """The head's folder (specdec/head.py's format): its fc, layer and norm, named as transformers names a
+    LlamaForCausalLM's, with the target's spec and feature fingerprint."""
+    d = head.d
     q, k, v = head.wqkv.weight.split([head.n_heads * d, head.n_kv * d, head.n_kv * d])
     gate, up = head.wgu.weight.chunk(2)
-    L = "model.layers.0."
-    weights = {
-        "fc.weight": head.fc.weight,
-        L + "self_attn.q_proj.weight": q,
-        L + "self_attn.k_proj.weight": k,
-        L + "self_attn.v_proj.weight": v,
-        L + "self_attn.o_proj.weight": head.wo.weight,
-        L + "mlp.gate_proj.weight": gate,
-        L + "mlp.up_proj.weight": up,
-        L + "mlp.down_proj.weight": head.wd.weight,
-        L + "input_layernorm.weight": head.ln1,
-        L + "post_attention_layernorm.weight": head.ln2,
-        "model.norm.weight": head.norm,
+    layer = {
+        "self_attn.q_proj.weight": q,
+        "self_attn.k_proj.weight": k,
+        "self_attn.v_proj.weight": v,
+        "self_attn.o_proj.weight": head.wo.weight,
+        "mlp.gate_proj.weight": gate,
+        "mlp.up_proj.weight": up,
+        "mlp.down_proj.weight": head.wd.weight,
+        "input_layernorm.weight": head.ln1,
+        "post_attention_layernorm.weight": head.ln2,
     }
-    save_file(
-        {n: w.detach().to(torch.bfloat16).contiguous() for n, w in weights.items()}, str(out / "model.safetensors")
+    weights = {"fc.weight": head.fc.weight, "model.norm.weight": head.norm}
+    weights |= {f"model.layers.0.{n}": w for n, w in layer.items()}
+    save_head(
+        out,
+        config=head_config(target, head.wd.weight.shape[1], kept),
+        weights=weights,
+        target=models.DEFAULT_TARGET,
+        feature_fingerprint=fingerprint(target.get_output_embeddings().weight),
     )
 
 
@@ -306,13 +282,14 @@ def main(argv=None) -> None:
     ]
     rows = runner.lm_head[torch.tensor(kept)].float()
     head = Head(runner, args.intermediate)
+    # bf16 products where the CPU has them in hardware (emulated bf16 is slower than fp32), as training.train does
+    args.bf16 = models.cpu_has_native_bf16()
     n_train = sum(len(r["feats"]) - r["prompt_len"] + 1 for r in train_recs)
     log(f"train: {len(train_recs)} answers ({n_train} answer positions), {len(val)} for validation")
     head = train(head, rows, train_recs, val, args)
     vl, v1, v2 = validate(head, rows, val, args.batch_tokens)
     log(f"final: val loss {vl:.3f}, agreement first step {v1:.3f}, second {v2:.3f}")
-    notes = {"validation_agreement": [round(v1, 4), round(v2, 4)], "train_positions": n_train}
-    save(head, target, kept, feature_fingerprint(runner.lm_head), Path(args.out), notes)
+    save(head, target, kept, Path(args.out))
     log(f"saved {args.out}")
 
 
