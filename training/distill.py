@@ -80,14 +80,16 @@ def stage_data(args, tokenizer) -> list[Path]:
 def _data_part(args, tokenizer, part: int) -> Path:
     seed = SEED + part
     features = getattr(args, "features", False)  # training/head.py: the target's features at every position too
+    spec = getattr(args, "target", models.DEFAULT_TARGET)  # training/head.py --target: another target's answers
     tags = ["distinct", "features"] if features else ["distinct"]
+    tags += [spec] if spec != models.DEFAULT_TARGET else []
     key = hashlib.sha256(json.dumps([args.num_prompts, args.max_new, seed, PROMPTS_VERSION, *tags]).encode())
     key = key.hexdigest()[:10]
     path = work_dir() / f"data-{key}.pt"
     if path.exists():
         log(f"data: cached {path}")
         return path
-    target = models.load_model(models.DEFAULT_TARGET, dtype=compute_dtype(args.device), device=args.device)
+    target = models.load_model(spec, dtype=compute_dtype(args.device), device=args.device)
     runner = LeanLlamaRunner(target, len(tokenizer), 4096)
     prompts = chat_prompts(tokenizer, args.num_prompts, seed)
     eos = set(models.eos_token_ids(target, tokenizer))

@@ -38,6 +38,7 @@ from specdec.head import head_config, save_head
 from specdec.runners.lean_llama import LeanLlamaRunner, rope
 from training import distill
 from training.common import SEED, log
+from training.train import kept_vocabulary
 
 REGRESSION_WEIGHT = 1.0  # EAGLE weighs the feature regression above the tokens' cross-entropy
 SECOND_PASS_WEIGHT = 0.5  # the loss of the pass that reads the head's own features
@@ -218,7 +219,7 @@ def train(head: Head, rows, train_recs, val, args) -> Head:
     return head
 
 
-def save(head: Head, target, kept: list[int], out: Path) -> None:
+def save(head: Head, target, kept: list[int], out: Path, spec: str = models.DEFAULT_TARGET) -> None:
     """The head's folder (specdec/head.py's format): its fc, layer and norm, named as transformers names a
     LlamaForCausalLM's, with the target's spec and feature fingerprint."""
     d = head.d
@@ -241,15 +242,23 @@ def save(head: Head, target, kept: list[int], out: Path) -> None:
         out,
         config=head_config(target, head.wd.weight.shape[1], kept),
         weights=weights,
-        target=models.DEFAULT_TARGET,
+        target=spec,
         feature_fingerprint=fingerprint(target.get_output_embeddings().weight),
     )
 
 
-def stage_data(args, tokenizer) -> list[dict]:
-    """The target's answers with their features (training.distill's data part, cached there)."""
+def stage_data(args, tokenizer) -> tuple[list[dict], list[int]]:
+    """The target's answers with their features (training.distill's data part, cached there), and the tokens the
+    head scores: the embedded draft's list for the embedded target (chosen on 7.9 M answer tokens), else the most
+    frequent tokens of these answers."""
     args.data_parts, args.data_from, args.features = 1, "target", True
-    return as_records(torch.load(distill.stage_data(args, tokenizer)[0], weights_only=False))
+    data = torch.load(distill.stage_data(args, tokenizer)[0], weights_only=False)
+    if args.target == models.DEFAULT_TARGET:
+        draft_config = models.REPO_MODELS["smollm2-135m-draft"] / "config.json"
+        kept = json.loads(draft_config.read_text())["specdec_output_token_ids"]
+    else:
+        kept = kept_vocabulary(data)
+    return as_records(data), kept
 
 
 def main(argv=None) -> None:
@@ -265,31 +274,29 @@ def main(argv=None) -> None:
     ap.add_argument("--check-every", type=int, default=100)
     ap.add_argument("--intermediate", type=int, default=1536, help="the head's MLP width (the target's: 1536)")
     ap.add_argument("--no-second-pass", dest="second_pass", action="store_false")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--target", default=models.DEFAULT_TARGET, help="the target whose features the head reads")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: the target's answers and the training")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "models" / "smollm2-head"))
     args = ap.parse_args(argv)
     torch.manual_seed(SEED)
-    tokenizer = models.load_tokenizer(models.DEFAULT_TARGET)
-    records = stage_data(args, tokenizer)
+    tokenizer = models.load_tokenizer(args.target)
+    records, kept = stage_data(args, tokenizer)
     if args.stage == "data":
         return
     random.Random(SEED).shuffle(records)
     val, train_recs = records[: max(20, len(records) // 40)], records[max(20, len(records) // 40) :]
-    target = models.load_model(models.DEFAULT_TARGET, dtype="float32")
-    runner = LeanLlamaRunner(target, len(tokenizer), 4096)
-    kept = json.loads((models.REPO_MODELS["smollm2-135m-draft"] / "config.json").read_text())[
-        "specdec_output_token_ids"
-    ]
-    rows = runner.lm_head[torch.tensor(kept)].float()
-    head = Head(runner, args.intermediate)
-    # bf16 products where the CPU has them in hardware (emulated bf16 is slower than fp32), as training.train does
-    args.bf16 = models.cpu_has_native_bf16()
+    target = models.load_model(args.target, dtype="float32")
+    runner = LeanLlamaRunner(target, len(tokenizer), 4096, device=args.device)
+    rows = runner.lm_head[torch.tensor(kept, device=runner.device)].float()
+    head = Head(runner, args.intermediate).to(runner.device)
+    # bf16 products on a GPU, and on a CPU where they are in hardware (emulated bf16 is slower), as training.train
+    args.bf16 = runner.device.type == "cuda" or models.cpu_has_native_bf16()
     n_train = sum(len(r["feats"]) - r["prompt_len"] + 1 for r in train_recs)
     log(f"train: {len(train_recs)} answers ({n_train} answer positions), {len(val)} for validation")
     head = train(head, rows, train_recs, val, args)
     vl, v1, v2 = validate(head, rows, val, args.batch_tokens)
     log(f"final: val loss {vl:.3f}, agreement first step {v1:.3f}, second {v2:.3f}")
-    save(head, target, kept, Path(args.out))
+    save(head.cpu(), target, kept, Path(args.out), args.target)
     log(f"saved {args.out}")
 
 
