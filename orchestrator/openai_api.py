@@ -45,6 +45,7 @@ _FINISH = {
     gen_pb.FINISH_REASON_STOP_SEQUENCE: "stop",
     gen_pb.FINISH_REASON_LENGTH: "length",
     gen_pb.FINISH_REASON_CONTEXT_LENGTH: "length",
+    gen_pb.FINISH_REASON_STOP_TOKEN_ID: "stop",
 }
 # Fields a client may send that change nothing here when left at these values; other values are refused.
 _NEUTRAL = {
@@ -135,6 +136,9 @@ def generate_request(body: dict, chat: bool) -> gen_pb.GenerateRequest:
         max_tokens = _number(body, "max_tokens", int)
     if max_tokens is not None:
         req.max_tokens = max_tokens
+    else:
+        req.run_to_context_end = True  # OpenAI's default: no cut but the context's
+    req.temperature = req.top_p = 1.0  # OpenAI's defaults, where the request leaves them unset
     for name, kind in (
         ("temperature", float),
         ("top_p", float),
