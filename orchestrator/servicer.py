@@ -172,12 +172,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _tokenize(self, req: gen_pb.GenerateRequest) -> list[int]:
         if req.prompt:
-            return self.tokenizer(req.prompt, add_special_tokens=True)["input_ids"]
+            return self.encode(req.prompt)
+        return self.encode(messages=[(m.role, m.content) for m in req.messages])
+
+    def encode(self, prompt: str | None = None, messages=None, add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of a raw prompt, or of (role, content) messages through the chat template; raises
+        INVALID_ARGUMENT where the model has no template or the template refuses the conversation."""
+        if prompt is not None:
+            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         if not getattr(self.tokenizer, "chat_template", None):
             raise invalid("this model has no chat template; send a raw prompt instead of messages")
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        chat = [{"role": role, "content": content} for role, content in messages]
         try:
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+            out = self.tokenizer.apply_chat_template(
+                chat, add_generation_prompt=add_generation_prompt, return_dict=True
+            )
         except Exception as e:  # the template rejects the conversation (roles out of order...)
             raise invalid(f"the chat template rejected the messages: {e}") from None
         return list(out["input_ids"])
@@ -200,7 +209,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def stream(self, request: gen_pb.GenerateRequest):
         """One request's generation as the messages its client gets, the last with stats; the gRPC handler and
-        the OpenAI-compatible endpoint (orchestrator/openai_api.py) both serve it. Raises ServiceError with the
+        the OpenAI-compatible endpoint (orchestrator/openai_compat/) both serve it. Raises ServiceError with the
         status the client should see (INTERNAL for a defect, whose traceback goes to the log). Every request is
         counted once, finished or errored; its sessions are freed on both servers however it ends."""
         arrived = time.perf_counter()
