@@ -2,21 +2,39 @@
 
 Each generation holds a KV session on each model server, and a model server refuses a session past its
 --max-sessions, or tokens past its --max-tokens, with RESOURCE_EXHAUSTED. So the orchestrator admits a
-request only when a session is free and the tokens it may come to hold (prompt, max_tokens and a round's
-drafts) fit beside those of the generations running: a generation admitted never runs out of KV midway.
-Requests that do not fit wait in line, first come first served, as they would on vLLM or TGI; only a
-request past the line's length, or one larger than the whole pool, is refused at once. Waiting counts
-against the client's deadline, and a client that leaves while waiting leaves the line.
+request only when a session is free and the KV tokens it reserves fit beside those of the generations
+running. A generation reserves its prompt, a round's drafts and at most --kv-reserve-tokens of output, and
+grows its reservation by as much again when it runs out (``grow``), so that a request that may run to the end
+of the context does not hold the whole context from its start. When a growth does not fit, the newest
+generation running gives its KV up (recompute preemption, as vLLM does): it frees its sessions on both
+servers, waits at the head of the line, and rebuilds them from its history, which the orchestrator holds, once
+it fits again; its tokens do not change. Growths go before the line, and the oldest generations before the
+newest, so the oldest always makes progress. Requests that do not fit wait in line, first come first served,
+as they would on vLLM or TGI; only a request past the line's length, or one larger than the whole pool, is
+refused at once. Waiting counts against the client's deadline, and a client that leaves while waiting leaves
+the line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
+from dataclasses import dataclass
 
 import grpc
 
 from specdec.errors import ServiceError
+
+
+@dataclass(eq=False)
+class Hold:
+    """What one admitted generation holds: its KV tokens, its place in arrival order (kept across preemptions),
+    and whether it was asked to give its KV up."""
+
+    tokens: int
+    order: int
+    preempt: bool = False
 
 
 class Admission:
@@ -28,67 +46,167 @@ class Admission:
         self.slots = slots
         self.tokens = tokens
         self.queue = queue
-        self.running = 0
         self.reserved = 0
-        self._line: deque[tuple[int, asyncio.Future]] = deque()
+        self.running: list[Hold] = []
+        self._line: deque[tuple[Hold, asyncio.Future]] = deque()
+        self._growers: list[asyncio.Future] = []  # growths waiting for KV; woken when some is given back
+        self._arrivals = itertools.count()
 
     @property
     def waiting(self) -> int:
         return len(self._line)
 
     def _fits(self, tokens: int) -> bool:
-        return self.running < self.slots and self.reserved + tokens <= self.tokens
+        return not self._growers and len(self.running) < self.slots and self.reserved + tokens <= self.tokens
 
-    def _take(self, tokens: int) -> None:
-        self.running += 1
-        self.reserved += tokens
+    def _take(self, hold: Hold) -> None:
+        self.running.append(hold)
+        self.reserved += hold.tokens
 
-    async def enter(self, tokens: int) -> None:
+    async def enter(self, tokens: int) -> Hold:
         """Take a slot and `tokens` of KV, waiting in line for them; RESOURCE_EXHAUSTED when the line is full
         or the request is larger than the pools."""
+        self.check(tokens)
+        hold = Hold(tokens, next(self._arrivals))
+        if not self._line and self._fits(tokens):
+            self._take(hold)
+            return hold
+        if len(self._line) >= self.queue:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(self.running)} generations are running and {len(self._line)} requests are waiting, "
+                "as many as this orchestrator queues (--max-queued-requests); retry later",
+            )
+        return await self._wait(hold, first=False)
+
+    async def come_back(self, hold: Hold, tokens: int) -> Hold:
+        """A preempted generation, its sessions freed, gives back what it holds and waits at the head of the
+        line for `tokens`, keeping its place in arrival order (an older one is never asked to give way to it)."""
+        self.check(tokens)
+        self.running.remove(hold)
+        self.reserved -= hold.tokens
+        return await self._wait(Hold(tokens, hold.order), first=True)
+
+    def check(self, tokens: int) -> None:
+        """RESOURCE_EXHAUSTED when `tokens` could never fit in the pools."""
         if tokens > self.tokens:
             raise ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the request may hold {tokens} tokens of KV cache, more than the {self.tokens} the "
                 "model servers' pools hold (--max-tokens); lower max_tokens or shorten the prompt",
             )
-        if not self._line and self._fits(tokens):
-            self._take(tokens)
-            return
-        if len(self._line) >= self.queue:
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.running} generations are running and {len(self._line)} requests are waiting, "
-                "as many as this orchestrator queues (--max-queued-requests); retry later",
-            )
-        entry = (tokens, asyncio.get_running_loop().create_future())
-        self._line.append(entry)
+
+    async def _wait(self, hold: Hold, first: bool) -> Hold:
+        entry = (hold, asyncio.get_running_loop().create_future())
+        if first:
+            self._line.appendleft(entry)
+            self._wake()  # what it gave back goes to the growths waiting, then to the line's head: itself
+        else:
+            self._line.append(entry)
         try:
             await entry[1]
         except BaseException:  # the client left, or its deadline passed
             if entry[1].done() and not entry[1].cancelled():
-                self.leave(tokens)  # admitted just as it left: hand the place on
+                self.leave(hold)  # admitted just as it left: hand the place on
             elif entry in self._line:
                 self._line.remove(entry)
                 self._admit()  # the head of the line may have changed
             raise
+        return hold
+
+    async def grow(self, hold: Hold, tokens: int) -> bool:
+        """Raise hold to `tokens` (at most the pool), waiting for older generations' room if need be; False when
+        this generation must give its KV up instead (``preempt``): it is the newest of those that would have
+        to make room."""
+        try:
+            return await self._grow(hold, tokens)
+        finally:
+            self._admit()  # a growth no longer waiting may let the line in
+
+    async def _grow(self, hold: Hold, tokens: int) -> bool:
+        while tokens > hold.tokens:
+            if hold.preempt:
+                return False
+            if self.reserved + tokens - hold.tokens <= self.tokens:
+                self.reserved += tokens - hold.tokens
+                hold.tokens = tokens
+                break
+            younger = [h for h in self.running if h.order > hold.order]
+            if not younger:
+                hold.preempt = True
+                return False
+            if all(not h.preempt for h in younger):  # none is on its way out yet: ask the newest
+                max(younger, key=lambda h: h.order).preempt = True
+                self._wake()
+            waiter = asyncio.get_running_loop().create_future()
+            self._growers.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._growers:
+                    self._growers.remove(waiter)
+        return True
 
     def resize(self, slots: int, tokens: int) -> None:
         """The model servers' capacity changed (a replica came, went or came back): admit against the new one.
-        Generations running past a smaller capacity finish; no new one starts until they fit."""
+        Generations running past a smaller capacity finish or give way; no new one starts until they fit."""
         if (slots, tokens) != (self.slots, self.tokens) and slots >= 1 and tokens >= 1:
             self.slots, self.tokens = slots, tokens
-            self._admit()
+            self._wake()
 
-    def leave(self, tokens: int) -> None:
-        """Give back what enter(tokens) took, and admit whoever now fits, in order."""
-        self.running -= 1
-        self.reserved -= tokens
+    def leave(self, hold: Hold) -> None:
+        """Give back what enter took (and grow added), and admit whoever now fits, in order."""
+        self.running.remove(hold)
+        self.reserved -= hold.tokens
+        self._wake()
+
+    def _wake(self) -> None:
+        """Growths first (each checks again), then the line, once no growth waits."""
+        for waiter in self._growers:
+            if not waiter.done():
+                waiter.set_result(None)
         self._admit()
 
     def _admit(self) -> None:
-        while self._line and self._fits(self._line[0][0]):
-            tokens, future = self._line.popleft()
+        while self._line and self._fits(self._line[0][0].tokens):
+            hold, future = self._line.popleft()
             if not future.done():  # a waiter cancelled but not yet run its except clause holds nothing
-                self._take(tokens)
+                self._take(hold)
                 future.set_result(None)
+
+
+class KvShare:
+    """One generation's reservation: its prompt, a round's drafts and `step` tokens of output at first, `step`
+    more each time a round would pass it, never past `cap` (prompt + max_tokens + K, within the context)."""
+
+    def __init__(self, admission: Admission, prompt: int, cap: int, k: int, step: int):
+        self.admission = admission
+        self.cap = cap
+        self.step = step
+        self.first = min(prompt + step + k, cap)
+        self.hold: Hold | None = None  # None while out (not yet admitted, or preempted and waiting)
+
+    @property
+    def limit(self) -> int:
+        """The most tokens a session may hold: the cap, within the pools."""
+        return min(self.cap, self.admission.tokens)
+
+    async def enter(self) -> None:
+        self.hold = await self.admission.enter(self.first)
+
+    async def grow(self, tokens: int) -> bool:
+        """Hold at least `tokens`; False when this generation must give its KV up first (``come_back``)."""
+        hold = self.hold
+        if tokens <= hold.tokens:
+            return not hold.preempt
+        return await self.admission.grow(hold, min(max(tokens, hold.tokens + self.step), self.limit))
+
+    async def come_back(self, tokens: int) -> None:
+        """Give everything back (the sessions are freed) and wait at the head of the line for `tokens`."""
+        hold, self.hold = self.hold, None
+        self.hold = await self.admission.come_back(hold, min(tokens, self.limit))
+
+    def leave(self) -> None:
+        if self.hold is not None:
+            self.admission.leave(self.hold)
+            self.hold = None

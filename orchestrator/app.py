@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from orchestrator.admission import Admission
 from orchestrator.clients import ModelClient
 from orchestrator.metrics import OrchestratorMetrics
-from orchestrator.openai_api import start_http
+from orchestrator.openai_compat import start_http
 from orchestrator.replicas import ReplicaSet, Role
 from orchestrator.servicer import GenerationServicer, capacity
 from specdec import models

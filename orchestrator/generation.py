@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from orchestrator import failover, rejection_sampler as rs
+from orchestrator.admission import KvShare
 from orchestrator.detokenizer import TextStream
 from orchestrator.head_draft import HeadDraft
 from orchestrator.link import Link
@@ -39,13 +40,15 @@ class Generation:
         metrics: OrchestratorMetrics,
         cfg: OrchestratorConfig,
         speculation: Speculation | None = None,
+        kv: KvShare | None = None,
     ):
         self.spec = spec
         self.session_id = session_id
         self.draft = Link(Role.DRAFT, draft, session_id, cfg, metrics)
         self.target = Link(Role.TARGET, target, session_id, cfg, metrics)
         self.head = HeadDraft(self.draft, self.target, draft.feature_size) if draft.reads_features else None
-        self.eos_ids = eos_ids
+        self.end_ids = set() if spec.ignore_eos else set(eos_ids)  # end it as an EOS; stop_ids as a stop
+        self.kv = kv  # its KV reservation in admission; None: unlimited (tests of the loop alone)
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.speculation = speculation  # shared across requests: what rounds cost, recent alpha; None: not learned
@@ -82,7 +85,10 @@ class Generation:
                     if self.adaptive
                     else self.spec.k
                 )
-            k = max(0, min(wanted, remaining - 1, self.max_model_len - n_hist - 1))
+            k = await self._make_room(max(0, min(wanted, remaining - 1, self.max_model_len - n_hist - 1)))
+            if k < 0:  # the pools cannot hold one more token of it: as if the context were full
+                yield self._message([], gen_pb.FINISH_REASON_LENGTH)
+                return
             t0 = time.perf_counter()
             trace = RoundTrace()
             looked_up = self.lookup.propose(self.history, k) if self.lookup else []
@@ -100,6 +106,33 @@ class Generation:
                 finish = gen_pb.FINISH_REASON_CONTEXT_LENGTH
             self._record_round(len(drafts), n, added, trace, t0, t_accept, looked_up=bool(looked_up))
             yield self._message(added, finish)
+
+    async def _make_room(self, k: int) -> int:
+        """The round's K once the KV its sessions may come to hold (history + K) is reserved; -1 when the pools
+        cannot hold even the history. The reservation grows in steps; when an older generation needs the room,
+        this one gives its KV up and comes back, rebuilt from its history (orchestrator/admission.py)."""
+        if self.kv is None:
+            return k
+        n_hist = len(self.history)
+        if n_hist > self.kv.limit:
+            return -1
+        k = min(k, self.kv.limit - n_hist)
+        while not await self.kv.grow(n_hist + k):
+            await self._step_aside(n_hist + k)
+        return k
+
+    async def _step_aside(self, tokens: int) -> None:
+        """Recompute preemption: free both sessions, wait at the head of admission's line, and start again on the
+        replicas then least loaded; the next calls resend the history, and the keyed draws give the same tokens."""
+        self.stats.preemptions += 1
+        self.metrics.preemptions.inc()
+        await self.release()
+        for link in (self.draft, self.target):
+            link.hosts.clear()
+            link.forget()
+        await self.kv.come_back(tokens)
+        for link in (self.draft, self.target):
+            failover.place(link)
 
     async def _propose(self, k: int, trace: RoundTrace):
         """The draft's proposal, or None: the round goes on with the target alone (failover.call says when)."""
@@ -185,7 +218,10 @@ class Generation:
         Only accepted tokens get here."""
         added, finish = [], None
         for t in round_tokens:
-            if t in self.eos_ids:
+            if t in self.spec.stop_ids:
+                finish = gen_pb.FINISH_REASON_STOP_TOKEN_ID
+                break
+            if t in self.end_ids:
                 finish = gen_pb.FINISH_REASON_EOS_TOKEN
                 break
             added.append(t)

@@ -179,6 +179,11 @@ class OrchestratorMetrics:
         self.rebuilds = Counter(
             "specdec_session_rebuilds_total", "Sessions resent after a server lost them", ["service"], registry=r
         )
+        self.preemptions = Counter(
+            "specdec_preemptions_total",
+            "Generations that gave their KV up to an older one's growth, to be rebuilt from their history",
+            registry=r,
+        )
         self.draft_fallbacks = Counter(
             "specdec_draft_fallback_rounds_total",
             "Rounds decoded by the target alone because no draft replica was available",

@@ -13,7 +13,7 @@ import uuid
 
 import grpc
 
-from orchestrator.admission import Admission
+from orchestrator.admission import Admission, KvShare
 from orchestrator.generation import Generation
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.replicas import ReplicaSet
@@ -88,6 +88,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         for m in req.messages:
             if not m.role:
                 raise invalid("every message needs a role (system, user or assistant)")
+        if req.min_tokens:
+            raise invalid(
+                "min_tokens is not supported yet: it needs the end-of-sequence tokens masked in both model "
+                "servers' distributions; leave it unset or 0"
+            )
+        vocab = len(self.tokenizer)
+        if len(req.stop_token_ids) > cfg.max_stop_strings or any(t >= vocab for t in req.stop_token_ids):
+            raise invalid(f"stop_token_ids takes at most {cfg.max_stop_strings} token ids below {vocab}")
         ids = self._tokenize(req)
         if not ids:
             raise invalid("the prompt encodes to no tokens")
@@ -103,6 +111,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             lookup=(lookup_min, cfg.prompt_lookup_max),
             speculate_first_round=cfg.speculate_first_round,
             adaptive_start=k if adaptive else None,
+            ignore_eos=req.ignore_eos,
+            stop_ids=frozenset(req.stop_token_ids),
         )
 
     def _sampling_fields(self, req: gen_pb.GenerateRequest) -> tuple[float, float, int]:
@@ -158,16 +168,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"prompt ({prompt_len} tokens) leaves no room in the context length {self.max_model_len}",
             )
-        return min(self.cfg.max_tokens, room)
+        return room if req.run_to_context_end else min(self.cfg.max_tokens, room)
 
     def _tokenize(self, req: gen_pb.GenerateRequest) -> list[int]:
         if req.prompt:
-            return self.tokenizer(req.prompt, add_special_tokens=True)["input_ids"]
+            return self.encode(req.prompt)
+        return self.encode(messages=[(m.role, m.content) for m in req.messages])
+
+    def encode(self, prompt: str | None = None, messages=None, add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of a raw prompt, or of (role, content) messages through the chat template; raises
+        INVALID_ARGUMENT where the model has no template or the template refuses the conversation."""
+        if prompt is not None:
+            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         if not getattr(self.tokenizer, "chat_template", None):
             raise invalid("this model has no chat template; send a raw prompt instead of messages")
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        chat = [{"role": role, "content": content} for role, content in messages]
         try:
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+            out = self.tokenizer.apply_chat_template(
+                chat, add_generation_prompt=add_generation_prompt, return_dict=True
+            )
         except Exception as e:  # the template rejects the conversation (roles out of order...)
             raise invalid(f"the chat template rejected the messages: {e}") from None
         return list(out["input_ids"])
@@ -190,12 +209,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def stream(self, request: gen_pb.GenerateRequest):
         """One request's generation as the messages its client gets, the last with stats; the gRPC handler and
-        the OpenAI-compatible endpoint (orchestrator/openai_api.py) both serve it. Raises ServiceError with the
+        the OpenAI-compatible endpoint (orchestrator/openai_compat/) both serve it. Raises ServiceError with the
         status the client should see (INTERNAL for a defect, whose traceback goes to the log). Every request is
         counted once, finished or errored; its sessions are freed on both servers however it ends."""
         arrived = time.perf_counter()
         m = self.metrics
-        spec, gen, kv_tokens = await self._admit(request)
+        spec, gen = await self._admit(request)
         m.active.inc()
         m.prompt_tokens.inc(len(spec.prompt_ids))
         last = None
@@ -233,14 +252,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise
         finally:
             m.active.dec()
-            self._release(gen, kv_tokens)
+            self._release(gen)
 
-    async def _admit(self, request: gen_pb.GenerateRequest) -> tuple[GenerationSpec, Generation, int]:
-        """The request checked and its generation set up, once admission gave it a slot and its KV tokens
-        (returned by ``_release``); a request refused or cancelled while in line is counted as an error."""
+    async def _admit(self, request: gen_pb.GenerateRequest) -> tuple[GenerationSpec, Generation]:
+        """The request checked and its generation set up, once admission gave it a slot and its first KV tokens
+        (given back by ``_release``); a request refused or cancelled while in line is counted as an error."""
         m = self.metrics
         try:
             spec = self.build_spec(request)
+            prompt = len(spec.prompt_ids)
+            cap = min(prompt + spec.max_tokens + spec.k, self.max_model_len)
+            if request.HasField("max_tokens"):  # asked for more than the pools could ever hold: refused now
+                self.admission.check(cap)
+            kv = KvShare(self.admission, prompt, cap, spec.k, self.cfg.kv_reserve_tokens)
             gen = Generation(
                 spec,
                 uuid.uuid4().hex,
@@ -252,23 +276,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 m,
                 self.cfg,
                 self.speculation,
+                kv,
             )
-            kv_tokens = min(len(spec.prompt_ids) + spec.max_tokens + spec.k, self.max_model_len)
-            await self.admission.enter(kv_tokens)  # given back once the generation's sessions are freed
+            await kv.enter()  # given back once the generation's sessions are freed
         except ServiceError as e:
             m.request_errors.labels(e.code.name).inc()
             raise
         except asyncio.CancelledError:  # the client left, or its deadline passed, while it waited in line
             m.request_errors.labels("CANCELLED").inc()
             raise
-        return spec, gen, kv_tokens
+        return spec, gen
 
-    def _release(self, gen: Generation, kv_tokens: int) -> None:
+    def _release(self, gen: Generation) -> None:
         """Free the generation's sessions on both servers in the background, then give its KV tokens back."""
         task = asyncio.ensure_future(gen.release())  # survives the cancellation of this handler
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
-        task.add_done_callback(lambda _: self.admission.leave(kv_tokens))  # once both servers freed the sessions
+        task.add_done_callback(lambda _: gen.kv.leave())  # once both servers freed the sessions
 
     def start(self) -> None:
         """Watch the replicas in the background (``watch``) until ``close``."""

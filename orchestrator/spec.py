@@ -18,5 +18,7 @@ class GenerationSpec:
     min_confidence: float = 0.0  # the draft stops a round early below it (ProposeTokensRequest.min_confidence)
     lookup: tuple[int, int] = (0, 0)  # prompt lookup's (n_min, n_max); n_min 0 turns it off
     speculate_first_round: bool = False  # False: the first round is the target's prefill alone (K = 0)
+    ignore_eos: bool = False  # EOS tokens are emitted like any other instead of ending the generation
+    stop_ids: frozenset[int] = frozenset()  # token ids that end the generation, not emitted
     adaptive_start: int | None = None  # set: each round chooses K in 0..k (orchestrator.speculation), this one
     # until the process has measured a drafted round; None: every round drafts k

@@ -287,7 +287,12 @@ class OrchestratorConfig:
         0,
         "generations run at once, each holding a KV session on both model servers; 0 = the smaller of "
         "the two servers' --max-sessions. A request also waits until the KV tokens it may hold (prompt + "
-        "max_tokens + K) fit in the servers' --max-tokens beside the running ones'",
+        "min(max_tokens, --kv-reserve-tokens) + K) fit in the servers' --max-tokens beside the running ones'",
+    )
+    kv_reserve_tokens: int = _option(
+        512,
+        "KV tokens of output a generation reserves at admission, and adds each time it runs out; when a "
+        "growth does not fit, the newest generation gives its KV up and is rebuilt from its history later",
     )
     max_queued_requests: int = _option(
         256, "requests that may wait for a free slot; past them a request gets RESOURCE_EXHAUSTED at once"
@@ -325,6 +330,8 @@ class OrchestratorConfig:
             )
         if self.max_concurrent_requests < 0 or self.max_queued_requests < 0:
             raise ConfigError("--max-concurrent-requests and --max-queued-requests must be >= 0")
+        if self.kv_reserve_tokens < 1:
+            raise ConfigError("--kv-reserve-tokens must be >= 1")
 
 
 def _one_of(values) -> str:

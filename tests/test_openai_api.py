@@ -99,10 +99,17 @@ def test_a_text_completion_is_the_grpc_generations_text(api):
 @pytest.mark.parametrize(
     "fields, error, words, code",
     [
-        (dict(n=2), openai.BadRequestError, "n must be 1", None),
+        (dict(n=2), openai.BadRequestError, "n (other than 1) is not supported", "unsupported"),
         (dict(temperature=-1), openai.BadRequestError, "temperature", "invalid_argument"),
         (dict(max_tokens=10**6), openai.BadRequestError, "context length", "out_of_range"),
-        (dict(logprobs=True), openai.BadRequestError, "logprobs is not supported", None),
+        (dict(logprobs=True), openai.BadRequestError, "logprobs (other than false or 0) is not", "unsupported"),
+        (dict(max_tokens=-1), openai.BadRequestError, "max_tokens must be within", None),
+        (dict(seed=2**64), openai.BadRequestError, "seed must be within", None),
+        (dict(stream_options=[1]), openai.BadRequestError, "stream_options must be an object", None),
+        (dict(extra_body={"min_tokens": 3}), openai.BadRequestError, "min_tokens above 0", "unsupported"),
+        (dict(extra_body={"guided_json": {}}), openai.BadRequestError, "Unrecognized request argument", None),
+        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), openai.BadRequestError, "tools", "unsupported"),
+        (dict(response_format={"type": "json_object"}), openai.BadRequestError, "json_object", "unsupported"),
         (dict(model="gpt-4o"), openai.NotFoundError, "does not exist", "model_not_found"),
         (
             dict(extra_body={"num_speculative_tokens": 99}),
@@ -203,3 +210,124 @@ def test_the_readmes_python_clients_work_as_written(api, capsys):
         exec(compile(block, "README.md", "exec"), {})
         printed = capsys.readouterr().out
         assert len(printed.split()) >= 5, printed  # a haiku came back
+
+
+def test_openais_defaults_apply_where_a_request_leaves_the_fields_unset():
+    from orchestrator.openai_compat.request import generate_request
+
+    req = generate_request({"messages": MESSAGES}, chat=True)
+    assert req.run_to_context_end and not req.HasField("max_tokens")  # no cut but the context's
+    assert (req.temperature, req.top_p) == (1.0, 1.0)
+    req = generate_request({"prompt": "Hi", "max_tokens": 5, "temperature": 0, "top_k": -1}, chat=False)
+    assert req.max_tokens == 5 and not req.run_to_context_end and req.temperature == 0 and req.top_k == 0
+
+
+NEUTRAL = dict(
+    n=1,
+    response_format={"type": "text"},
+    tool_choice="none",
+    tools=[],
+    top_logprobs=0,
+    logprobs=False,
+    frequency_penalty=0,
+    presence_penalty=0.0,
+    user="someone",
+)
+
+
+def test_neutral_values_of_fields_not_built_pass(api):
+    c = client(api)
+    chat = c.chat.completions.create(model=model_id(api), messages=MESSAGES, max_tokens=3, **NEUTRAL)
+    assert chat.choices[0].message.content
+    text = c.completions.create(
+        model=model_id(api), prompt="The sky is", max_tokens=3, suffix="", echo=False, logprobs=0, best_of=1
+    )
+    assert text.choices[0].text
+
+
+def _post(stack, path: str, body, raw: bool = False) -> tuple[int, str, object]:
+    conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=60)
+    data = body if raw else json.dumps(body)
+    conn.request("POST", path, data, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    payload = response.read()
+    conn.close()
+    try:
+        parsed = json.loads(payload)
+    except ValueError:
+        parsed = None
+    return response.status, response.getheader("Content-Type", ""), parsed
+
+
+def test_ignore_eos_runs_past_the_end_of_sequence_and_emits_it(api):
+    eos = api.servicer.eos_ids
+    ids, _, stats = api.generate(messages=[("user", "Say hi.")], max_tokens=48, temperature=0.0)
+    assert stats.finish_reason == gen_pb.FINISH_REASON_EOS_TOKEN and not set(ids) & eos  # a short answer
+    ids, _, stats = api.generate(messages=[("user", "Say hi.")], max_tokens=48, temperature=0.0, ignore_eos=True)
+    assert stats.finish_reason == gen_pb.FINISH_REASON_LENGTH and len(ids) == 48 and set(ids) & eos
+    whole = client(api).chat.completions.create(
+        model=model_id(api),
+        messages=[{"role": "user", "content": "Say hi."}],
+        max_tokens=48,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 48
+
+
+def test_stop_token_ids_end_the_generation_before_the_id(api):
+    ids, _, _ = api.generate(prompt="The capital of France is", max_tokens=12, temperature=0.0)
+    stop_at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    cut, _, stats = api.generate(
+        prompt="The capital of France is", max_tokens=12, temperature=0.0, stop_token_ids=[ids[stop_at]]
+    )
+    assert cut == ids[:stop_at] and stats.finish_reason == gen_pb.FINISH_REASON_STOP_TOKEN_ID
+    whole = client(api).completions.create(
+        model=model_id(api),
+        prompt="The capital of France is",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"stop_token_ids": [ids[stop_at]]},
+    )
+    assert whole.choices[0].finish_reason == "stop" and whole.usage.completion_tokens == stop_at
+
+
+def test_tokenize_and_detokenize_take_vllms_shapes(api, tokenizer):
+    status, _, body = _post(api, "/tokenize", {"model": model_id(api), "prompt": "Hello there"})
+    assert status == 200 and body["tokens"] == tokenizer("Hello there")["input_ids"]
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == api.servicer.max_model_len
+    status, _, chat = _post(api, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": True})
+    expected = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert status == 200 and chat["tokens"] == list(expected)
+    status, _, bare = _post(api, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
+    assert status == 200 and bare["count"] < chat["count"]
+    status, _, text = _post(api, "/detokenize", {"model": model_id(api), "tokens": body["tokens"]})
+    assert status == 200 and text == {"prompt": tokenizer.decode(body["tokens"])}
+    for path, bad in [
+        ("/tokenize", {"prompt": 5}),
+        ("/tokenize", {}),
+        ("/tokenize", {"prompt": "a", "messages": MESSAGES}),
+        ("/detokenize", {"tokens": [-1]}),
+        ("/detokenize", {"tokens": "abc"}),
+        ("/detokenize", {"tokens": [1], "model": "gpt-4o"}),
+    ]:
+        status, _, error = _post(api, path, bad)
+        assert status in (400, 404) and set(error["error"]) == {"message", "type", "param", "code"}
+
+
+def test_health_is_503_while_no_target_replica_is_up(event_loop_thread, tokenizer, tiny_draft, target_model):
+    port = free_ports(1)[0]
+    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model, orch_cfg=dict(http_port=port))
+
+    def health() -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+
+    try:
+        assert health() == 200
+        target_server = stack.servers[2]
+        stack.lt.run(target_server.stop(0))
+        assert eventually(lambda: health() == 503, timeout_s=30)
+    finally:
+        stop_stack(stack)

@@ -14,11 +14,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_EOS_TOKEN: _ClassVar[FinishReason]
     FINISH_REASON_STOP_SEQUENCE: _ClassVar[FinishReason]
     FINISH_REASON_CONTEXT_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP_TOKEN_ID: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS_TOKEN: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
 FINISH_REASON_CONTEXT_LENGTH: FinishReason
+FINISH_REASON_STOP_TOKEN_ID: FinishReason
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -29,7 +31,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "draft_confidence_threshold", "prompt_lookup_min")
+    __slots__ = ("prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "draft_confidence_threshold", "prompt_lookup_min", "run_to_context_end", "ignore_eos", "stop_token_ids", "min_tokens")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +43,10 @@ class GenerateRequest(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CONFIDENCE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
+    RUN_TO_CONTEXT_END_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     max_tokens: int
@@ -52,10 +58,14 @@ class GenerateRequest(_message.Message):
     num_speculative_tokens: int
     draft_confidence_threshold: float
     prompt_lookup_min: int
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., draft_confidence_threshold: _Optional[float] = ..., prompt_lookup_min: _Optional[int] = ...) -> None: ...
+    run_to_context_end: bool
+    ignore_eos: bool
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    min_tokens: int
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., draft_confidence_threshold: _Optional[float] = ..., prompt_lookup_min: _Optional[int] = ..., run_to_context_end: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_tokens_per_round", "rejected_rounds", "time_to_first_token_seconds", "total_seconds", "seed", "lookup_rounds", "lookup_tokens", "lookup_accepted_tokens")
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_tokens_per_round", "rejected_rounds", "time_to_first_token_seconds", "total_seconds", "seed", "lookup_rounds", "lookup_tokens", "lookup_accepted_tokens", "preemptions")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +81,7 @@ class GenerationStats(_message.Message):
     LOOKUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
@@ -86,7 +97,8 @@ class GenerationStats(_message.Message):
     lookup_rounds: int
     lookup_tokens: int
     lookup_accepted_tokens: int
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_tokens_per_round: _Optional[float] = ..., rejected_rounds: _Optional[int] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., seed: _Optional[int] = ..., lookup_rounds: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., lookup_accepted_tokens: _Optional[int] = ...) -> None: ...
+    preemptions: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_tokens_per_round: _Optional[float] = ..., rejected_rounds: _Optional[int] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., seed: _Optional[int] = ..., lookup_rounds: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., lookup_accepted_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "stats")

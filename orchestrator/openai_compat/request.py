@@ -1,0 +1,235 @@
+"""An OpenAI request body checked field by field and mapped onto our GenerateRequest; ApiError 400 naming the
+field for anything malformed or not served, so that no body gets a 500 and no field is dropped without a word.
+
+Every field is one of: ours or OpenAI's, mapped (`_INTS`, `_FLOATS`, the rest in `generate_request`); neutral,
+accepted only at the value that changes nothing here (`_NEUTRAL`); ignored because it changes no output, as
+OpenAI's own metadata fields (`_IGNORED`); or refused by name. docs/openai.md lists them all against vLLM and
+llama-server.
+"""
+
+from __future__ import annotations
+
+import math
+
+from orchestrator.openai_compat.errors import invalid, unsupported
+from specdec.v1 import generation_pb2 as gen_pb
+
+_U32, _I32, _U64 = (1 << 32) - 1, (1 << 31) - 1, (1 << 64) - 1
+_F32 = 3.4e38  # beyond it a float field holds inf
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+# name -> (lowest, highest) of the integers we map
+_INTS = {
+    "max_tokens": (1, _U32),
+    "max_completion_tokens": (1, _U32),
+    "seed": (0, _U64),
+    "top_k": (-1, _I32),  # vLLM's -1 (and our 0) turn it off
+    "num_speculative_tokens": (0, _I32),
+    "prompt_lookup_min": (0, _U32),
+    "min_tokens": (0, _U32),
+}
+_FLOATS = ("temperature", "top_p", "draft_confidence_threshold")
+# Fields accepted at the value that changes nothing here (several spellings of nothing); others are refused.
+_NEUTRAL = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "suffix": ("",),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "use_beam_search": (False,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+}
+# OpenAI's metadata and routing fields: they change no output, and OpenAI takes them.
+_IGNORED = {"model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
+_MAPPED = {"messages", "prompt", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options"}
+_MAPPED |= {"parallel_tool_calls", *_INTS, *_FLOATS}
+# What a test of the future features sends; refused by name until each is built (issue 42).
+_NOT_BUILT = {
+    "tools": "(other than an empty list)",
+    "tool_choice": "(other than none)",
+    "response_format": "(other than {'type': 'text'}): json_object and json_schema are not built yet",
+    "n": "(other than 1)",
+    "best_of": "(other than 1)",
+    "echo": "(other than false)",
+    "logprobs": "(other than false or 0)",
+    "top_logprobs": "(other than 0)",
+}
+
+
+def generate_request(body, chat: bool) -> gen_pb.GenerateRequest:
+    """An OpenAI request body as our GenerateRequest; ApiError 400 for what does not map."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    for name in body:
+        if not isinstance(name, str) or not (name in _MAPPED or name in _NEUTRAL or name in _IGNORED):
+            raise invalid(f"Unrecognized request argument supplied: {name}", str(name))
+    _check_neutral(body)
+    req = gen_pb.GenerateRequest()
+    if chat:
+        for role, content in messages(body.get("messages")):
+            req.messages.add(role=role, content=content)
+    else:
+        req.prompt = prompt(body.get("prompt"))
+    ints = {name: integer(body, name, *bounds) for name, bounds in _INTS.items()}
+    if ints["min_tokens"]:
+        raise unsupported("min_tokens", "above 0 (it needs the end-of-sequence tokens masked on both model servers)")
+    max_tokens = ints["max_completion_tokens"] if ints["max_completion_tokens"] is not None else ints["max_tokens"]
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    else:
+        req.run_to_context_end = True  # OpenAI's default: no cut but the context's
+    for name in ("seed", "num_speculative_tokens", "prompt_lookup_min"):
+        if ints[name] is not None:
+            setattr(req, name, ints[name])
+    if ints["top_k"] is not None:
+        req.top_k = max(ints["top_k"], 0)
+    req.temperature = req.top_p = 1.0  # OpenAI's defaults, where the request leaves them unset
+    for name in _FLOATS:
+        if (value := number(body, name)) is not None:
+            setattr(req, name, value)
+    req.stop.extend(_strings(body.get("stop"), "stop"))
+    req.stop_token_ids.extend(_token_ids(body.get("stop_token_ids"), "stop_token_ids"))
+    req.ignore_eos = flag(body, "ignore_eos")
+    flag(body, "stream"), flag(body, "parallel_tool_calls")
+    stream_options(body)
+    return req
+
+
+def _check_neutral(body: dict) -> None:
+    for name, values in _NEUTRAL.items():
+        value = body.get(name)
+        if value is None or any(_same(value, v) for v in values):
+            continue
+        if name in _NOT_BUILT:
+            raise unsupported(name, _NOT_BUILT[name])
+        raise unsupported(name, f"other than {values[0]!r}")
+
+
+def _same(a, b) -> bool:
+    """JSON equality, where true is not 1."""
+    return type(a) is type(b) and a == b if isinstance(a, bool) or isinstance(b, bool) else a == b
+
+
+def integer(body: dict, name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"{name} must be an integer, got {_show(value)}", name)
+    if not low <= value <= high:
+        raise invalid(f"{name} must be within [{low}, {high}], got {value}", name)
+    return value
+
+
+def number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid(f"{name} must be a number, got {_show(value)}", name)
+    if not (math.isfinite(value) and abs(value) <= _F32):
+        raise invalid(f"{name} must be a finite number, got {_show(value)}", name)
+    return float(value)
+
+
+def flag(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise invalid(f"{name} must be true or false, got {_show(value)}", name)
+    return bool(value)
+
+
+def stream_options(body: dict) -> dict:
+    options = body.get("stream_options")
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise invalid(f"stream_options must be an object, got {_show(options)}", "stream_options")
+    for name in options:
+        if name not in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
+            raise invalid(f"Unrecognized stream_options field: {name}", "stream_options")
+        flag(options, name)
+    if options.get("continuous_usage_stats"):
+        raise unsupported("stream_options.continuous_usage_stats")
+    return options
+
+
+def messages(value) -> list[tuple[str, str]]:
+    """(role, text) of each message; tool messages and non-text parts are refused by name."""
+    if not isinstance(value, list) or not value:
+        raise invalid("messages must be a non-empty list of {role, content}", "messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise invalid(f"messages[{i}] must be an object with a role", "messages")
+        if m["role"] not in ROLES:
+            if m["role"] in ("tool", "function"):
+                raise unsupported("messages", f"with role {m['role']!r} (tools are not built yet)")
+            raise invalid(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {_show(m['role'])}", "messages")
+        if m.get("tool_calls") or m.get("function_call"):
+            raise unsupported("messages", "with tool_calls (tools are not built yet)")
+        out.append((ROLES[m["role"]], _text(m.get("content"), f"messages[{i}].content")))
+    return out
+
+
+def _text(content, param: str) -> str:
+    """A message's content: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise invalid(f"{param} must be a string or a list of text parts {{type: text, text}}", "messages")
+
+
+def prompt(value) -> str:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise unsupported("prompt", "as token ids")
+    if not isinstance(value, str) or not value:
+        raise invalid("prompt must be a non-empty string (one prompt per request)", "prompt")
+    return value
+
+
+def _strings(value, name: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise invalid(f"{name} must be a string or a list of strings", name)
+    return value
+
+
+def _token_ids(value, name: str) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _U32 for t in value
+    ):
+        raise invalid(f"{name} must be a list of token ids (integers >= 0)", name)
+    return value
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

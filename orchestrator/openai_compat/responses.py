@@ -1,0 +1,67 @@
+"""The bodies we answer with, in OpenAI's shapes: a whole completion, a stream's chunks, usage, and our speculative
+stats (the `specdec` field)."""
+
+from __future__ import annotations
+
+from specdec.v1 import generation_pb2 as gen_pb
+
+FINISH = {
+    gen_pb.FINISH_REASON_EOS_TOKEN: "stop",
+    gen_pb.FINISH_REASON_STOP_SEQUENCE: "stop",
+    gen_pb.FINISH_REASON_STOP_TOKEN_ID: "stop",
+    gen_pb.FINISH_REASON_LENGTH: "length",
+    gen_pb.FINISH_REASON_CONTEXT_LENGTH: "length",
+}
+
+
+def finish_reason(stats: gen_pb.GenerationStats) -> str:
+    return FINISH.get(stats.finish_reason, "stop")
+
+
+def speculation_stats(stats: gen_pb.GenerationStats) -> dict:
+    alpha = (
+        stats.accepted_tokens / (stats.accepted_tokens + stats.rejected_rounds)
+        if stats.accepted_tokens + stats.rejected_rounds
+        else None
+    )
+    return {
+        "rounds": stats.rounds,
+        "draft_tokens": stats.draft_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "acceptance_rate": stats.acceptance_rate,
+        "alpha": alpha,
+        "mean_tokens_per_round": stats.mean_tokens_per_round,
+        "rejected_rounds": stats.rejected_rounds,
+        "lookup_tokens": stats.lookup_tokens,
+        "preemptions": stats.preemptions,
+        "time_to_first_token_seconds": stats.time_to_first_token_seconds,
+        "total_seconds": stats.total_seconds,
+        "seed": stats.seed,
+    }
+
+
+def usage(stats: gen_pb.GenerationStats) -> dict:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+    }
+
+
+def choice(chat: bool, text: str, finish: str) -> dict:
+    """The one choice of a whole completion."""
+    out = (
+        {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+        if chat
+        else {"index": 0, "text": text, "logprobs": None}
+    )
+    out["finish_reason"] = finish
+    return out
+
+
+def chunk_choice(chat: bool, delta: str | None = None, finish: str | None = None, role: bool = False) -> dict:
+    """The one choice of a stream's chunk: new text, or (delta None) none; role: the chat's first chunk."""
+    if not chat:
+        return {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+    content = {} if delta is None else {"content": delta}
+    return {"index": 0, "delta": {"role": "assistant", **content} if role else content, "finish_reason": finish}

@@ -1,0 +1,217 @@
+"""The HTTP routes over a GenerationServicer; what each answers is in the package's docstring."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from orchestrator.openai_compat import request as fields, responses as out
+from orchestrator.openai_compat.errors import ApiError, invalid
+from orchestrator.servicer import bearer_matches
+from specdec.errors import ServiceError
+
+log = logging.getLogger(__name__)
+
+_JSON_ERRORS = (ValueError, RecursionError, UnicodeDecodeError)  # bad JSON, 4,300-digit numbers, deep nesting
+
+
+class OpenAIApi:
+    def __init__(self, servicer, model: str, api_key: str = ""):
+        self.servicer = servicer
+        self.model = model
+        self.api_key = api_key
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=self.servicer.cfg.max_request_bytes)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        return app
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.complete(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.complete(request, chat=False)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            if request.path != "/health":
+                self._authorize(request)
+            return await handler(request)
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException as e:  # unknown route, wrong method, body too large
+            return web.json_response(ApiError(e.status, e.reason, "invalid_request_error").body(), status=e.status)
+        except ServiceError as e:
+            return web.json_response(ApiError.of(e).body(), status=ApiError.of(e).status)
+        except Exception:  # a defect: the client gets OpenAI's shape, the log the traceback
+            log.exception("%s %s failed", request.method, request.path)
+            error = ApiError(500, "the request failed on the orchestrator; see its log", "internal_error")
+            return web.json_response(error.body(), status=500)
+
+    def _authorize(self, request: web.Request) -> None:
+        if not self.api_key:
+            return
+        if not bearer_matches(request.headers.get("Authorization", ""), self.api_key):
+            raise ApiError(
+                401,
+                "a valid API key is required: send Authorization: Bearer <key>",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while a target replica can take generations, 503 otherwise (a probe takes the pod out)."""
+        if not self.servicer.target.placeable():
+            return web.json_response({"status": "unavailable", "reason": "no target replica is up"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.model, "object": "model", "created": self.created, "owned_by": "specdec"}],
+            }
+        )
+
+    async def _body(self, request: web.Request) -> dict:
+        """The JSON object of the body, its `model` (if any) this one."""
+        try:
+            body = json.loads(await request.text())
+        except _JSON_ERRORS:
+            raise invalid("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise invalid("the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise invalid("model must be a string", "model")
+        if model not in (None, self.model):
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist here; this server serves {self.model!r} (GET /v1/models)",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+        return body
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: {prompt} or {messages, add_generation_prompt} -> {tokens, count, max_model_len}."""
+        body = await self._body(request)
+        unknown = sorted(set(body) - {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"})
+        if unknown or ("prompt" in body) == ("messages" in body):
+            raise invalid("send {model, prompt} or {model, messages, add_generation_prompt}", (unknown or [None])[0])
+        if "prompt" in body:
+            if not isinstance(body["prompt"], str):
+                raise invalid("prompt must be a string", "prompt")
+            if body.get("add_special_tokens") not in (None, True):
+                raise invalid("add_special_tokens must be true for a prompt here", "add_special_tokens")
+            ids = self.servicer.encode(body["prompt"])
+        else:
+            if body.get("add_special_tokens") not in (None, False):
+                raise invalid("add_special_tokens must be false for messages here", "add_special_tokens")
+            ids = self.servicer.encode(
+                messages=fields.messages(body["messages"]),
+                add_generation_prompt=body.get("add_generation_prompt") is None
+                or fields.flag(body, "add_generation_prompt"),
+            )
+        ids = list(ids)
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": self.servicer.max_model_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: {tokens} -> {prompt}."""
+        body = await self._body(request)
+        if set(body) - {"model", "tokens"}:
+            raise invalid("send {model, tokens}", sorted(set(body) - {"model", "tokens"})[0])
+        vocab = len(self.servicer.tokenizer)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
+        ):
+            raise invalid(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
+        return web.json_response({"prompt": self.servicer.tokenizer.decode(tokens)})
+
+    async def complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await self._body(request)
+        gen_request = fields.generate_request(body, chat)
+        include_usage = bool(fields.stream_options(body).get("include_usage"))
+        kind = "chat.completion" if chat else "text_completion"
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        messages = self.servicer.stream(gen_request)
+        async with contextlib.aclosing(messages):
+            if body.get("stream"):
+                return await self._stream(request, messages, chat, kind, ident, include_usage)
+            text, stats = [], None
+            try:
+                async for msg in messages:
+                    text.append(msg.text)
+                    if msg.HasField("stats"):
+                        stats = msg.stats
+            except ServiceError as e:
+                raise ApiError.of(e) from None
+        return web.json_response(
+            {
+                "id": ident,
+                "object": kind,
+                "created": int(time.time()),
+                "model": self.model,
+                "choices": [out.choice(chat, "".join(text), out.finish_reason(stats))],
+                "usage": out.usage(stats),
+                "specdec": out.speculation_stats(stats),
+            }
+        )
+
+    async def _stream(self, request, messages, chat: bool, kind: str, ident: str, include_usage: bool):
+        created = int(time.time())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        head = {"id": ident, "object": kind + ".chunk" if chat else kind, "created": created, "model": self.model}
+
+        async def send(data) -> None:
+            payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+            await response.write(f"data: {payload}\n\n".encode())
+
+        started = False
+        try:
+            async for msg in messages:
+                if not started:  # headers go out with the first message: an error before it gets its own status
+                    await response.prepare(request)
+                    started = True
+                    if chat:
+                        await send({**head, "choices": [out.chunk_choice(chat, "", role=True)]})
+                if msg.text:
+                    await send({**head, "choices": [out.chunk_choice(chat, msg.text)]})
+                if msg.HasField("stats"):
+                    final = out.chunk_choice(chat, finish=out.finish_reason(msg.stats))
+                    await send({**head, "choices": [final], "specdec": out.speculation_stats(msg.stats)})
+                    if include_usage:
+                        await send({**head, "choices": [], "usage": out.usage(msg.stats)})
+        except ServiceError as e:
+            if not started:
+                raise ApiError.of(e) from None
+            await send(ApiError.of(e).body())  # mid-stream: the error as the last event, then the stream ends
+            await response.write_eof()
+            return response
+        await send("[DONE]")
+        await response.write_eof()
+        return response
+
+
+async def start_http(servicer, model: str, host: str, port: int, api_key: str = "") -> web.AppRunner:
+    """Serve the API on the running loop. A client that disconnects cancels its handler (handler_cancellation),
+    which ends its generation and frees its sessions."""
+    runner = web.AppRunner(OpenAIApi(servicer, model, api_key).app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    log.info("OpenAI-compatible API on http://%s:%d/v1%s", host, port, " (API key required)" if api_key else "")
+    return runner

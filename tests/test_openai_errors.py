@@ -1,0 +1,117 @@
+"""Every malformed body gets OpenAI's error shape with a 4xx status, never a 500 or plain text: a few hundred
+bodies generated from a seed, each broken in one way known to be wrong (wrong types, out-of-range and huge numbers,
+nested garbage, fields not built, unknown fields, bodies that are not JSON objects), thrown at both completion
+routes of the real server."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+
+import pytest
+
+from conftest import make_stack, stop_stack
+from specdec.server import free_ports
+
+BAD_ANY = [None, "x", "", [], {}, [[[]]], {"a": {"b": [1, {"c": None}]}}, True, 1.5, -(10**30), 10**40, 2**64]
+BAD = {  # field -> values that are wrong for it whatever else the body says
+    "max_tokens": ["5", 0, -1, -(10**9), 2**32, 10**100, 1.5, True, [1], {"a": 1}],
+    "max_completion_tokens": ["5", 0, -5, 2**32, 1.25, False, [], {}],
+    "temperature": ["hot", -1, -0.5, True, [0.5], {"t": 1}, 1e300 * 10],
+    "top_p": ["x", 0, -1, 1.5, 2, True, [1]],
+    "top_k": ["x", -2, 2**40, 0.5, True, {}],
+    "seed": [-1, 2**64, 2**70, 10**100, "1", 1.5, True, []],
+    "n": [2, 0, -1, "1", 1.5, [1], True],
+    "stop": [5, [5], [None], {"a": 1}, [["x"]], True, [""]],
+    "stream": ["yes", 1, 0, [], {}],
+    "stream_options": [1, "x", [], True, {"include_usage": "x"}, {"bogus": True}],
+    "logprobs": [True, 5, "x"],
+    "top_logprobs": [3, "x", -1],
+    "echo": [True, "x", 1],
+    "response_format": [{"type": "json_object"}, "text", [], {"type": "json_schema", "json_schema": {}}],
+    "tools": [[{"type": "function", "function": {"name": "f"}}], "x", 5],
+    "tool_choice": ["auto", "required", {"type": "function"}, 5],
+    "frequency_penalty": [0.5, "x", -2],
+    "presence_penalty": [1, "x"],
+    "logit_bias": [{"1": 5}, "x", [1]],
+    "suffix": ["tail", 5],
+    "min_tokens": [3, -1, "x", 1.5],
+    "stop_token_ids": [5, "x", [-1], [1.5], [None], {}],
+    "ignore_eos": ["yes", 1, []],
+    "num_speculative_tokens": [-1, 10**6, "x", 0.5],
+    "repetition_penalty": [1.2, "x"],
+    "model": [5, [], {}, "gpt-4o", True],
+}
+MESSAGE_BAD = [
+    "x",
+    5,
+    [],
+    [5],
+    [{"role": 5}],
+    [{"content": "hi"}],
+    [{"role": "user", "content": 5}],
+    [{"role": "user", "content": [{"type": "image_url"}]}],
+    [{"role": "tool", "content": "x"}],
+    [{"role": "wizard", "content": "x"}],
+    [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+]
+PROMPT_BAD = [5, [], [1.5], {}, ["a", "b"], "", [1, 2, 3], [[1]]]
+NOT_OBJECTS = [
+    b"",
+    b"{",
+    b"not json",
+    b"\xff\xfe\x00",
+    b"[1, 2]",
+    b'"a string"',
+    b"null",
+    b"42",
+    b"[" * 5000 + b"]" * 5000,
+    b'{"max_tokens": ' + b"9" * 5000 + b"}",
+    b'{"a": NaN',
+    b"{}",
+]
+
+
+def _bodies(chat: bool, rng: random.Random, count: int):
+    base = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"}
+    base["max_tokens"] = 2
+    for _ in range(count):
+        roll = rng.random()
+        if roll < 0.1:
+            yield rng.choice(NOT_OBJECTS)
+            continue
+        body = dict(base)
+        if roll < 0.25:  # the required field broken
+            key = "messages" if chat else "prompt"
+            body[key] = rng.choice(MESSAGE_BAD if chat else PROMPT_BAD)
+        elif roll < 0.35:  # a field nobody knows
+            body["".join(rng.choice("abcdefgh_") for _ in range(rng.randint(1, 12))) + "_x"] = rng.choice(BAD_ANY)
+        else:  # a known field with a value wrong for it, sometimes beside a second one
+            for _ in range(rng.randint(1, 2)):
+                name = rng.choice(sorted(BAD))
+                body[name] = rng.choice(BAD[name])
+        yield json.dumps(body).encode()
+
+
+@pytest.fixture(scope="module")
+def api(event_loop_thread, tokenizer, tiny_draft, target_model):
+    port = free_ports(1)[0]
+    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model, orch_cfg=dict(http_port=port))
+    stack.http_port = port
+    yield stack
+    stop_stack(stack)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_every_malformed_body_gets_a_4xx_in_openais_error_shape(api, path):
+    rng = random.Random(42)
+    conn = http.client.HTTPConnection("127.0.0.1", api.http_port, timeout=60)
+    for data in _bodies(path.endswith("chat/completions"), rng, 250):
+        conn.request("POST", path, data, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        payload = response.read()
+        assert 400 <= response.status < 500, (data[:200], response.status, payload[:300])
+        assert response.getheader("Content-Type", "").startswith("application/json"), data[:200]
+        error = json.loads(payload)["error"]
+        assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str), data[:200]
