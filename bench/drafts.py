@@ -1,0 +1,108 @@
+"""Drafts side by side through the services: alpha at a fixed K, and one stream's tokens/s with adaptive K against
+the target alone, greedy and sampled, each ratio taken within one rep.
+
+    python -m bench.drafts --draft models/smollm2-draft --draft models/smollm2-head [--prompts 12] [--tokens 96]
+
+Each draft gets its own services (`specdec up` and the adaptive orchestrator, bench/services.py), all running at
+once on the same target model; the arms run one after the other within a rep, every draft in turn, so the
+machine's drift hits them all. The prompts are the training generator's held-out ones (training/prompts.py), which
+no draft trained on. alpha = accepted / (accepted + rounds ending in a rejection), at --k with prompt lookup off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.load import run_jobs
+from bench.metrics import leviathan_alpha
+from bench.services import machine, start_services, stop_services
+from specdec import models
+from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
+from training.prompts import make_prompts
+
+MODES = {"greedy": (0.0, 1.0), "t0.7": (0.7, 0.9)}  # temperature, top_p
+
+
+def sender(address: str, k: int | None, tokens: int, temperature: float, top_p: float):
+    """send((i, messages)): one streamed Generate, seeded by i; its tokens and speculative stats."""
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
+
+    def send(job) -> dict:
+        i, messages = job
+        req = pb.GenerateRequest(max_tokens=tokens, temperature=temperature, top_p=top_p, seed=1 + i)
+        req.prompt_lookup_min = 0  # the draft's own alpha
+        if k is not None:
+            req.num_speculative_tokens = k
+        for m in messages:
+            req.messages.add(role=m["role"], content=m["content"])
+        ids, stats = [], None
+        for msg in stub.Generate(req, timeout=900):
+            ids += msg.token_ids
+            stats = msg.stats if msg.HasField("stats") else stats
+        return {"ids": ids, "accepted": stats.accepted_tokens, "rejected": stats.rejected_rounds}
+
+    return send
+
+
+def one_run(services, jobs: list, tokens: int, k: int) -> dict:
+    """Per mode: tokens/s one request at a time at K = 0 and with adaptive K, and alpha at K = k."""
+    _, address, _, (auto_address, _), _ = services
+    out = {}
+    for mode, (temperature, top_p) in MODES.items():
+        rate = {}
+        for arm, (addr, arm_k) in {"k0": (address, 0), "auto": (auto_address, None)}.items():
+            t0 = time.perf_counter()
+            results, _ = run_jobs(sender(addr, arm_k, tokens, temperature, top_p), jobs, 1)
+            rate[arm] = sum(len(r["ids"]) for r in results) / (time.perf_counter() - t0)
+        fixed, _ = run_jobs(sender(address, k, tokens, temperature, top_p), jobs, 1)
+        alpha = leviathan_alpha(sum(r["accepted"] for r in fixed), sum(r["rejected"] for r in fixed))
+        out[mode] = {"k0_tokens_per_s": rate["k0"], "auto_tokens_per_s": rate["auto"], "alpha": alpha}
+        out[mode]["speedup"] = rate["auto"] / rate["k0"]
+    return out
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--draft", action="append", required=True, help="a draft model (repeatable)")
+    p.add_argument("--target", default=models.DEFAULT_TARGET)
+    p.add_argument("--prompts", type=int, default=12)
+    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=4, help="the fixed K alpha is measured at")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default="results/drafts")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = list(enumerate(make_prompts(args.prompts, seed=7, held_out=True)))
+    services = {d: start_services(d, args.target, out / f"services-{i}.log") for i, d in enumerate(args.draft)}
+    runs: dict[str, list[dict]] = {d: [] for d in args.draft}
+    try:
+        for started in services.values():  # warm-up: kernels, caches, adaptive K's first costs
+            one_run(started, jobs[:2], 16, args.k)
+        for rep in range(args.reps):
+            for d, started in services.items():
+                runs[d].append(one_run(started, jobs, args.tokens, args.k))
+                print(f"rep {rep} {d}: {json.dumps(runs[d][-1])}", flush=True)
+    finally:
+        for procs, *_ in services.values():
+            stop_services(procs)
+    report = {"machine": machine(), "prompts": len(jobs), "tokens": args.tokens, "k": args.k, "drafts": {}}
+    for d, rs in runs.items():
+        report["drafts"][d] = {mode: {key: spread([r[mode][key] for r in rs]) for key in rs[0][mode]} for mode in MODES}
+    (out / "drafts.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
