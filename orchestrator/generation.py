@@ -98,10 +98,7 @@ class Generation:
             t_accept = time.perf_counter()
             try:
                 n, token = await self._accept(drafts, proposal, verdict, n_hist, trace)
-                top = self.spec.logprobs
-                scored = (
-                    [] if top is None else await lp.of_round(self.target, verdict, drafts, n, token, n_hist, top, trace)
-                )
+                scored = await lp.of_round(self.target, verdict, drafts, n, token, n_hist, self.spec.logprobs, trace)
             except failover.RoundLost:
                 continue
             added, finish = self._apply_stops(drafts[:n] + [token])

@@ -41,11 +41,14 @@ async def of_round(
     n: int,
     token: int,
     start: int,
-    top: int,
+    top: int | None,
     trace: RoundTrace,
 ) -> list[gen_pb.TokenLogprobs]:
-    """The entries of the tokens a round emits; start: the absolute position of its first row. A GetLogprobs whose
-    row went away with the session or the replica loses the round (failover.RoundLost), which then runs again."""
+    """The entries of the tokens a round emits (none where the request asked for no logprobs: top None); start:
+    the absolute position of its first row. A GetLogprobs whose row went away with the session or the replica
+    loses the round (failover.RoundLost), which then runs again."""
+    if top is None:
+        return []
     lp = known(verdict, n, token)
     if lp is None:
         req = target_pb2.GetLogprobsRequest(session_id=target.session_id, position=start + n, token_ids=[token])

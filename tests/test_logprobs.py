@@ -4,9 +4,11 @@ transformers computes for the embedded target teacher-forced on the emitted toke
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
+from conftest import make_stack, stop_stack
 from specdec import logprobs as target_logprobs
 from specdec.v1 import generation_pb2 as gen_pb
 
@@ -114,8 +116,34 @@ def test_without_logprobs_no_message_carries_them(partial_stack):
 
 @pytest.mark.parametrize("fields", [dict(logprobs=True, top_logprobs=21), dict(top_logprobs=3)])
 def test_top_logprobs_past_20_or_without_logprobs_is_invalid(partial_stack, fields):
-    import grpc
-
     with pytest.raises(grpc.RpcError) as err:
         partial_stack.stream(messages=CHAT, max_tokens=4, **fields)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_logprobs" in err.value.details()
+
+
+def test_a_getlogprobs_whose_row_went_away_reruns_the_round_with_the_same_tokens_and_numbers(
+    event_loop_thread, tiny_stack, tokenizer, tiny_draft, target_model
+):
+    """The target answers the first GetLogprobs NOT_FOUND, as after a restart: the round runs again on a session
+    rebuilt from the history, and the keyed draws give the same tokens and the rows the same numbers."""
+    from target_service.servicer import TargetServicer
+
+    class ForgetsOnce(TargetServicer):
+        failed = 0
+
+        async def GetLogprobs(self, request, context):
+            if not ForgetsOnce.failed:
+                ForgetsOnce.failed += 1
+                await context.abort(grpc.StatusCode.NOT_FOUND, "no session (the server restarted)")
+            return await super().GetLogprobs(request, context)
+
+    common = dict(max_tokens=16, temperature=0.7, seed=99, num_speculative_tokens=4)
+    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model, target_servicer=ForgetsOnce)
+    try:
+        ids, entries, _ = scored(stack, **common)
+    finally:
+        stop_stack(stack)
+    assert ForgetsOnce.failed == 1
+    ref = teacher_forced(tokenizer, target_model, ids)
+    assert max(abs(e.logprob - ref[i, e.token_id].item()) for i, e in enumerate(entries)) < TOLERANCE
+    assert ids == tiny_stack.generate(messages=CHAT, **common)[0]
