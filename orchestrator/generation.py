@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from orchestrator import failover, rejection_sampler as rs
+from orchestrator import failover, logprobs as lp, rejection_sampler as rs
 from orchestrator.admission import KvShare
 from orchestrator.detokenizer import TextStream
 from orchestrator.head_draft import HeadDraft
@@ -98,6 +98,7 @@ class Generation:
             t_accept = time.perf_counter()
             try:
                 n, token = await self._accept(drafts, proposal, verdict, n_hist, trace)
+                scored = await lp.of_round(self.target, verdict, drafts, n, token, n_hist, self.spec.logprobs, trace)
             except failover.RoundLost:
                 continue
             added, finish = self._apply_stops(drafts[:n] + [token])
@@ -105,7 +106,7 @@ class Generation:
             if finish is None and len(self.history) >= self.max_model_len:
                 finish = gen_pb.FINISH_REASON_CONTEXT_LENGTH
             self._record_round(len(drafts), n, added, trace, t0, t_accept, looked_up=bool(looked_up))
-            yield self._message(added, finish)
+            yield self._message(added, finish, scored[: len(added)])
 
     async def _make_room(self, k: int) -> int:
         """The round's K once the KV its sessions may come to hold (history + K) is reserved; -1 when the pools
@@ -168,6 +169,8 @@ class Generation:
                 draft_tokens=drafts,
                 sampling=self._params,
                 return_features=self.head is not None,
+                logprobs=self.spec.logprobs is not None,
+                top_logprobs=lp.verify_top(self.spec.logprobs),
             ),
         )
         if self.head:
@@ -260,8 +263,10 @@ class Generation:
         if self.adaptive and trace.draft_wall_s:
             self.adaptive.observe(k, n)
 
-    def _message(self, added: list[int], finish) -> gen_pb.GenerateResponse:
-        msg = gen_pb.GenerateResponse(text=self.text.take_text(final=finish is not None), token_ids=added)
+    def _message(self, added: list[int], finish, scored=()) -> gen_pb.GenerateResponse:
+        msg = gen_pb.GenerateResponse(
+            text=self.text.take_text(final=finish is not None), token_ids=added, logprobs=scored
+        )
         if finish is not None:
             s = self.stats
             s.finish_reason = finish

@@ -122,9 +122,10 @@ class Link:
         )
 
     async def send(self, request, distribution: bool = False):
-        """A round's call on the stream, or (distribution) a GetDistribution on the replica."""
+        """A round's call on the stream, or (distribution) a call on the replica about the round's rows: a
+        GetDistribution, or the target's GetLogprobs (the method named after the request)."""
         if distribution:
-            return await self.replica.client.call("GetDistribution", request)
+            return await self.replica.client.call(type(request).__name__.removesuffix("Request"), request)
         return await self.stream.call(request)
 
 

@@ -21,6 +21,7 @@ from orchestrator.spec import GenerationSpec
 from orchestrator.speculation import Speculation
 from specdec.config import OrchestratorConfig
 from specdec.errors import ServiceError, invalid
+from specdec.logprobs import MAX_TOP_LOGPROBS
 from specdec.sampling import SamplingParams
 from specdec.v1 import generation_pb2 as gen_pb, generation_pb2_grpc
 
@@ -96,6 +97,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         vocab = len(self.tokenizer)
         if len(req.stop_token_ids) > cfg.max_stop_strings or any(t >= vocab for t in req.stop_token_ids):
             raise invalid(f"stop_token_ids takes at most {cfg.max_stop_strings} token ids below {vocab}")
+        if req.top_logprobs > MAX_TOP_LOGPROBS or (req.top_logprobs and not req.logprobs):
+            raise invalid(f"top_logprobs takes 0 to {MAX_TOP_LOGPROBS} alternatives, and needs logprobs")
         ids = self._tokenize(req)
         if not ids:
             raise invalid("the prompt encodes to no tokens")
@@ -113,6 +116,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             adaptive_start=k if adaptive else None,
             ignore_eos=req.ignore_eos,
             stop_ids=frozenset(req.stop_token_ids),
+            logprobs=req.top_logprobs if req.logprobs else None,
         )
 
     def _sampling_fields(self, req: gen_pb.GenerateRequest) -> tuple[float, float, int]:

@@ -20,5 +20,6 @@ class GenerationSpec:
     speculate_first_round: bool = False  # False: the first round is the target's prefill alone (K = 0)
     ignore_eos: bool = False  # EOS tokens are emitted like any other instead of ending the generation
     stop_ids: frozenset[int] = frozenset()  # token ids that end the generation, not emitted
+    logprobs: int | None = None  # set: the target's log-prob of each token and this many top alternatives
     adaptive_start: int | None = None  # set: each round chooses K in 0..k (orchestrator.speculation), this one
     # until the process has measured a drafted round; None: every round drafts k

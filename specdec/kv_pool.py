@@ -32,6 +32,7 @@ class Session:
     probs_ids: Any = None  # the token of each column of probs, when it holds only the tokens a draft scores
     reserved: int = 0  # tokens a call in progress may still add (counted against the pool's limit)
     busy: bool = False  # a call is using the session
+    logprobs: Any = None  # a target's LogprobRows of its last Verify, where it asked for logprobs (specdec/logprobs.py)
     features: Any = None  # a target's FeatureRows (specdec/features.py), where its first call asked for features
 
     def begin_call(self) -> None:

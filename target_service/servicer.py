@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from specdec import features
+from specdec import features, logprobs
 from specdec.errors import ServiceError, invalid
 from specdec.model_server import CallStats, ModelServer, SessionRpcs
 from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, support, uniform
@@ -29,6 +29,9 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         async for response in self.core.stream("Verify", self._verify, request_iterator, context):
             yield response
 
+    async def GetLogprobs(self, request, context):
+        return await self.core.call("GetLogprobs", self._logprobs, request, context)
+
     async def GetFeatures(self, request, context):
         for chunk in await self.core.call("GetFeatures", self._features, request, context):
             yield chunk
@@ -44,6 +47,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
             raise invalid("tokens is empty: send at least the last token of the sequence")
         if req.return_features and not hasattr(core.runner, "mix"):
             raise invalid(f"the {core.runner.describe()} returns no features; serve the target on the lean runner")
+        logprobs.check(req)
         stats = CallStats(core.engine)
         fed = unseen + drafts
         with core.session(req.cursor, len(fed)) as s:
@@ -57,6 +61,9 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         if req.return_features:
             resp.features, resp.features_start = features.encode(feed.normed), start
         stats.fill(resp)
+        s.logprobs = (
+            logprobs.fill(resp, logits, drafts, req.top_logprobs, len(s.tokens) - len(drafts)) if req.logprobs else None
+        )
         if params.greedy:
             s.keep_probs(None)
             resp.argmax_token_ids.extend(argmax_rows(logits))
@@ -68,7 +75,11 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         resp.distributions.extend(core.sparse(f) for f in found)
         if not resp.distributions[-1].complete:  # the orchestrator would have to fetch it for the bonus token
             resp.bonus_token_id = sample_sparse(*found[-1], uniform(params.seed, len(s.tokens), Purpose.RESAMPLE))
+        logprobs.fill_bonus(resp, s.logprobs)
         return resp
+
+    def _logprobs(self, req: target_pb2.GetLogprobsRequest) -> target_pb2.GetLogprobsResponse:
+        return logprobs.answer(self.core.pool.lookup(req.session_id).logprobs, req, self.core.vocab_size)
 
     def _keeps_features(self, s, req: target_pb2.VerifyRequest) -> bool:
         """Whether the session keeps its features: from its first call on, where that call asked for them."""

@@ -102,7 +102,7 @@ def test_a_text_completion_is_the_grpc_generations_text(api):
         (dict(n=2), openai.BadRequestError, "n (other than 1) is not supported", "unsupported"),
         (dict(temperature=-1), openai.BadRequestError, "temperature", "invalid_argument"),
         (dict(max_tokens=10**6), openai.BadRequestError, "context length", "out_of_range"),
-        (dict(logprobs=True), openai.BadRequestError, "logprobs (other than false or 0) is not", "unsupported"),
+        (dict(logprobs=True, n=2), openai.BadRequestError, "n (other than 1) is not supported", "unsupported"),
         (dict(max_tokens=-1), openai.BadRequestError, "max_tokens must be within", None),
         (dict(seed=2**64), openai.BadRequestError, "seed must be within", None),
         (dict(stream_options=[1]), openai.BadRequestError, "stream_options must be an object", None),

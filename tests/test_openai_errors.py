@@ -26,8 +26,8 @@ BAD = {  # field -> values that are wrong for it whatever else the body says
     "stop": [5, [5], [None], {"a": 1}, [["x"]], True, [""]],
     "stream": ["yes", 1, 0, [], {}],
     "stream_options": [1, "x", [], True, {"include_usage": "x"}, {"bogus": True}],
-    "logprobs": [True, 5, "x"],
-    "top_logprobs": [3, "x", -1],
+    "logprobs": ["x", -1, 6, [], {"a": 1}],  # chat takes true or false, completions 0 to 5
+    "top_logprobs": [21, "x", -1, 2.5],
     "echo": [True, "x", 1],
     "response_format": [{"type": "json_object"}, "text", [], {"type": "json_schema", "json_schema": {}}],
     "tools": [[{"type": "function", "function": {"name": "f"}}], "x", 5],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from orchestrator.openai_compat.errors import invalid, unsupported
+from specdec.logprobs import MAX_TOP_LOGPROBS
 from specdec.v1 import generation_pb2 as gen_pb
 
 _U32, _I32, _U64 = (1 << 32) - 1, (1 << 31) - 1, (1 << 64) - 1
@@ -34,8 +35,6 @@ _NEUTRAL = {
     "n": (1,),
     "best_of": (1,),
     "echo": (False,),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "suffix": ("",),
     "frequency_penalty": (0,),
     "presence_penalty": (0,),
@@ -57,7 +56,8 @@ _NEUTRAL = {
 # OpenAI's metadata and routing fields: they change no output, and OpenAI takes them.
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
 _MAPPED = {"messages", "prompt", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options"}
-_MAPPED |= {"parallel_tool_calls", *_INTS, *_FLOATS}
+_MAPPED |= {"parallel_tool_calls", "logprobs", "top_logprobs", *_INTS, *_FLOATS}
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on a completion's logprobs
 # What a test of the future features sends; refused by name until each is built (issue 42).
 _NOT_BUILT = {
     "tools": "(other than an empty list)",
@@ -66,8 +66,6 @@ _NOT_BUILT = {
     "n": "(other than 1)",
     "best_of": "(other than 1)",
     "echo": "(other than false)",
-    "logprobs": "(other than false or 0)",
-    "top_logprobs": "(other than 0)",
 }
 
 
@@ -105,9 +103,27 @@ def generate_request(body, chat: bool) -> gen_pb.GenerateRequest:
     req.stop.extend(_strings(body.get("stop"), "stop"))
     req.stop_token_ids.extend(_token_ids(body.get("stop_token_ids"), "stop_token_ids"))
     req.ignore_eos = flag(body, "ignore_eos")
+    req.logprobs, req.top_logprobs = logprobs(body, chat)
     flag(body, "stream"), flag(body, "parallel_tool_calls")
     stream_options(body)
     return req
+
+
+def logprobs(body: dict, chat: bool) -> tuple[bool, int]:
+    """Whether to return logprobs, and how many alternatives a token carries: chat's `logprobs` (true or false)
+    and `top_logprobs` (0 to 20, with logprobs true); completions' `logprobs` (0 to 5, or null)."""
+    value = body.get("logprobs")
+    if chat:
+        wanted = flag(body, "logprobs")
+        top = integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+        if top and not wanted:
+            raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+        return wanted, top
+    if body.get("top_logprobs") is not None and not _same(body["top_logprobs"], 0):
+        raise invalid("completions take logprobs: N for N alternatives (top_logprobs is chat's)", "top_logprobs")
+    if value is None or value is False:
+        return False, 0
+    return True, integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
 
 
 def _check_neutral(body: dict) -> None:

@@ -48,20 +48,24 @@ def usage(stats: gen_pb.GenerationStats) -> dict:
     }
 
 
-def choice(chat: bool, text: str, finish: str) -> dict:
+def choice(chat: bool, text: str, finish: str, logprobs: dict | None = None) -> dict:
     """The one choice of a whole completion."""
     out = (
-        {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+        {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
         if chat
-        else {"index": 0, "text": text, "logprobs": None}
+        else {"index": 0, "text": text, "logprobs": logprobs}
     )
     out["finish_reason"] = finish
     return out
 
 
-def chunk_choice(chat: bool, delta: str | None = None, finish: str | None = None, role: bool = False) -> dict:
-    """The one choice of a stream's chunk: new text, or (delta None) none; role: the chat's first chunk."""
+def chunk_choice(
+    chat: bool, delta: str | None = None, finish: str | None = None, role: bool = False, logprobs: dict | None = None
+) -> dict:
+    """The one choice of a stream's chunk: new text, or (delta None) none, and its tokens' logprobs; role: the
+    chat's first chunk."""
     if not chat:
-        return {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
     content = {} if delta is None else {"content": delta}
-    return {"index": 0, "delta": {"role": "assistant", **content} if role else content, "finish_reason": finish}
+    delta_body = {"role": "assistant", **content} if role else content
+    return {"index": 0, "delta": delta_body, "logprobs": logprobs, "finish_reason": finish}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -10,7 +11,7 @@ import uuid
 
 from aiohttp import web
 
-from orchestrator.openai_compat import request as fields, responses as out
+from orchestrator.openai_compat import logprobs as lp, request as fields, responses as out
 from orchestrator.openai_compat.errors import ApiError, invalid
 from orchestrator.servicer import bearer_matches
 from specdec.errors import ServiceError
@@ -26,6 +27,7 @@ class OpenAIApi:
         self.model = model
         self.api_key = api_key
         self.created = int(time.time())
+        self.texts = lp.TokenTexts(servicer.tokenizer)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors], client_max_size=self.servicer.cfg.max_request_bytes)
@@ -150,12 +152,14 @@ class OpenAIApi:
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         messages = self.servicer.stream(gen_request)
         async with contextlib.aclosing(messages):
+            scores = self._scores(chat) if gen_request.logprobs else None
             if body.get("stream"):
-                return await self._stream(request, messages, chat, kind, ident, include_usage)
-            text, stats = [], None
+                return await self._stream(request, messages, chat, kind, ident, include_usage, scores)
+            text, stats, scored = [], None, []
             try:
                 async for msg in messages:
                     text.append(msg.text)
+                    scored.extend(msg.logprobs)
                     if msg.HasField("stats"):
                         stats = msg.stats
             except ServiceError as e:
@@ -166,13 +170,17 @@ class OpenAIApi:
                 "object": kind,
                 "created": int(time.time()),
                 "model": self.model,
-                "choices": [out.choice(chat, "".join(text), out.finish_reason(stats))],
+                "choices": [out.choice(chat, "".join(text), out.finish_reason(stats), scores and scores(scored))],
                 "usage": out.usage(stats),
                 "specdec": out.speculation_stats(stats),
             }
         )
 
-    async def _stream(self, request, messages, chat: bool, kind: str, ident: str, include_usage: bool):
+    def _scores(self, chat: bool):
+        """What turns a message's (or a whole completion's) GenerateResponse.logprobs into OpenAI's logprobs."""
+        return functools.partial(lp.chat, texts=self.texts) if chat else lp.CompletionLogprobs(self.texts).take
+
+    async def _stream(self, request, messages, chat: bool, kind: str, ident: str, include_usage: bool, scores=None):
         created = int(time.time())
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         head = {"id": ident, "object": kind + ".chunk" if chat else kind, "created": created, "model": self.model}
@@ -189,8 +197,9 @@ class OpenAIApi:
                     started = True
                     if chat:
                         await send({**head, "choices": [out.chunk_choice(chat, "", role=True)]})
-                if msg.text:
-                    await send({**head, "choices": [out.chunk_choice(chat, msg.text)]})
+                if msg.text or msg.logprobs:
+                    scored = scores(msg.logprobs) if scores else None
+                    await send({**head, "choices": [out.chunk_choice(chat, msg.text, logprobs=scored)]})
                 if msg.HasField("stats"):
                     final = out.chunk_choice(chat, finish=out.finish_reason(msg.stats))
                     await send({**head, "choices": [final], "specdec": out.speculation_stats(msg.stats)})

@@ -8,19 +8,31 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("cursor", "draft_tokens", "sampling", "return_features")
+    __slots__ = ("cursor", "draft_tokens", "sampling", "return_features", "logprobs", "top_logprobs")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     cursor: _model_server_pb2.SessionCursor
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: _model_server_pb2.SamplingParams
     return_features: bool
-    def __init__(self, cursor: _Optional[_Union[_model_server_pb2.SessionCursor, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_model_server_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, cursor: _Optional[_Union[_model_server_pb2.SessionCursor, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_model_server_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class RowLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("argmax_token_ids", "draft_token_probs", "distributions", "length", "compute_seconds", "bonus_token_id", "batch", "features", "features_start")
+    __slots__ = ("argmax_token_ids", "draft_token_probs", "distributions", "length", "compute_seconds", "bonus_token_id", "batch", "features", "features_start", "draft_token_logprobs", "top_logprobs", "bonus_token_logprob")
     ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +42,9 @@ class VerifyResponse(_message.Message):
     BATCH_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     FEATURES_START_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_token_probs: _containers.RepeatedScalarFieldContainer[float]
     distributions: _containers.RepeatedCompositeFieldContainer[_model_server_pb2.SparseDistribution]
@@ -39,7 +54,26 @@ class VerifyResponse(_message.Message):
     batch: _model_server_pb2.BatchInfo
     features: bytes
     features_start: int
-    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_model_server_pb2.SparseDistribution, _Mapping]]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., bonus_token_id: _Optional[int] = ..., batch: _Optional[_Union[_model_server_pb2.BatchInfo, _Mapping]] = ..., features: _Optional[bytes] = ..., features_start: _Optional[int] = ...) -> None: ...
+    draft_token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[RowLogprobs]
+    bonus_token_logprob: float
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_model_server_pb2.SparseDistribution, _Mapping]]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., bonus_token_id: _Optional[int] = ..., batch: _Optional[_Union[_model_server_pb2.BatchInfo, _Mapping]] = ..., features: _Optional[bytes] = ..., features_start: _Optional[int] = ..., draft_token_logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ..., bonus_token_logprob: _Optional[float] = ...) -> None: ...
+
+class GetLogprobsRequest(_message.Message):
+    __slots__ = ("session_id", "position", "token_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    position: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetLogprobsResponse(_message.Message):
+    __slots__ = ("logprobs",)
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GetFeaturesRequest(_message.Message):
     __slots__ = ("session_id", "expected_length", "start", "end")

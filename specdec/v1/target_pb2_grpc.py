@@ -55,6 +55,11 @@ class TargetServiceStub:
                 request_serializer=specdec_dot_v1_dot_model__server__pb2.GetDistributionRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_model__server__pb2.GetDistributionResponse.FromString,
                 _registered_method=True)
+        self.GetLogprobs = channel.unary_unary(
+                '/specdec.v1.TargetService/GetLogprobs',
+                request_serializer=specdec_dot_v1_dot_target__pb2.GetLogprobsRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_target__pb2.GetLogprobsResponse.FromString,
+                _registered_method=True)
         self.ReleaseSession = channel.unary_unary(
                 '/specdec.v1.TargetService/ReleaseSession',
                 request_serializer=specdec_dot_v1_dot_model__server__pb2.ReleaseSessionRequest.SerializeToString,
@@ -105,6 +110,14 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLogprobs(self, request, context):
+        """The raw log-probabilities of given tokens at a row of the last Verify that asked for logprobs: a recovered or
+        bonus token the orchestrator drew outside the rows' top_logprobs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseSession(self, request, context):
         """Frees a session's KV cache.
         """
@@ -149,6 +162,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.GetDistribution,
                     request_deserializer=specdec_dot_v1_dot_model__server__pb2.GetDistributionRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_model__server__pb2.GetDistributionResponse.SerializeToString,
+            ),
+            'GetLogprobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLogprobs,
+                    request_deserializer=specdec_dot_v1_dot_target__pb2.GetLogprobsRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_target__pb2.GetLogprobsResponse.SerializeToString,
             ),
             'ReleaseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseSession,
@@ -274,6 +292,33 @@ class TargetService:
             '/specdec.v1.TargetService/GetDistribution',
             specdec_dot_v1_dot_model__server__pb2.GetDistributionRequest.SerializeToString,
             specdec_dot_v1_dot_model__server__pb2.GetDistributionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLogprobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.TargetService/GetLogprobs',
+            specdec_dot_v1_dot_target__pb2.GetLogprobsRequest.SerializeToString,
+            specdec_dot_v1_dot_target__pb2.GetLogprobsResponse.FromString,
             options,
             channel_credentials,
             insecure,
