@@ -65,6 +65,11 @@ class TargetServiceStub:
                 request_serializer=specdec_dot_v1_dot_model__server__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_model__server__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.GetFeatures = channel.unary_stream(
+                '/specdec.v1.TargetService/GetFeatures',
+                request_serializer=specdec_dot_v1_dot_target__pb2.GetFeaturesRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_target__pb2.FeaturesChunk.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -114,6 +119,14 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetFeatures(self, request, context):
+        """Streams the features (final-norm outputs) a session keeps for a range of its positions, in order, in
+        chunks of at most 1 MiB of features: what a draft that reads them rebuilds its cache from.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +159,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=specdec_dot_v1_dot_model__server__pb2.GetModelInfoRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_model__server__pb2.ModelInfo.SerializeToString,
+            ),
+            'GetFeatures': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetFeatures,
+                    request_deserializer=specdec_dot_v1_dot_target__pb2.GetFeaturesRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_target__pb2.FeaturesChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +328,33 @@ class TargetService:
             '/specdec.v1.TargetService/GetModelInfo',
             specdec_dot_v1_dot_model__server__pb2.GetModelInfoRequest.SerializeToString,
             specdec_dot_v1_dot_model__server__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetFeatures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specdec.v1.TargetService/GetFeatures',
+            specdec_dot_v1_dot_target__pb2.GetFeaturesRequest.SerializeToString,
+            specdec_dot_v1_dot_target__pb2.FeaturesChunk.FromString,
             options,
             channel_credentials,
             insecure,
