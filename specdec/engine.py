@@ -321,15 +321,19 @@ class Engine:
     def _run_pieces(self, pieces: list[Piece]) -> None:
         rows = sum(p.n for p in pieces)
         start = time.perf_counter()
+        # The sessions that keep features get them for every row they feed; the runner computes none for a pass
+        # without such a session (and is not asked: a runner without features serves no such session).
+        want = [p.feed.session.features is not None for p in pieces]
         with self._long_pass_threads if rows > LONG_PASS_TOKENS else _SAME_THREADS, self.pass_context():
-            logits = to_host(
-                self.runner.forward_batch(
-                    [p.feed.session.cache for p in pieces],
-                    [p.feed.tokens[p.feed.done : p.feed.done + p.n] for p in pieces],
-                    [p.feed.num_logits if p.last else 1 for p in pieces],
-                    pieces[0].feed.scored_only,
-                )
+            out = self.runner.forward_batch(
+                [p.feed.session.cache for p in pieces],
+                [p.feed.tokens[p.feed.done : p.feed.done + p.n] for p in pieces],
+                [p.feed.num_logits if p.last else 1 for p in pieces],
+                pieces[0].feed.scored_only,
+                **({"features": want} if any(want) else {}),
             )
+            logits, features = out if any(want) else (out, [None] * len(pieces))
+            logits = to_host(logits)
         seconds = time.perf_counter() - start
         self.passes += 1
         self.last_pass_s, self.last_rows = seconds, rows
@@ -337,9 +341,9 @@ class Engine:
         self.costs.observe(rows, seconds)
         if self.metrics is not None:
             self.metrics.observe_pass(rows, len(pieces), seconds)
-        for p, last, out in zip(pieces, [p.last for p in pieces], logits):
+        for p, last, out, rows_features in zip(pieces, [p.last for p in pieces], logits, features):
             f = p.feed
-            f.session.append(f.tokens[f.done : f.done + p.n])
+            f.session.append(f.tokens[f.done : f.done + p.n], rows_features)
             if f.started_at is None:
                 f.started_at = start
                 if self.metrics is not None:

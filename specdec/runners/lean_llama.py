@@ -211,6 +211,11 @@ class LeanLlamaRunner:
         are split into passes (Plan.batch_invariant)."""
         return self.plan.batch_invariant
 
+    @property
+    def feature_size(self) -> int:
+        """Values in a feature row (forward_batch's features): the hidden size."""
+        return self.embed.shape[1]
+
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device)
 
@@ -249,11 +254,16 @@ class LeanLlamaRunner:
         scored_only: bool = False,
         *,
         plan: Plan | None = None,
-    ) -> list[torch.Tensor]:
+        features: list[bool] | None = None,
+    ):
         """One pass over several sessions: session i appends token_ids[i] to caches[i] and gets the logits of
         its last num_logits[i] positions, as ``forward`` gives them. The products run once over every session's
         rows (the weights are read once), in the form the runner's plan has for the pass's rows (`plan`: another
-        plan, for the timing at load); attention runs per session, over its own cache and positions."""
+        plan, for the timing at load); attention runs per session, over its own cache and positions.
+
+        features: whether each session wants the final-norm output of every row it feeds (specdec.features);
+        given, the result is (logits, features), features[i] [len(token_ids[i]), hidden] or None. The logits
+        are computed from the very rows returned, and the output layer still runs on the logits rows alone."""
         ns, starts = [len(t) for t in token_ids], [c.length for c in caches]
         for n, start in zip(ns, starts):
             if start + n > self.max_len:
@@ -284,20 +294,40 @@ class LeanLlamaRunner:
                 x = x + linear(ops.silu_mul(linear(ops.rms_norm(x, ln2, eps), wgu)), wd)
         for c, start, n in zip(caches, starts, ns):
             c.length = start + n
-        if len(caches) == 1:
-            x = x[rows - num_logits[0] :]
+        if features is not None and any(features):
+            normed, feats = self._final_norm_with_features(x, ns, num_logits, features)
         else:
-            ends = torch.tensor(ns).cumsum(0)
-            x = x[torch.cat([torch.arange(end - k, end) for end, k in zip(ends.tolist(), num_logits)]).to(self.device)]
-        logits = linear(ops.rms_norm(x, self.norm, eps), lm_head).float()  # [sum num_logits, vocab or scored]
+            normed, feats = ops.rms_norm(self._logits_rows(x, ns, num_logits), self.norm, eps), None
+        logits = linear(normed, lm_head).float()  # [sum num_logits, vocab or scored]
         out = list(logits.split(num_logits)) if len(caches) > 1 else [logits]
-        if self.scored_ids is None or scored_only:
+        if self.scored_ids is not None and not scored_only:
+            out = [self._widen(part) for part in out]
+        if features is None:
             return out
-        scored = self._scored_ids_on_device
-        return [
-            torch.full((k, self.vocab_size), float("-inf"), device=logits.device).index_copy_(1, scored, part)
-            for k, part in zip(num_logits, out)
-        ]  # [num_logits, vocab] each
+        return out, feats if feats is not None else [None] * len(caches)
+
+    def _widen(self, scored: torch.Tensor) -> torch.Tensor:
+        """Logits of the scored tokens [k, len(scored_ids)] as [k, vocab], -inf for the others."""
+        full = torch.full((scored.shape[0], self.vocab_size), float("-inf"), device=scored.device)
+        return full.index_copy_(1, self._scored_ids_on_device, scored)
+
+    def _logits_rows(self, x: torch.Tensor, ns: list[int], keep: list[int]) -> torch.Tensor:
+        """The last keep[i] of each session's ns[i] rows of x [sum ns, hidden], in order."""
+        if len(ns) == 1:
+            return x[ns[0] - keep[0] :]
+        ends = torch.tensor(ns).cumsum(0).tolist()
+        return x[torch.cat([torch.arange(end - k, end) for end, k in zip(ends, keep)]).to(self.device)]
+
+    def _final_norm_with_features(self, x, ns, num_logits, features):
+        """(the final norm of the logits rows [sum num_logits, hidden], each session's features or None): the
+        norm runs once over every row of the sessions that want features and the logits rows of the others
+        (row by row, so a row's value does not depend on the rows beside it where the kernels run)."""
+        keep = [n if want else k for n, k, want in zip(ns, num_logits, features)]
+        normed = self.layer_ops.rms_norm(self._logits_rows(x, ns, keep), self.norm, self.eps)  # [sum keep, hidden]
+        parts = normed.split(keep)
+        feats = [part if want else None for part, want in zip(parts, features)]
+        logits_rows = [part[part.shape[0] - k :] for part, k in zip(parts, num_logits)]
+        return (logits_rows[0] if len(parts) == 1 else torch.cat(logits_rows)), feats
 
     def _attend(self, qkv, caches, layer, cos, sin, starts, ns):
         """Layer `layer`'s attention of every session's rows over its own cache: [rows, heads * head_dim]."""
