@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
-from specdec import models
+from specdec import features, models
 from specdec.config import ModelServerConfig
 from specdec.engine import MAX_BATCH_TOKENS, Engine, Feed
 from specdec.errors import ServiceError, invalid
@@ -79,6 +79,8 @@ class ModelServer:
             max_model_len=self.max_model_len,
             idle_ttl_s=cfg.idle_ttl_s,
         )
+        # A target's runner that computes features returns them (Verify.return_features, GetFeatures).
+        self.feature_size = getattr(self.runner, "feature_size", 0) if cfg.role == "target" else 0
         self.info = self._model_info(model, tokenizer)
         self.registry = registry or CollectorRegistry()
         self.metrics = ModelServerMetrics(self.registry)
@@ -122,6 +124,10 @@ class ModelServer:
             dtype=str(runner.dtype).removeprefix("torch."),
             device=str(runner.device),
             forward=runner.describe() + ("; attention held to the fused SDPA kernels" if strict else ""),
+            feature_size=self.feature_size,
+            feature_fingerprint=(
+                features.fingerprint(model.get_output_embeddings().weight) if self.feature_size else ""
+            ),
         )
 
     @classmethod
@@ -210,11 +216,27 @@ class ModelServer:
         return ids
 
     @contextlib.contextmanager
-    def session(self, cursor: pb.SessionCursor, n_new: int):
+    def session(self, cursor: pb.SessionCursor, n_new: int, keep_features: bool = False):
         """The cursor's session, positioned and holding room for n_new tokens, for one call: another call on it
         meanwhile is ABORTED. If the call fails or is cancelled after feeding part of its tokens, the session
-        is dropped (the client resends the history): a partial feed serves no one."""
-        s = self.pool.open(cursor.session_id, cursor.expected_length, cursor.keep_length)
+        is dropped (the client resends the history): a partial feed serves no one.
+        keep_features: the call wants features; a session it creates keeps them from its first token on."""
+        if keep_features and not self.feature_size:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this {self.cfg.role} server returns no features (ModelInfo.feature_size 0: "
+                f"runner {self.runner.describe()!r}); call without return_features",
+            )
+        sid = cursor.session_id
+        if keep_features and cursor.expected_length and sid in self.pool and self.pool.lookup(sid).features is None:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"session {sid!r} was created without return_features and kept no features; "
+                "resend the history with expected_length 0 and return_features",
+            )
+        s = self.pool.open(sid, cursor.expected_length, cursor.keep_length)
+        if keep_features and cursor.expected_length == 0:
+            s.features = features.FeatureStore(self.feature_size)
         try:
             self.pool.reserve(s, n_new)
         except ServiceError:
@@ -240,14 +262,14 @@ class ModelServer:
         longest prefix of its tokens the prefix cache holds, and leaves its own blocks there. A failed pass
         drops the session."""
         fresh = not s.tokens and self.prefix is not None
-        if fresh and (n := self.prefix.attach(s.cache, token_ids, len(token_ids) - num_logits)):
+        if fresh and (n := self.prefix.attach(s.cache, token_ids, len(token_ids) - num_logits, s.features)):
             s.append(token_ids[:n])
             token_ids = token_ids[n:]
             self.metrics.prefix_hits.inc(n)
         feed = await self.engine.forward(s, token_ids, num_logits, scored_only)
         stats.add(feed)
         if fresh:
-            self.prefix.store(s.cache, s.tokens)
+            self.prefix.store(s.cache, s.tokens, s.features)
         return feed.logits
 
     def sparse(self, found: tuple[np.ndarray, np.ndarray]) -> pb.SparseDistribution:

@@ -1,8 +1,11 @@
-"""Verify: one forward pass over the unseen tokens and the K drafts."""
+"""Verify: one forward pass over the unseen tokens and the K drafts; GetFeatures: the features a session keeps."""
 
 from __future__ import annotations
 
-from specdec.errors import invalid
+import grpc
+
+from specdec import features
+from specdec.errors import ServiceError, invalid
 from specdec.model_server import CallStats, ModelServer, SessionRpcs
 from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, support, uniform
 from specdec.v1 import target_pb2, target_pb2_grpc
@@ -19,6 +22,28 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         async for response in self.core.stream("Verify", self._verify, request_iterator, context):
             yield response
 
+    async def GetFeatures(self, request, context):
+        rows = await self.core.call("GetFeatures", self._features, request, context)
+        for start, count, data in features.chunks(rows, request.start, features.CHUNK_BYTES):
+            yield target_pb2.FeaturesChunk(start=start, count=count, features=data)
+
+    def _features(self, req: target_pb2.GetFeaturesRequest):
+        """A copy of the features of positions start .. end - 1 ([end - start, hidden] bfloat16), taken at once:
+        the stream that sends them holds nothing of the session."""
+        if not req.start < req.end <= req.expected_length:
+            raise invalid(
+                f"positions {req.start}..{req.end - 1} are not a range within the {req.expected_length} tokens "
+                "expected: start < end <= expected_length"
+            )
+        s = self.core.pool.get(req.session_id, req.expected_length)
+        if s.features is None:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"session {req.session_id!r} keeps no features: it was created without return_features; "
+                "resend the history with expected_length 0 and return_features",
+            )
+        return s.features.read(req.start, req.end).clone()
+
     async def _verify(self, req: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         core = self.core
         params = core.sampling(req.sampling)
@@ -29,10 +54,13 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         if not unseen:
             raise invalid("tokens is empty: send at least the last token of the sequence")
         stats = CallStats(core.engine)
-        with core.session(req.cursor, len(unseen) + len(drafts)) as s:
+        with core.session(req.cursor, len(unseen) + len(drafts), req.return_features) as s:
+            start = len(s.tokens)  # the cursor's keep_length
             logits = await core.forward(s, unseen + drafts, len(drafts) + 1, stats)  # [K+1, vocab]
         resp = target_pb2.VerifyResponse(length=len(s.tokens))
         stats.fill(resp)
+        if req.return_features:
+            resp.features, resp.features_start = features.encode(s.features.read(start, len(s.tokens))), start
         if params.greedy:
             s.keep_probs(None)
             resp.argmax_token_ids.extend(argmax_rows(logits))
