@@ -259,8 +259,9 @@ class ModelServer:
     ) -> torch.Tensor:
         """Feed tokens to the session in the engine's next passes; [num_logits, vocab] logits, or
         [num_logits, len(runner.scored_ids)] with scored_only (see the runners). A new session first takes the
-        longest prefix of its tokens the prefix cache holds, and leaves its own blocks there. A failed pass
-        drops the session."""
+        longest prefix of its tokens the prefix cache holds (with their features, for a session that keeps
+        them), and leaves its own blocks there. A session that keeps features gets a row for every token fed
+        (Session.features). A failed pass drops the session."""
         fresh = not s.tokens and self.prefix is not None
         if fresh and (n := self.prefix.attach(s.cache, token_ids, len(token_ids) - num_logits, s.features)):
             s.append(token_ids[:n])
