@@ -36,8 +36,10 @@ def decode(b: bytes, hidden: int) -> torch.Tensor:
 def fingerprint(weight: torch.Tensor) -> str:
     """The first 16 hex digits of the sha256 of a weight's float32 bytes (little-endian, row-major): which output
     layer a target's features feed. A draft trained on them records it (ModelInfo.feature_fingerprint)."""
-    raw = weight.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4", copy=False)
-    return hashlib.sha256(raw.tobytes()).hexdigest()[:16]
+    digest, w = hashlib.sha256(), weight.detach().reshape(weight.shape[0], -1)
+    for i in range(0, w.shape[0], 4096):  # a block of rows at a time: no float32 copy of a large head at once
+        digest.update(w[i : i + 4096].to("cpu", torch.float32).contiguous().numpy().astype("<f4", copy=False))
+    return digest.hexdigest()[:16]
 
 
 def chunks(rows: torch.Tensor, start: int, limit: int = CHUNK_BYTES) -> Iterator[tuple[int, int, bytes]]:

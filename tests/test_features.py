@@ -38,6 +38,15 @@ def test_chunks_cover_the_rows_in_order_within_the_byte_limit():
     assert torch.equal(torch.cat([features.decode(b, 4) for _, _, b in parts]), rows.to(torch.bfloat16).float())
 
 
+def test_the_fingerprint_is_the_sha256_of_the_weights_float32_bytes_whatever_its_dtype_and_size():
+    import hashlib
+
+    w = torch.randn(9000, 24)  # more rows than one block of the digest
+    plain = lambda t: hashlib.sha256(t.float().numpy().astype("<f4").tobytes()).hexdigest()[:16]
+    assert features.fingerprint(w) == plain(w)
+    assert features.fingerprint(w.to(torch.bfloat16)) == plain(w.to(torch.bfloat16)) != plain(w)
+
+
 # -- the runner -----------------------------------------------------------------------------------------------------
 def test_the_lean_runners_features_are_the_final_norm_output_of_transformers_for_the_embedded_target(
     target_model, tokenizer
