@@ -113,7 +113,7 @@ def test_the_head_runner_computes_fc_then_one_llama_layer_then_its_norm(head_mod
     target's lm_head; and g is returned for the rows asked."""
     runner = LeanLlamaRunner(head_model, target_model.config.vocab_size, 256, matmul="linear")
     ids, feats = [5, 17, 300, 42, 9], torch.randn(5, head_model.config.hidden_size)
-    logits, norms = runner.forward_batch([runner.new_cache()], [ids], [2], features=[feats], num_norms=[3])
+    logits, norms = runner.forward_batch([runner.new_cache()], [ids], [2], features_in=[feats], norm_rows=[3])
     with torch.no_grad():
         x0 = torch.cat([target_model.model.embed_tokens.weight[ids], feats], 1) @ head_model.specdec_head.fc.T
         g = head_model.model(inputs_embeds=x0[None], position_ids=torch.arange(5)[None]).last_hidden_state[0]
@@ -221,7 +221,7 @@ def test_the_head_session_after_a_round_is_a_fresh_head_fed_the_history_with_the
     def fresh():
         runner = head_stack.draft.runner
         cache = runner.new_cache()
-        runner.forward_batch([cache], [tokens], [1], features=[rows])
+        runner.forward_batch([cache], [tokens], [1], features_in=[rows])
         return cache.k[:, :, : len(tokens)].clone(), cache.v[:, :, : len(tokens)].clone()
 
     k_fresh, v_fresh = head_stack.lt.call(fresh)
