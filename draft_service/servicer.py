@@ -57,7 +57,7 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
         with core.session(req.cursor, len(feed) + max(k - 1, 0)) as s:
             first = len(s.tokens) + len(feed)  # absolute position of the first drafted token
             if k == 0:
-                await core.forward(s, feed, 1, stats, scored_only=True, features=rows)
+                await core.forward(s, feed, 1, stats, scored_only=True, features_in=rows)
                 s.keep_probs(None)
             else:
                 probs = await self._draft(s, feed, rows, k, params, req.min_confidence, resp, stats)
@@ -89,7 +89,7 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
         dists = []
         confidence = 1.0  # the draft's estimate that the target accepts every token so far
         for _ in range(k):  # each step a pass of the engine, beside the other sessions' steps
-            step = await core.feed(s, feed, 1, stats, scored_only=True, features=rows, num_norms=int(head))
+            step = await core.feed(s, feed, 1, stats, scored_only=True, features_in=rows, norm_rows=int(head))
             logits = step.logits  # [1, scored tokens]
             position = len(s.tokens)  # absolute position of the token drafted now
             if params.greedy:

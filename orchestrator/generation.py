@@ -160,23 +160,31 @@ class Generation:
         return resp
 
     async def _verify(self, drafts: list[int], trace: RoundTrace) -> target_pb2.VerifyResponse:
-        """The target's verdict on the drafts."""
-        target, history = self.target, self.history
-        req, resp, wall = await failover.call(
-            target,
-            lambda: target_pb2.VerifyRequest(
+        """The target's verdict on the drafts. With a head draft every Verify returns features, and one that would
+        answer with more than head_draft.VERIFY_BYTES of them goes in pieces (HeadDraft.bound_verify)."""
+        target, history, cut = self.target, self.history, [False]
+
+        def request():
+            req = target_pb2.VerifyRequest(
                 cursor=target.cursor(history),
                 draft_tokens=drafts,
                 sampling=self._params,
                 return_features=self.head is not None,
                 logprobs=self.spec.logprobs is not None,
                 top_logprobs=lp.verify_top(self.spec.logprobs),
-            ),
-        )
-        if self.head:
-            self.head.absorb(resp)
+            )
+            cut[0] = self.head is not None and self.head.bound_verify(req)
+            return req
+
+        while True:
+            req, resp, wall = await failover.call(target, request)
+            if self.head:
+                self.head.absorb(resp)
+            trace.add_call(req, resp, wall, "verify_s")
+            if not cut[0]:
+                break
+            target.mirror = history[: resp.length]  # a piece of the history: the Verify goes on from there
         trace.target_cost = CallCost.of(wall, resp)
-        trace.add_call(req, resp, wall, "verify_s")
         target.mirror = history + drafts
         return resp
 

@@ -11,6 +11,12 @@ needs rows the log no longer holds: they come from the target's live session (Ge
 them in pieces of at most PIECE_BYTES (ProposeTokens with num_tokens 0), then the last piece drafts. Until the
 target holds a session (a generation's first round, a target rebuild), the round goes on with the target alone:
 its Verify computes the features the next round sends.
+
+A Verify returns the features of every row it feeds, so the one that builds the target's session from a long
+history would answer with all of them (hidden 3072 at 131072 tokens: 805 MB), past the orchestrator's 64 MiB
+channel limit. A Verify whose rows' features would exceed VERIFY_BYTES is cut (``bound_verify``): it feeds the
+history's first verify_rows tokens alone, no drafts, and the round's Verify goes on from there, each piece with
+return_features, so that the target's session keeps features from its first call on.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from specdec.v1 import target_pb2
 log = logging.getLogger(__name__)
 
 PIECE_BYTES = 1 << 20  # features a ProposeTokens carries at most while a head's session is built in pieces
+VERIFY_BYTES = 16 << 20  # features a Verify answers with at most: a quarter of the channel's 64 MiB (clients.py)
 
 
 class MissingFeatures(Exception):
@@ -94,7 +101,20 @@ class HeadDraft:
         self.draft, self.target = draft, target
         self.log = FeatureLog(feature_size)
         self.piece_rows = max(1, PIECE_BYTES // (2 * feature_size))
+        self.verify_rows = max(1, VERIFY_BYTES // (2 * feature_size))
         self.built = False  # the last call built the session from the start
+
+    def bound_verify(self, req: target_pb2.VerifyRequest) -> bool:
+        """Cut a Verify whose rows' features would exceed VERIFY_BYTES to a piece: the cursor's first verify_rows
+        tokens (all but its last at most), no drafts. True when it was cut: the piece's answer only moves the
+        session on, and the round's Verify goes on from its length. The last token and the drafts always go
+        together, a bound below K + 1 rows notwithstanding."""
+        tokens = req.cursor.tokens
+        if len(tokens) + len(req.draft_tokens) <= self.verify_rows or len(tokens) < 2:
+            return False
+        del tokens[min(self.verify_rows, len(tokens) - 1) :]
+        del req.draft_tokens[:]
+        return True
 
     def absorb(self, verdict: target_pb2.VerifyResponse) -> None:
         self.log.absorb(verdict.features_start, verdict.features)

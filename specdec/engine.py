@@ -72,13 +72,13 @@ class Feed:
     last_rows: int = 0  # rows and sessions of the last pass it took part in
     last_sessions: int = 0
     logits: torch.Tensor | None = None  # once fed
-    features: torch.Tensor | None = None  # [len(tokens), hidden]: what a head draft reads beside each token
-    num_norms: int = 0  # final-norm rows wanted, of the last positions (a target's features, a head's predicted)
-    norms: list = field(default_factory=list)  # those rows, a tensor a piece, once fed
+    features_in: torch.Tensor | None = None  # [len(tokens), hidden]: what a head draft reads beside each token
+    norm_rows: int = 0  # final-norm rows the caller wants, of the last positions (a head's predicted feature)
+    norms: list = field(default_factory=list)  # those rows, a float32 tensor a piece, once fed
 
     @property
     def normed(self) -> torch.Tensor | None:
-        """The final-norm rows of the feed's last num_norms positions: [num_norms, hidden] (None without)."""
+        """The final-norm rows of the feed's last norm_rows positions: [norm_rows, hidden] (None without)."""
         return torch.cat(self.norms) if self.norms else None
 
     @property
@@ -179,15 +179,16 @@ class Engine:
         tokens: list[int],
         num_logits: int,
         scored_only: bool = False,
-        features: torch.Tensor | None = None,
-        num_norms: int = 0,
+        features_in: torch.Tensor | None = None,
+        norm_rows: int = 0,
     ) -> Feed:
         """Feed tokens to the session in the next passes; the feed, whose logits are those of its last
-        num_logits positions as the runner's forward gives them. features: a head draft's rows beside the tokens;
-        num_norms: also keep the final-norm rows of the last num_norms positions (Feed.normed). Cancelling the
-        caller takes it out of the queue."""
-        if not tokens or not 1 <= num_logits <= len(tokens) or not 0 <= num_norms <= len(tokens):
-            raise ValueError(f"a feed of {len(tokens)} tokens cannot give {num_logits} logits, {num_norms} norms")
+        num_logits positions as the runner's forward gives them. features_in: a head draft's rows beside the
+        tokens; norm_rows: also keep the final-norm rows of the last norm_rows positions (Feed.normed). A session
+        that keeps features (Session.features) gets the rows of every token fed, whatever norm_rows. Cancelling
+        the caller takes it out of the queue."""
+        if not tokens or not 1 <= num_logits <= len(tokens) or not 0 <= norm_rows <= len(tokens):
+            raise ValueError(f"a feed of {len(tokens)} tokens cannot give {num_logits} logits, {norm_rows} norms")
         self._start()
         feed = Feed(
             s,
@@ -196,8 +197,8 @@ class Engine:
             scored_only,
             asyncio.get_running_loop().create_future(),
             time.perf_counter(),
-            features=features,
-            num_norms=num_norms,
+            features_in=features_in,
+            norm_rows=norm_rows,
         )
         self._queue.append(feed)
         self._arrived(s.id, feed.queued_at)
@@ -346,18 +347,16 @@ class Engine:
     def _run_pieces(self, pieces: list[Piece]) -> None:
         rows = sum(p.n for p in pieces)
         start = time.perf_counter()
-        extra, norms = _feature_arguments(self.runner, pieces), None
+        extra = _feature_arguments(self.runner, pieces)
         with self._long_pass_threads if rows > LONG_PASS_TOKENS else _SAME_THREADS, self.pass_context():
-            logits = self.runner.forward_batch(
+            out = self.runner.forward_batch(
                 [p.feed.session.cache for p in pieces],
                 [p.feed.tokens[p.feed.done : p.feed.done + p.n] for p in pieces],
                 [p.feed.num_logits if p.last else 1 for p in pieces],
                 pieces[0].feed.scored_only,
                 **extra,
             )
-            if "num_norms" in extra:
-                logits, norms = logits
-                norms = [n.float().cpu() for n in norms]
+            logits, norms = out if "norm_rows" in extra else (out, [None] * len(pieces))
             logits = to_host(logits)
         seconds = time.perf_counter() - start
         self.passes += 1
@@ -366,16 +365,17 @@ class Engine:
         self.costs.observe(rows, seconds)
         if self.metrics is not None:
             self.metrics.observe_pass(rows, len(pieces), seconds)
-        for i, (p, last, out) in enumerate(zip(pieces, [p.last for p in pieces], logits)):
+        for p, last, out, normed in zip(pieces, [p.last for p in pieces], logits, norms):
             f = p.feed
-            f.session.append(f.tokens[f.done : f.done + p.n])
+            keeps = f.session.features is not None  # then normed holds every row the piece fed
+            f.session.append(f.tokens[f.done : f.done + p.n], normed if keeps else None)
+            if normed is not None and (wanted := _norms_wanted(p)):
+                f.norms.append(normed[len(normed) - wanted :].float().cpu())
             if f.started_at is None:
                 f.started_at = start
                 if self.metrics is not None:
                     self.metrics.queue_wait.observe(start - f.queued_at)
             f.done += p.n
-            if norms is not None and len(norms[i]):
-                f.norms.append(norms[i])
             f.compute_s += seconds
             f.last_rows, f.last_sessions = rows, len(pieces)
             if last and not f.future.done():
@@ -391,16 +391,24 @@ class Engine:
             self._queue.remove(feed)
 
 
+def _norms_wanted(p: Piece) -> int:
+    """The piece's rows among its feed's last norm_rows (those the caller keeps in Feed.normed)."""
+    return max(0, min(p.n, p.feed.norm_rows - (p.feed.remaining - p.n)))
+
+
 def _feature_arguments(runner, pieces: list[Piece]) -> dict:
-    """What a pass passes the runner beyond tokens: a head's features of each piece's rows, and the final-norm rows
-    of the positions feeds keep (a piece keeps those of its rows among its feed's last num_norms)."""
+    """What a pass passes the runner beyond tokens: a head's input features of each piece's rows (features_in),
+    and how many of each piece's last rows' final-norm output it returns (norm_rows): all of them for a session
+    that keeps features (a target's, specdec.features.FeatureStore), else those its feed wants. A pass with
+    neither asks for none, so a runner without features serves it unchanged."""
     extra = {}
     if getattr(runner, "mix", None) is not None:
-        extra["features"] = [
-            None if p.feed.features is None else p.feed.features[p.feed.done : p.feed.done + p.n] for p in pieces
+        extra["features_in"] = [
+            None if p.feed.features_in is None else p.feed.features_in[p.feed.done : p.feed.done + p.n] for p in pieces
         ]
-    if any(p.feed.num_norms for p in pieces):
-        extra["num_norms"] = [max(0, min(p.n, p.feed.num_norms - (p.feed.remaining - p.n))) for p in pieces]
+    wanted = [p.n if p.feed.session.features is not None else _norms_wanted(p) for p in pieces]
+    if any(wanted):
+        extra["norm_rows"] = wanted
     return extra
 
 

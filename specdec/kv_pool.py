@@ -33,7 +33,7 @@ class Session:
     reserved: int = 0  # tokens a call in progress may still add (counted against the pool's limit)
     busy: bool = False  # a call is using the session
     logprobs: Any = None  # a target's LogprobRows of its last Verify, where it asked for logprobs (specdec/logprobs.py)
-    features: Any = None  # a target's FeatureRows (specdec/features.py), where its first call asked for features
+    features: Any = None  # a FeatureStore of a row per token (specdec.features), for sessions that keep features
 
     def begin_call(self) -> None:
         """A call takes the session; another call on it meanwhile is refused (SessionPool.get)."""
@@ -47,14 +47,22 @@ class Session:
         """Count n more tokens against the pool for the call in progress (SessionPool.reserve checks they fit)."""
         self.reserved = n
 
-    def append(self, tokens: list[int]) -> None:
-        """Tokens now in the cache: they count as held, no longer as reserved."""
+    def append(self, tokens: list[int], features=None) -> None:
+        """Tokens now in the cache: they count as held, no longer as reserved. A session that keeps features
+        takes their rows with them ([len(tokens), hidden]), unless they were put in its store already."""
+        if self.features is not None:
+            if features is not None:
+                self.features.append(features)
+            if self.features.length != len(self.tokens) + len(tokens):
+                raise ValueError(f"session {self.id!r} keeps features: each of its tokens needs its row")
         self.tokens.extend(tokens)
         self.reserved = max(self.reserved - len(tokens), 0)
 
     def cut(self, length: int) -> None:
-        """Keep the first `length` tokens (the cache is cropped to them by the pool)."""
+        """Keep the first `length` tokens (the cache is cropped to them by the pool), and their features."""
         del self.tokens[length:]
+        if self.features is not None:
+            self.features.cut(length)
 
     def touch(self, now: float) -> None:
         self.last_used = now

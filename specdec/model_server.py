@@ -80,7 +80,7 @@ class ModelServer:
             idle_ttl_s=cfg.idle_ttl_s,
         )
         self.head = getattr(model, "specdec_head", None)  # a head draft's HeadInfo (specdec/head.py), else None
-        self.feature_size = self.head.feature_size if self.head else model.config.hidden_size
+        self.feature_size = self._feature_size()
         self.info = self._model_info(model, tokenizer)
         self.registry = registry or CollectorRegistry()
         self.metrics = ModelServerMetrics(self.registry)
@@ -127,19 +127,26 @@ class ModelServer:
             + runner.describe()
             + ("; attention held to the fused SDPA kernels" if strict else ""),
             feature_size=self.feature_size,
-            feature_fingerprint=self.head.feature_fingerprint if self.head else self._fingerprint(model),
+            feature_fingerprint=(
+                self.head.feature_fingerprint
+                if self.head
+                else features.fingerprint(model.get_output_embeddings().weight)
+                if self.feature_size
+                else ""
+            ),
             reads_features=self.reads_features,
         )
+
+    def _feature_size(self) -> int:
+        """Values in a feature row: those a head reads, or those a target's runner computes and returns
+        (Verify.return_features, GetFeatures); 0 for a standalone draft and a runner without features."""
+        if self.head is not None:
+            return self.head.feature_size
+        return getattr(self.runner, "feature_size", 0) if self.cfg.role == "target" else 0
 
     @property
     def reads_features(self) -> bool:
         return self.head is not None
-
-    def _fingerprint(self, model) -> str:
-        """A target's feature fingerprint (specdec.features); none where its runner cannot return features."""
-        if self.cfg.role != "target" or not hasattr(self.runner, "mix"):
-            return ""
-        return features.fingerprint(model.get_output_embeddings().weight)
 
     @classmethod
     def load(cls, cfg: ModelServerConfig, registry: CollectorRegistry | None = None) -> ModelServer:
@@ -227,11 +234,27 @@ class ModelServer:
         return ids
 
     @contextlib.contextmanager
-    def session(self, cursor: pb.SessionCursor, n_new: int):
+    def session(self, cursor: pb.SessionCursor, n_new: int, keep_features: bool = False):
         """The cursor's session, positioned and holding room for n_new tokens, for one call: another call on it
         meanwhile is ABORTED. If the call fails or is cancelled after feeding part of its tokens, the session
-        is dropped (the client resends the history): a partial feed serves no one."""
-        s = self.pool.open(cursor.session_id, cursor.expected_length, cursor.keep_length)
+        is dropped (the client resends the history): a partial feed serves no one.
+        keep_features: the call wants features; a session it creates keeps them from its first token on."""
+        if keep_features and not self.feature_size:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this {self.cfg.role} server returns no features (ModelInfo.feature_size 0: "
+                f"runner {self.runner.describe()!r}); call without return_features",
+            )
+        sid = cursor.session_id
+        if keep_features and cursor.expected_length and sid in self.pool and self.pool.lookup(sid).features is None:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"session {sid!r} was created without return_features and kept no features; "
+                "resend the history with expected_length 0 and return_features",
+            )
+        s = self.pool.open(sid, cursor.expected_length, cursor.keep_length)
+        if keep_features and cursor.expected_length == 0:
+            s.features = features.FeatureStore(self.feature_size)
         try:
             self.pool.reserve(s, n_new)
         except ServiceError:
@@ -256,14 +279,15 @@ class ModelServer:
         num_logits: int,
         stats: CallStats,
         scored_only: bool = False,
-        features: torch.Tensor | None = None,
-        num_norms: int = 0,
+        features_in: torch.Tensor | None = None,
+        norm_rows: int = 0,
     ) -> torch.Tensor:
         """Feed tokens to the session in the engine's next passes; [num_logits, vocab] logits, or
         [num_logits, len(runner.scored_ids)] with scored_only (see the runners). A new session first takes the
-        longest prefix of its tokens the prefix cache holds, and leaves its own blocks there. A failed pass
-        drops the session. features, num_norms: see ``feed``."""
-        return (await self.feed(s, token_ids, num_logits, stats, scored_only, features, num_norms)).logits
+        longest prefix of its tokens the prefix cache holds (with their features, for a session that keeps
+        them), and leaves its own blocks there. A session that keeps features gets a row for every token fed
+        (Session.features). A failed pass drops the session. features_in, norm_rows: see ``feed``."""
+        return (await self.feed(s, token_ids, num_logits, stats, scored_only, features_in, norm_rows)).logits
 
     async def feed(
         self,
@@ -272,21 +296,20 @@ class ModelServer:
         num_logits: int,
         stats: CallStats,
         scored_only: bool = False,
-        features: torch.Tensor | None = None,
-        num_norms: int = 0,
+        features_in: torch.Tensor | None = None,
+        norm_rows: int = 0,
     ) -> Feed:
-        """``forward``'s feed, whose ``normed`` holds the final-norm rows of its last num_norms positions (a
-        target's features); features: a head draft's rows beside the tokens. A feed that keeps norms takes
-        nothing from the prefix cache, whose blocks hold keys and values, not features."""
-        fresh = not s.tokens and self.prefix is not None and not num_norms
-        if fresh and (n := self.prefix.attach(s.cache, token_ids, len(token_ids) - num_logits)):
+        """``forward``'s feed, whose ``normed`` holds the final-norm rows of its last norm_rows positions (a
+        head's predicted feature); features_in: a head draft's rows beside the tokens."""
+        fresh = not s.tokens and self.prefix is not None
+        if fresh and (n := self.prefix.attach(s.cache, token_ids, len(token_ids) - num_logits, s.features)):
             s.append(token_ids[:n])
             token_ids = token_ids[n:]
             self.metrics.prefix_hits.inc(n)
-        feed = await self.engine.forward(s, token_ids, num_logits, scored_only, features, num_norms)
+        feed = await self.engine.forward(s, token_ids, num_logits, scored_only, features_in, norm_rows)
         stats.add(feed)
         if fresh:
-            self.prefix.store(s.cache, s.tokens)
+            self.prefix.store(s.cache, s.tokens, s.features)
         return feed
 
     def sparse(self, found: tuple[np.ndarray, np.ndarray]) -> pb.SparseDistribution:

@@ -10,13 +10,15 @@ a hash chained over every token before them, so a block is reused only after the
 Only where the runner is batch-invariant (specdec's kernels): there a position's keys and values depend on the
 tokens up to it and nothing else, so a copied block holds exactly what the session would have computed, bit for
 bit, and the output cannot change. Elsewhere the cache stays off.
+
+A block also keeps the features of its positions (specdec.features) when the session that computed it kept them:
+a session that keeps features takes only blocks that have them, and computes the rest itself (its blocks then
+give their features to the cache).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-
-import torch
 
 BLOCK = 8  # tokens per block: small, so that a shared opening of 24 tokens is reused whole
 
@@ -33,7 +35,8 @@ class PrefixCache:
         # activations) never stand in for another's.
         plan = getattr(runner, "plan", None)
         self.root = plan.long.name if plan is not None else type(runner).__name__
-        self._blocks: OrderedDict[int, tuple[tuple[int, ...], int | str, torch.Tensor, torch.Tensor]] = OrderedDict()
+        # key -> [tokens, parent key, k, v, features [block, hidden] or None]
+        self._blocks: OrderedDict[int, list] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks) * self.block  # tokens held
@@ -47,14 +50,20 @@ class PrefixCache:
             yield key, chunk, parent
             parent = key
 
-    def attach(self, cache, tokens: list[int], limit: int) -> int:
-        """Copy into an empty cache the longest cached prefix of tokens, at most `limit` tokens long; its length."""
+    def attach(self, cache, tokens: list[int], limit: int, features=None) -> int:
+        """Copy into an empty cache the longest cached prefix of tokens, at most `limit` tokens long; its length.
+        features: an empty FeatureStore of a session that keeps features: only blocks with features are taken,
+        and their features are appended to it."""
         used = []
         for key, chunk, parent in self._chain(tokens, max(limit, 0) // self.block):
             entry = self._blocks.get(key)
             if entry is None or entry[0] != chunk or entry[1] != parent:  # a hash collision is a miss
                 break
+            if features is not None and entry[4] is None:  # computed by a session that kept none
+                break
             self.runner.write_kv(cache, len(used) * self.block, entry[2], entry[3])
+            if features is not None:
+                features.append(entry[4])
             used.append(key)
         self._touch(used)
         return len(used) * self.block
@@ -64,15 +73,20 @@ class PrefixCache:
         for key in reversed(chain):
             self._blocks.move_to_end(key)
 
-    def store(self, cache, tokens: list[int]) -> None:
+    def store(self, cache, tokens: list[int], features=None) -> None:
         """Keep the full blocks of a cache holding `tokens` that are not kept yet, dropping the least recently
-        used past the capacity."""
+        used past the capacity. features: the session's FeatureStore, if it keeps one: its rows go with the
+        blocks, those kept already without features included."""
         if not self.capacity_blocks:
             return
         chain = []
         for i, (key, chunk, parent) in enumerate(self._chain(tokens, len(tokens) // self.block)):
-            if key not in self._blocks:
-                self._blocks[key] = (chunk, parent, *self.runner.read_kv(cache, i * self.block, self.block))
+            start = i * self.block
+            entry = self._blocks.get(key)
+            if entry is None:
+                entry = self._blocks[key] = [chunk, parent, *self.runner.read_kv(cache, start, self.block), None]
+            if features is not None and entry[4] is None and entry[:2] == [chunk, parent]:
+                entry[4] = features.read(start, start + self.block).clone()
             chain.append(key)
         self._touch(chain)
         while len(self._blocks) > self.capacity_blocks:

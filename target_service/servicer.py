@@ -1,8 +1,8 @@
-"""Verify: one forward pass over the unseen tokens and the K drafts.
+"""Verify: one forward pass over the unseen tokens and the K drafts; GetFeatures: the features a session keeps.
 
-With return_features, the session keeps the target's features (its final-norm output at every position it is
-fed, specdec/features.py) and the Verify returns those of the rows it fed; GetFeatures streams any span of them,
-for a head draft's session rebuilt on another replica or after it expired.
+With return_features, a session created by the call keeps the target's features (its final-norm output at every
+position it is fed, specdec/features.py) and the Verify returns those of the rows it fed; GetFeatures streams any
+span of them, for a head draft's session rebuilt on another replica or after it expired.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from specdec.errors import ServiceError, invalid
 from specdec.model_server import CallStats, ModelServer, SessionRpcs
 from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, support, uniform
 from specdec.v1 import target_pb2, target_pb2_grpc
-
-CHUNK_BYTES = 1 << 20  # GetFeatures' largest chunk
 
 
 class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
@@ -33,8 +31,26 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         return await self.core.call("GetLogprobs", self._logprobs, request, context)
 
     async def GetFeatures(self, request, context):
-        for chunk in await self.core.call("GetFeatures", self._features, request, context):
-            yield chunk
+        rows = await self.core.call("GetFeatures", self._features, request, context)
+        for start, count, data in features.chunks(rows, request.start, features.CHUNK_BYTES):
+            yield target_pb2.FeaturesChunk(start=start, count=count, features=data)
+
+    def _features(self, req: target_pb2.GetFeaturesRequest):
+        """A copy of the features of positions start .. end - 1 ([end - start, hidden] bfloat16), taken at once:
+        the stream that sends them holds nothing of the session."""
+        if not req.start < req.end <= req.expected_length:
+            raise invalid(
+                f"positions {req.start}..{req.end - 1} are not a range within the {req.expected_length} tokens "
+                "expected: start < end <= expected_length"
+            )
+        s = self.core.pool.get(req.session_id, req.expected_length)
+        if s.features is None:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"session {req.session_id!r} keeps no features: it was created without return_features; "
+                "resend the history with expected_length 0 and return_features",
+            )
+        return s.features.read(req.start, req.end).clone()
 
     async def _verify(self, req: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         core = self.core
@@ -45,25 +61,18 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         unseen = core.check_tokens(req.cursor.tokens)
         if not unseen:
             raise invalid("tokens is empty: send at least the last token of the sequence")
-        if req.return_features and not hasattr(core.runner, "mix"):
-            raise invalid(f"the {core.runner.describe()} returns no features; serve the target on the lean runner")
         logprobs.check(req)
         stats = CallStats(core.engine)
-        fed = unseen + drafts
-        with core.session(req.cursor, len(fed)) as s:
-            start = len(s.tokens)
-            keep = self._keeps_features(s, req)
-            feed = await core.feed(s, fed, len(drafts) + 1, stats, num_norms=len(fed) if keep else 0)
-            logits = feed.logits  # [K+1, vocab]
-            if keep:
-                s.features.write(start, feed.normed)
+        with core.session(req.cursor, len(unseen) + len(drafts), req.return_features) as s:
+            start = len(s.tokens)  # the cursor's keep_length
+            logits = await core.forward(s, unseen + drafts, len(drafts) + 1, stats)  # [K+1, vocab]
         resp = target_pb2.VerifyResponse(length=len(s.tokens))
-        if req.return_features:
-            resp.features, resp.features_start = features.encode(feed.normed), start
         stats.fill(resp)
         s.logprobs = (
             logprobs.fill(resp, logits, drafts, req.top_logprobs, len(s.tokens) - len(drafts)) if req.logprobs else None
         )
+        if req.return_features:
+            resp.features, resp.features_start = features.encode(s.features.read(start, len(s.tokens))), start
         if params.greedy:
             s.keep_probs(None)
             resp.argmax_token_ids.extend(argmax_rows(logits))
@@ -80,34 +89,3 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
 
     def _logprobs(self, req: target_pb2.GetLogprobsRequest) -> target_pb2.GetLogprobsResponse:
         return logprobs.answer(self.core.pool.lookup(req.session_id).logprobs, req, self.core.vocab_size)
-
-    def _keeps_features(self, s, req: target_pb2.VerifyRequest) -> bool:
-        """Whether the session keeps its features: from its first call on, where that call asked for them."""
-        if req.cursor.expected_length == 0 and req.return_features:
-            s.features = features.FeatureRows(self.core.feature_size)
-        if req.return_features and s.features is None:
-            raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"session {s.id!r} keeps no features; resend the history with expected_length 0 and return_features",
-            )
-        return s.features is not None
-
-    def _features(self, req: target_pb2.GetFeaturesRequest) -> list[target_pb2.FeaturesChunk]:
-        s = self.core.pool.get(req.session_id, req.expected_length)
-        if not req.start <= req.end <= req.expected_length:
-            raise invalid(f"positions [{req.start}, {req.end}) are not within the {req.expected_length} held")
-        if s.features is None or s.features.length < req.end:
-            raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"session {req.session_id!r} holds no features up to {req.end}; "
-                "resend the history with expected_length 0 and return_features",
-            )
-        per_chunk = max(1, CHUNK_BYTES // (2 * self.core.feature_size))
-        return [
-            target_pb2.FeaturesChunk(
-                start=a,
-                count=min(per_chunk, req.end - a),
-                features=features.encode(s.features.read(a, min(a + per_chunk, req.end))),
-            )
-            for a in range(req.start, req.end, per_chunk)
-        ]

@@ -59,7 +59,15 @@ class DeviceTensor(torch.Tensor):
 def on_device(runner):
     """The runner, its outputs made DeviceTensors."""
     inner = runner.forward_batch
-    runner.forward_batch = lambda *a, **k: [t.as_subclass(DeviceTensor) for t in inner(*a, **k)]
+
+    def forward_batch(*a, **k):
+        """Logits, and with norm_rows the final-norm rows beside them, all on the "device"."""
+        out = inner(*a, **k)
+        logits, norms = out if "norm_rows" in k else (out, None)
+        logits = [t.as_subclass(DeviceTensor) for t in logits]
+        return logits if norms is None else (logits, [n if n is None else n.as_subclass(DeviceTensor) for n in norms])
+
+    runner.forward_batch = forward_batch
     return runner
 
 
@@ -92,6 +100,37 @@ def test_runner_outputs_reach_python_and_numpy_only_through_the_host_boundary(
     finally:
         stop_stack(stack)
     assert greedy == alone and len(sampled) == stats.completion_tokens > 0
+
+
+def test_a_targets_features_reach_the_wire_only_through_the_host_boundary(tiny_draft, tokenizer, monkeypatch):
+    """A session that keeps features: its rows come off the "device" into the store and the Verify's bytes, and
+    they are those of the runner on the CPU."""
+    import specdec.model_server as model_server
+    import specdec.sampling as sampling
+    from specdec import features
+    from specdec.v1 import model_server_pb2 as ms, target_pb2
+    from target_service.servicer import TargetServicer
+
+    make, kernels_for = model_server.make_runner, sampling.kernels_for
+    monkeypatch.setattr(model_server, "make_runner", lambda *a, **k: on_device(make(*a, **k)))
+    monkeypatch.setattr(sampling, "kernels_for", lambda t: None if isinstance(t, DeviceTensor) else kernels_for(t))
+    cfg = ModelServerConfig(role="target", model="t", metrics_port=0, runner="lean", prefix_cache_tokens=0)
+    core = model_server.ModelServer(cfg, tiny_draft, tokenizer)
+    tokens, greedy = list(range(40, 60)), ms.SamplingParams(temperature=0.0, top_p=1.0)
+    req = target_pb2.VerifyRequest(
+        cursor=ms.SessionCursor(session_id="s", tokens=tokens),
+        draft_tokens=[3, 4],
+        sampling=greedy,
+        return_features=True,
+    )
+    resp = asyncio.run(TargetServicer(core)._verify(req))
+    runner = core.runner  # a lone pass on a fresh cache: batch-invariant, so the same rows
+    _, (expected,) = runner.forward_batch([runner.new_cache()], [tokens + [3, 4]], [3], norm_rows=[22])
+    assert isinstance(expected, DeviceTensor)
+    expected = expected.cpu()
+    got = features.decode(resp.features, core.feature_size)
+    assert torch.equal(got, expected.to(torch.bfloat16).float()) and resp.features_start == 0
+    assert torch.equal(core.pool.lookup("s").features.read(0, 22).float(), got)
 
 
 class SdpaCalls(TorchFunctionMode):

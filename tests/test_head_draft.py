@@ -34,6 +34,7 @@ class RecordingTarget(TargetServicer):
         super().__init__(core)
         self.get_features = 0
         self.kept = {}
+        self.verifies = []  # (expected_length, rows fed, return_features) of each Verify
 
     async def GetFeatures(self, request, context):
         self.get_features += 1
@@ -41,6 +42,9 @@ class RecordingTarget(TargetServicer):
             yield chunk
 
     async def _verify(self, req):
+        self.verifies.append(
+            (req.cursor.expected_length, len(req.cursor.tokens) + len(req.draft_tokens), req.return_features)
+        )
         resp = await super()._verify(req)
         s = self.core.pool.lookup(req.cursor.session_id)
         if s.features is not None:
@@ -113,7 +117,7 @@ def test_the_head_runner_computes_fc_then_one_llama_layer_then_its_norm(head_mod
     target's lm_head; and g is returned for the rows asked."""
     runner = LeanLlamaRunner(head_model, target_model.config.vocab_size, 256, matmul="linear")
     ids, feats = [5, 17, 300, 42, 9], torch.randn(5, head_model.config.hidden_size)
-    logits, norms = runner.forward_batch([runner.new_cache()], [ids], [2], features=[feats], num_norms=[3])
+    logits, norms = runner.forward_batch([runner.new_cache()], [ids], [2], features_in=[feats], norm_rows=[3])
     with torch.no_grad():
         x0 = torch.cat([target_model.model.embed_tokens.weight[ids], feats], 1) @ head_model.specdec_head.fc.T
         g = head_model.model(inputs_embeds=x0[None], position_ids=torch.arange(5)[None]).last_hidden_state[0]
@@ -221,11 +225,31 @@ def test_the_head_session_after_a_round_is_a_fresh_head_fed_the_history_with_the
     def fresh():
         runner = head_stack.draft.runner
         cache = runner.new_cache()
-        runner.forward_batch([cache], [tokens], [1], features=[rows])
+        runner.forward_batch([cache], [tokens], [1], features_in=[rows])
         return cache.k[:, :, : len(tokens)].clone(), cache.v[:, :, : len(tokens)].clone()
 
     k_fresh, v_fresh = head_stack.lt.call(fresh)
     assert torch.equal(k_fresh, k) and torch.equal(v_fresh, v)
+
+
+def test_a_verify_whose_features_would_pass_the_bound_goes_in_pieces_each_returning_features(
+    head_stack, reference, head_model, monkeypatch
+):
+    """A long history's first Verify would answer with every row's features in one message: past VERIFY_BYTES it
+    is cut into pieces, each a Verify with return_features (the first creates the session that keeps them), and
+    the output is the target's."""
+    rows = 7
+    monkeypatch.setattr(head_draft, "VERIFY_BYTES", rows * 2 * head_model.config.hidden_size)
+    verifies = head_stack.servicers_target.verifies
+    verifies.clear()
+    ids, _, stats = head_stack.generate(
+        messages=[("user", PROMPTS[0])], max_tokens=MAX_TOKENS, temperature=0.0, num_speculative_tokens=3
+    )
+    assert ids == reference[0][:MAX_TOKENS] and stats.draft_tokens > 0
+    assert all(want for _, _, want in verifies)  # every Verify asks, the first included
+    assert verifies[0][0] == 0 and verifies[0][1] == rows  # the session is created by the first piece
+    assert sum(n == rows for _, n, _ in verifies[:3]) == 3, verifies  # the prompt went in pieces of `rows`
+    assert all(n <= max(rows, 1 + 3) for _, n, _ in verifies)
 
 
 def test_a_seeded_sampled_request_with_a_head_draft_replays(head_stack):

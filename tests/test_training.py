@@ -214,7 +214,7 @@ def test_a_head_saved_by_training_computes_in_the_draft_service_what_it_computed
             p.data = p.data.bfloat16().float()
         g, _ = trained(ids, fprev, torch.ones(1, T, dtype=torch.bool), second=False)
         logits, norms = served.forward_batch(
-            [served.new_cache()], [ids[0].tolist()], [T], scored_only=True, features=[fprev[0]], num_norms=[T]
+            [served.new_cache()], [ids[0].tolist()], [T], scored_only=True, features_in=[fprev[0]], norm_rows=[T]
         )
     torch.testing.assert_close(norms[0], g[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[0], g[0] @ target_runner.lm_head[torch.tensor(kept)].T, atol=1e-3, rtol=1e-4)

@@ -212,6 +212,11 @@ class LeanLlamaRunner:
         are split into passes (Plan.batch_invariant)."""
         return self.plan.batch_invariant
 
+    @property
+    def feature_size(self) -> int:
+        """Values in a feature row (forward_batch's features_in and norm rows): the hidden size."""
+        return self.embed.shape[1]
+
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device)
 
@@ -250,21 +255,25 @@ class LeanLlamaRunner:
         scored_only: bool = False,
         *,
         plan: Plan | None = None,
-        features: list | None = None,
-        num_norms: list[int] | None = None,
+        features_in: list | None = None,
+        norm_rows: list[int] | None = None,
     ):
         """One pass over several sessions: session i appends token_ids[i] to caches[i] and gets the logits of
         its last num_logits[i] positions, as ``forward`` gives them. The products run once over every session's
         rows (the weights are read once), in the form the runner's plan has for the pass's rows (`plan`: another
         plan, for the timing at load); attention runs per session, over its own cache and positions.
 
-        A head draft's runner (``mix``, specdec/head.py) reads features[i], [len(token_ids[i]), hidden] rows beside
-        the tokens (zeros where None: the timing passes). num_norms: also return the final-norm output of each
-        session's last num_norms[i] rows (a target's features, a head's predicted ones): (logits, norms) lists."""
+        features_in: a head draft's runner (``mix``, specdec/head.py) reads features_in[i], [len(token_ids[i]),
+        hidden] rows beside the tokens (zeros where None: the timing passes); another runner refuses them.
+        norm_rows: return also the final-norm output of each session's last norm_rows[i] rows (a target's
+        features: every row fed; a head's predicted feature: its last) as (logits, norms), norms[i]
+        [norm_rows[i], hidden] in the runner's dtype or None for 0, the logits computed from them (_final_norm)."""
         ns, starts = [len(t) for t in token_ids], [c.length for c in caches]
         for n, start in zip(ns, starts):
             if start + n > self.max_len:
                 raise ValueError(f"sequence of {start + n} tokens exceeds {self.max_len}")
+        if norm_rows is not None and any(not 0 <= m <= n for m, n in zip(norm_rows, ns)):
+            raise ValueError(f"final-norm rows {norm_rows} asked of passes of {ns} rows")
         for c, n in zip(caches, ns):
             c.reserve(n)
         rows = sum(ns)
@@ -280,7 +289,7 @@ class LeanLlamaRunner:
             ids = torch.tensor([t for ts in token_ids for t in ts], device=self.device)
             positions = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, ns)]).to(self.device)
             cos, sin = self.cos[positions], self.sin[positions]
-        x = self._mixed(self.embed[ids], features, ns)  # [rows, hidden]
+        x = self._mixed(self.embed[ids], features_in, ns)  # [rows, hidden]
         ops, eps = self.layer_ops, self.eps
         if form.stack is not None:
             x = form.stack.forward_batch(x, [c.k for c in caches], [c.v for c in caches], cos, sin, starts, ns)
@@ -291,47 +300,50 @@ class LeanLlamaRunner:
                 x = x + linear(ops.silu_mul(linear(ops.rms_norm(x, ln2, eps), wgu)), wd)
         for c, start, n in zip(caches, starts, ns):
             c.length = start + n
-        if num_norms is not None:
-            return self._logits_and_norms(x, ns, num_logits, num_norms, linear, lm_head, scored_only)
-        x = x[rows - num_logits[0] :] if len(caches) == 1 else x[self._last_rows(ns, num_logits)]
-        logits = linear(ops.rms_norm(x, self.norm, eps), lm_head).float()  # [sum num_logits, vocab or scored]
-        return self._widened(list(logits.split(num_logits)) if len(caches) > 1 else [logits], num_logits, scored_only)
+        normed, norms = self._final_norm(x, ns, num_logits, norm_rows)
+        logits = linear(normed, lm_head).float()  # [sum num_logits, vocab or scored]
+        out = list(logits.split(num_logits)) if len(caches) > 1 else [logits]
+        if self.scored_ids is not None and not scored_only:
+            out = [self._widen(part) for part in out]
+        return out if norm_rows is None else (out, norms)
 
-    def _last_rows(self, ns: list[int], last: list[int]) -> torch.Tensor:
-        """Indices of each session's last[i] rows of a pass's ns[i]."""
-        ends = torch.tensor(ns).cumsum(0)
-        return torch.cat([torch.arange(end - k, end) for end, k in zip(ends.tolist(), last)]).to(self.device)
+    def _final_norm(self, x, ns, num_logits, norm_rows):
+        """(the final norm of the logits rows [sum num_logits, hidden], each session's last norm_rows[i] normed
+        rows or None): the norm runs once over the rows either needs, row by row."""
+        keep = num_logits if norm_rows is None else [max(k, m) for k, m in zip(num_logits, norm_rows)]
+        normed = self.layer_ops.rms_norm(self._last_rows(x, ns, keep), self.norm, self.eps)  # [sum keep, hidden]
+        if norm_rows is None:
+            return normed, None
+        parts = normed.split(keep) if len(ns) > 1 else [normed]
+        norms = [part[len(part) - m :] if m else None for part, m in zip(parts, norm_rows)]
+        if keep != num_logits:
+            rows_of_logits = [part[len(part) - k :] for part, k in zip(parts, num_logits)]
+            normed = rows_of_logits[0] if len(parts) == 1 else torch.cat(rows_of_logits)
+        return normed, norms
 
-    def _mixed(self, x: torch.Tensor, features: list | None, ns: list[int]) -> torch.Tensor:
+    def _widen(self, scored: torch.Tensor) -> torch.Tensor:
+        """Logits of the scored tokens [k, len(scored_ids)] as [k, vocab], -inf for the others."""
+        full = torch.full((scored.shape[0], self.vocab_size), float("-inf"), device=scored.device)
+        return full.index_copy_(1, self._scored_ids_on_device, scored)
+
+    def _last_rows(self, x: torch.Tensor, ns: list[int], keep: list[int]) -> torch.Tensor:
+        """The last keep[i] of each session's ns[i] rows of x [sum ns, hidden], in order."""
+        if len(ns) == 1:
+            return x[ns[0] - keep[0] :]
+        ends = torch.tensor(ns).cumsum(0).tolist()
+        return x[torch.cat([torch.arange(end - k, end) for end, k in zip(ends, keep)]).to(self.device)]
+
+    def _mixed(self, x: torch.Tensor, features_in: list | None, ns: list[int]) -> torch.Tensor:
         """A head's input: fc . [embedding ; feature] for every row ([rows, hidden]); a plain model's embeddings."""
         if self.mix is None:
-            if features is not None:
+            if features_in is not None:
                 raise ValueError("this model reads no features")
             return x
         rows = [
             torch.zeros(n, x.shape[1], dtype=x.dtype, device=x.device) if f is None else f.to(x.device, x.dtype)
-            for f, n in zip(features or [None] * len(ns), ns)
+            for f, n in zip(features_in or [None] * len(ns), ns)
         ]
         return self._mix_product(torch.cat([x, torch.cat(rows)], dim=1), self.mix)
-
-    def _logits_and_norms(self, x, ns, num_logits, num_norms, linear, lm_head, scored_only):
-        """(logits, final-norm rows) of each session: the norm runs once over the rows either needs."""
-        keep = [max(k, m) for k, m in zip(num_logits, num_norms)]
-        h = self.layer_ops.rms_norm(x[self._last_rows(ns, keep)], self.norm, self.eps)  # [sum keep, hidden]
-        parts = h.split(keep)
-        logits = linear(torch.cat([p[len(p) - k :] for p, k in zip(parts, num_logits)]), lm_head).float()
-        norms = [p[len(p) - m :] for p, m in zip(parts, num_norms)]
-        return self._widened(list(logits.split(num_logits)), num_logits, scored_only), norms
-
-    def _widened(self, out: list[torch.Tensor], num_logits: list[int], scored_only: bool) -> list[torch.Tensor]:
-        """A restricted model's logits widened to the vocabulary (-inf elsewhere), unless scored_only."""
-        if self.scored_ids is None or scored_only:
-            return out
-        scored = self._scored_ids_on_device
-        return [
-            torch.full((k, self.vocab_size), float("-inf"), device=part.device).index_copy_(1, scored, part)
-            for k, part in zip(num_logits, out)
-        ]  # [num_logits, vocab] each
 
     def _attend(self, qkv, caches, layer, cos, sin, starts, ns):
         """Layer `layer`'s attention of every session's rows over its own cache: [rows, heads * head_dim]."""

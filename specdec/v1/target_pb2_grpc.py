@@ -133,8 +133,8 @@ class TargetServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetFeatures(self, request, context):
-        """Streams the features (final-norm outputs) a session holds at positions [start, end), in chunks of at most
-        1 MiB: what a head draft's session is rebuilt from.
+        """Streams the features (final-norm outputs) a session keeps for a range of its positions, in order, in
+        chunks of at most 1 MiB of features: what a draft that reads them rebuilds its cache from.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
