@@ -326,3 +326,13 @@ def test_a_target_loaded_in_bf16_has_the_feature_fingerprint_of_its_float32_load
     w = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
     assert fingerprint(w) == fingerprint(w.to(torch.bfloat16))
     assert fingerprint(w) != fingerprint(w * 1.01)
+
+
+def test_the_shipped_head_reads_the_embedded_target_s_features(target_model):
+    """models/smollm2-head loads as a draft model spec and records the embedded target's feature fingerprint, so the
+    orchestrator accepts it beside the default target."""
+    folder = str(models.REPO_MODELS["smollm2-135m-draft"].parent / "smollm2-head")
+    loaded = models.load_model(folder)
+    assert loaded.specdec_head.target == models.DEFAULT_TARGET
+    assert loaded.specdec_head.feature_fingerprint == features.fingerprint(target_model.get_output_embeddings().weight)
+    assert len(loaded.config.specdec_output_token_ids) == 13146

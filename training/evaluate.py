@@ -44,7 +44,7 @@ def measure_c(
     tok = models.load_tokenizer(target)
     d_model = models.load_model(draft)
     d = make_runner(d_model, len(tok), 4096, draft_runner, quantize=resolve_quantize(draft_quantize, "draft", d_model))
-    t = make_runner(models.load_model(target), len(tok), 4096, target_runner)
+    t = make_runner(models.load_model(target), len(tok), 4096, target_runner, gguf=models.gguf_file(target))
     d_threads, t_threads = (ROLE_DEFAULTS[role].get("threads", 0) for role in ("draft", "target"))
     step_ms(d, reps=5, threads=d_threads), step_ms(t, reps=5, threads=t_threads)
     d_ms, t_ms = [], []
