@@ -20,6 +20,7 @@ import functools
 import inspect
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import grpc
@@ -212,13 +213,11 @@ class ModelServer:
         self.metrics.sessions.set(len(self.pool))
         self.metrics.tokens.set(self.pool.tokens_in_use)
 
-    async def expire_idle_forever(self, every_s: float = 5.0) -> None:
-        while True:
-            await asyncio.sleep(every_s)
-            n = self.pool.expire_idle()
-            if n:
-                self.metrics.sessions_expired.inc(n)
-                self._update_pool_metrics()
+    def expire_idle(self) -> None:
+        n = self.pool.expire_idle()
+        if n:
+            self.metrics.sessions_expired.inc(n)
+            self._update_pool_metrics()
 
     # -- shared pieces of the model RPCs ---------------------------------------
     def sampling(self, p: pb.SamplingParams) -> SamplingParams:
@@ -406,6 +405,17 @@ class SessionRpcs:
         return await self.core.call("GetModelInfo", self.core.model_info, request, context)
 
 
+async def _expire_idle_forever(core: weakref.ref, every_s: float = 5.0) -> None:
+    """Expire idle sessions every every_s seconds, for as long as the server's core lives: the loop holds it weakly,
+    so a core whose server has stopped is freed (with its weights) and the loop ends."""
+    while True:
+        await asyncio.sleep(every_s)
+        if (alive := core()) is None:
+            return
+        alive.expire_idle()
+        del alive
+
+
 async def start_model_server(core: ModelServer, services: list[tuple], host: str, port: int):
     """Bind, start and mark serving; returns (server, bound port, health servicer, expiry task)."""
     from specdec.server import create_server, mark_serving, server_credentials
@@ -413,7 +423,7 @@ async def start_model_server(core: ModelServer, services: list[tuple], host: str
     server, bound, health_servicer = create_server(f"{host}:{port}", services, credentials=server_credentials(core.cfg))
     await server.start()
     await mark_serving(health_servicer, [name for _, _, name in services])
-    expiry = asyncio.create_task(core.expire_idle_forever())
+    expiry = asyncio.create_task(_expire_idle_forever(weakref.ref(core)))
     log.info("%s service (%s) listening on %s:%d", core.cfg.role, core.cfg.model, host, bound)
     return server, bound, health_servicer, expiry
 

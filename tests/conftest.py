@@ -198,6 +198,7 @@ class Stack:
     target_address: str = ""
     servicers_draft: object = None
     servicers_target: object = None
+    tasks: list = field(default_factory=list)  # the model servers' expiry loops, which hold them until cancelled
 
     def stub(self):
         channel = grpc.insecure_channel(self.address)
@@ -257,10 +258,10 @@ def make_stack(
         target = ModelServer(tcfg, target_model, tokenizer)
         d_servicer = (draft_servicer or DraftServicer)(draft)
         t_servicer = (target_servicer or TargetServicer)(target)
-        d_srv, d_port, *_ = await start_model_server(
+        d_srv, d_port, _, d_expiry = await start_model_server(
             draft, [(draft_pb2_grpc.add_DraftServiceServicer_to_server, d_servicer, DRAFT_NAME)], "127.0.0.1", 0
         )
-        t_srv, t_port, *_ = await start_model_server(
+        t_srv, t_port, _, t_expiry = await start_model_server(
             target, [(target_pb2_grpc.add_TargetServiceServicer_to_server, t_servicer, TARGET_NAME)], "127.0.0.1", 0
         )
         ocfg = OrchestratorConfig(
@@ -285,6 +286,7 @@ def make_stack(
             f"127.0.0.1:{t_port}",
             d_servicer,
             t_servicer,
+            [d_expiry, t_expiry],
         )
 
     return lt.run(start())
@@ -297,6 +299,10 @@ def stop_stack(stack: Stack) -> None:
         await stack.servicer.close()
         for s in stack.servers:
             await s.stop(0)
+        for task in stack.tasks:
+            task.cancel()
+        for core in (stack.draft, stack.target):  # their engines' loops hold them (and their weights) until stopped
+            await core.engine.stop()
 
     stack.lt.run(stop())
 

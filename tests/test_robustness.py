@@ -585,3 +585,28 @@ def test_health_and_other_generations_answer_while_a_long_prompt_prefills(tiny_s
         for sid in ("long", "short"):
             target.ReleaseSession(ms.ReleaseSessionRequest(session_id=sid))
     assert held("long") == 0
+
+
+def test_a_stopped_model_server_frees_its_core_and_weights(event_loop_thread, tokenizer, tiny_draft):
+    """Once its gRPC server and engine have stopped, nothing the server started (the idle-session expiry loop
+    included) keeps the core, its runner's packed weights or its KV pool alive."""
+    import asyncio
+    import gc
+    import weakref
+
+    from draft_service.app import services
+    from specdec.config import ModelServerConfig
+    from specdec.model_server import ModelServer, start_model_server
+
+    async def start_and_stop():
+        cfg = ModelServerConfig(role="draft", model="d", port=0, metrics_port=0, threads=1)
+        core = ModelServer(cfg, tiny_draft, tokenizer)
+        server, *_ = await start_model_server(core, services(core), "127.0.0.1", 0)
+        await server.stop(0)
+        await core.engine.stop()
+        return weakref.ref(core)
+
+    ref = event_loop_thread.run(start_and_stop())
+    event_loop_thread.run(asyncio.sleep(0.05))  # the expiry loop's next turn is a timer away; nothing waits on it
+    gc.collect()
+    assert ref() is None
