@@ -271,22 +271,13 @@ class ModelServer:
         finally:
             s.end_call()
 
-    async def forward(
-        self,
-        s: Session,
-        token_ids: list[int],
-        num_logits: int,
-        stats: CallStats,
-        scored_only: bool = False,
-        features_in: torch.Tensor | None = None,
-        norm_rows: int = 0,
-    ) -> torch.Tensor:
+    async def forward(self, s: Session, token_ids: list[int], num_logits: int, stats: CallStats, **kw) -> torch.Tensor:
         """Feed tokens to the session in the engine's next passes; [num_logits, vocab] logits, or
         [num_logits, len(runner.scored_ids)] with scored_only (see the runners). A new session first takes the
         longest prefix of its tokens the prefix cache holds (with their features, for a session that keeps
         them), and leaves its own blocks there. A session that keeps features gets a row for every token fed
-        (Session.features). A failed pass drops the session. features_in, norm_rows: see ``feed``."""
-        return (await self.feed(s, token_ids, num_logits, stats, scored_only, features_in, norm_rows)).logits
+        (Session.features). A failed pass drops the session. Keywords: ``feed``'s (scored_only, features_in, norm_rows)."""
+        return (await self.feed(s, token_ids, num_logits, stats, **kw)).logits
 
     async def feed(
         self,
