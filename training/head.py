@@ -38,7 +38,7 @@ from specdec.head import head_config, save_head
 from specdec.runners.lean_llama import LeanLlamaRunner, rope
 from training import distill
 from training.common import SEED, log
-from training.train import kept_vocabulary
+from training.train import batches as train_batches, kept_vocabulary
 
 REGRESSION_WEIGHT = 1.0  # EAGLE weighs the feature regression above the tokens' cross-entropy
 SECOND_PASS_WEIGHT = 0.5  # the loss of the pass that reads the head's own features
@@ -159,17 +159,8 @@ def loss_on(head: Head, rows: torch.Tensor, recs: list[dict], second: bool, nois
 
 
 def batches(records: list[dict], batch_tokens: int, rng: random.Random) -> list[list[dict]]:
-    """Records of similar length, about batch_tokens tokens a batch, in random order."""
-    order = sorted(records, key=lambda r: len(r["ids"]))
-    groups, cur = [], []
-    for r in order:
-        if cur and len(r["ids"]) * (len(cur) + 1) > batch_tokens:
-            groups.append(cur)
-            cur = []
-        cur.append(r)
-    groups += [cur] if cur else []
-    rng.shuffle(groups)
-    return groups
+    """Records of similar length, about batch_tokens tokens a batch, in random order (training.train's grouping)."""
+    return [[records[i] for i in group] for group in train_batches(records, batch_tokens, rng, lambda r: len(r["ids"]))]
 
 
 @torch.no_grad()

@@ -90,12 +90,13 @@ def build_sliced_draft(target, kept: list[int], records, layers: int, intermedia
     return slice_target(target, cal, chosen, hidden, intermediate, kept)
 
 
-def batches(records, batch_tokens: int, rng: random.Random):
-    """Lists of records of similar length, about batch_tokens tokens each, in random order."""
-    order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt"]) + len(records[i]["completion"]))
+def batches(records, batch_tokens: int, rng: random.Random, length=lambda r: len(r["prompt"]) + len(r["completion"])):
+    """Lists of record indices of similar length (length(record) tokens), about batch_tokens tokens each, in random
+    order."""
+    order = sorted(range(len(records)), key=lambda i: length(records[i]))
     groups, cur, cur_max = [], [], 0
     for i in order:
-        n = len(records[i]["prompt"]) + len(records[i]["completion"])
+        n = length(records[i])
         if cur and max(cur_max, n) * (len(cur) + 1) > batch_tokens:
             groups.append(cur)
             cur, cur_max = [], 0
