@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeTokensRequest(_message.Message):
-    __slots__ = ("cursor", "num_tokens", "sampling", "min_confidence", "features")
+    __slots__ = ("cursor", "num_tokens", "sampling", "min_confidence", "features", "rules")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    RULES_FIELD_NUMBER: _ClassVar[int]
     cursor: _model_server_pb2.SessionCursor
     num_tokens: int
     sampling: _model_server_pb2.SamplingParams
     min_confidence: float
     features: bytes
-    def __init__(self, cursor: _Optional[_Union[_model_server_pb2.SessionCursor, _Mapping]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_model_server_pb2.SamplingParams, _Mapping]] = ..., min_confidence: _Optional[float] = ..., features: _Optional[bytes] = ...) -> None: ...
+    rules: _model_server_pb2.OutputRules
+    def __init__(self, cursor: _Optional[_Union[_model_server_pb2.SessionCursor, _Mapping]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_model_server_pb2.SamplingParams, _Mapping]] = ..., min_confidence: _Optional[float] = ..., features: _Optional[bytes] = ..., rules: _Optional[_Union[_model_server_pb2.OutputRules, _Mapping]] = ...) -> None: ...
 
 class ProposeTokensResponse(_message.Message):
     __slots__ = ("token_ids", "token_probs", "distributions", "length", "compute_seconds", "batch")

@@ -22,27 +22,32 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from specdec.v1 import model_server_pb2 as specdec_dot_v1_dot_model__server__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xda\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12#\n\x16num_speculative_tokens\x18\t \x01(\x05H\x05\x88\x01\x01\x12\'\n\x1a\x64raft_confidence_threshold\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11prompt_lookup_min\x18\x0b \x01(\rH\x07\x88\x01\x01\x12\x1a\n\x12run_to_context_end\x18( \x01(\x08\x12\x12\n\nignore_eos\x18) \x01(\x08\x12\x16\n\x0estop_token_ids\x18* \x03(\r\x12\x17\n\nmin_tokens\x18+ \x01(\rH\x08\x88\x01\x01\x12\x10\n\x08logprobs\x18, \x01(\x08\x12\x14\n\x0ctop_logprobs\x18- \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x1d\n\x1b_draft_confidence_thresholdB\x14\n\x12_prompt_lookup_minB\r\n\x0b_min_tokens\"\xb1\x03\n\x0fGenerationStats\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x0e\n\x06rounds\x18\x04 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x02\x12\x1d\n\x15mean_tokens_per_round\x18\x08 \x01(\x02\x12\x17\n\x0frejected_rounds\x18\t \x01(\r\x12#\n\x1btime_to_first_token_seconds\x18\n \x01(\x02\x12\x15\n\rtotal_seconds\x18\x0b \x01(\x02\x12\x0c\n\x04seed\x18\x0c \x01(\x04\x12\x15\n\rlookup_rounds\x18\r \x01(\r\x12\x15\n\rlookup_tokens\x18\x0e \x01(\r\x12\x1e\n\x16lookup_accepted_tokens\x18\x0f \x01(\r\x12\x13\n\x0bpreemptions\x18( \x01(\r\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x8c\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x05stats\x18\x03 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12+\n\x08logprobs\x18( \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs*\xc8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x12\x1f\n\x1b\x46INISH_REASON_STOP_TOKEN_ID\x10\x05\x32U\n\nGeneration\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\x1a\x1dspecdec/v1/model_server.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xdf\x06\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12#\n\x16num_speculative_tokens\x18\t \x01(\x05H\x05\x88\x01\x01\x12\'\n\x1a\x64raft_confidence_threshold\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11prompt_lookup_min\x18\x0b \x01(\rH\x07\x88\x01\x01\x12\x1a\n\x12run_to_context_end\x18( \x01(\x08\x12\x12\n\nignore_eos\x18) \x01(\x08\x12\x16\n\x0estop_token_ids\x18* \x03(\r\x12\x17\n\nmin_tokens\x18+ \x01(\rH\x08\x88\x01\x01\x12\x10\n\x08logprobs\x18, \x01(\x08\x12\x14\n\x0ctop_logprobs\x18- \x01(\r\x12$\n\x07grammar\x18. \x01(\x0b\x32\x13.specdec.v1.Grammar\x12>\n\nlogit_bias\x18/ \x03(\x0b\x32*.specdec.v1.GenerateRequest.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x30 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x31 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x32 \x01(\x02H\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x1d\n\x1b_draft_confidence_thresholdB\x14\n\x12_prompt_lookup_minB\r\n\x0b_min_tokensB\x15\n\x13_repetition_penalty\"\xb1\x03\n\x0fGenerationStats\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x0e\n\x06rounds\x18\x04 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x02\x12\x1d\n\x15mean_tokens_per_round\x18\x08 \x01(\x02\x12\x17\n\x0frejected_rounds\x18\t \x01(\r\x12#\n\x1btime_to_first_token_seconds\x18\n \x01(\x02\x12\x15\n\rtotal_seconds\x18\x0b \x01(\x02\x12\x0c\n\x04seed\x18\x0c \x01(\x04\x12\x15\n\rlookup_rounds\x18\r \x01(\r\x12\x15\n\rlookup_tokens\x18\x0e \x01(\r\x12\x1e\n\x16lookup_accepted_tokens\x18\x0f \x01(\r\x12\x13\n\x0bpreemptions\x18( \x01(\r\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x8c\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x05stats\x18\x03 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12+\n\x08logprobs\x18( \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs*\xc8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x12\x1f\n\x1b\x46INISH_REASON_STOP_TOKEN_ID\x10\x05\x32U\n\nGeneration\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1371
-  _globals['_FINISHREASON']._serialized_end=1571
-  _globals['_CHATMESSAGE']._serialized_start=43
-  _globals['_CHATMESSAGE']._serialized_end=87
-  _globals['_GENERATEREQUEST']._serialized_start=90
-  _globals['_GENERATEREQUEST']._serialized_end=692
-  _globals['_GENERATIONSTATS']._serialized_start=695
-  _globals['_GENERATIONSTATS']._serialized_end=1128
-  _globals['_TOKENLOGPROBS']._serialized_start=1130
-  _globals['_TOKENLOGPROBS']._serialized_end=1225
-  _globals['_GENERATERESPONSE']._serialized_start=1228
-  _globals['_GENERATERESPONSE']._serialized_end=1368
-  _globals['_GENERATION']._serialized_start=1573
-  _globals['_GENERATION']._serialized_end=1658
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1663
+  _globals['_FINISHREASON']._serialized_end=1863
+  _globals['_CHATMESSAGE']._serialized_start=74
+  _globals['_CHATMESSAGE']._serialized_end=118
+  _globals['_GENERATEREQUEST']._serialized_start=121
+  _globals['_GENERATEREQUEST']._serialized_end=984
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=758
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=806
+  _globals['_GENERATIONSTATS']._serialized_start=987
+  _globals['_GENERATIONSTATS']._serialized_end=1420
+  _globals['_TOKENLOGPROBS']._serialized_start=1422
+  _globals['_TOKENLOGPROBS']._serialized_end=1517
+  _globals['_GENERATERESPONSE']._serialized_start=1520
+  _globals['_GENERATERESPONSE']._serialized_end=1660
+  _globals['_GENERATION']._serialized_start=1865
+  _globals['_GENERATION']._serialized_end=1950
 # @@protoc_insertion_point(module_scope)

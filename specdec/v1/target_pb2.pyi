@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("cursor", "draft_tokens", "sampling", "return_features", "logprobs", "top_logprobs")
+    __slots__ = ("cursor", "draft_tokens", "sampling", "return_features", "logprobs", "top_logprobs", "rules")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RULES_FIELD_NUMBER: _ClassVar[int]
     cursor: _model_server_pb2.SessionCursor
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: _model_server_pb2.SamplingParams
     return_features: bool
     logprobs: bool
     top_logprobs: int
-    def __init__(self, cursor: _Optional[_Union[_model_server_pb2.SessionCursor, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_model_server_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    rules: _model_server_pb2.OutputRules
+    def __init__(self, cursor: _Optional[_Union[_model_server_pb2.SessionCursor, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_model_server_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., rules: _Optional[_Union[_model_server_pb2.OutputRules, _Mapping]] = ...) -> None: ...
 
 class RowLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
