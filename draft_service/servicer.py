@@ -52,6 +52,8 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
         if not feed:
             raise invalid("tokens is empty: send at least the last token of the sequence")
         rows = self._features(req.features, len(feed))  # [len(feed), hidden] for a head, else None
+        wanted = req.rules if req.HasField("rules") else None
+        core.rules.check(wanted)  # INVALID_ARGUMENT before the session moves
         resp = draft_pb2.ProposeTokensResponse()
         stats = CallStats(core.engine)
         with core.session(req.cursor, len(feed) + max(k - 1, 0)) as s:
@@ -60,7 +62,8 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
                 await core.forward(s, feed, 1, stats, scored_only=True, features_in=rows)
                 s.keep_probs(None)
             else:
-                probs = await self._draft(s, feed, rows, k, params, req.min_confidence, resp, stats)
+                rules = core.rules.state_for(s, wanted)
+                probs = await self._draft(s, feed, rows, k, params, req.min_confidence, rules, resp, stats)
                 s.keep_probs(probs, first, self.ids)
             if rows is not None:
                 core.pool.truncate(s, first)  # the drafted tokens' rows were fed predicted features
@@ -83,8 +86,10 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
             )
         return features.decode(data, core.feature_size)
 
-    async def _draft(self, s: Session, feed, rows, k: int, params, min_confidence: float, resp, stats):
-        """Draft up to k tokens into resp, a pass of the engine each; the sampled rows' distributions, or None."""
+    async def _draft(self, s: Session, feed, rows, k: int, params, min_confidence: float, rules, resp, stats):
+        """Draft up to k tokens into resp, a pass of the engine each; the sampled rows' distributions, or None.
+        With output rules (specdec/rules.py) each step's row follows them; a step whose scored tokens the grammar
+        all forbids ends the round there (its mass is never renormalized onto tokens the grammar refuses)."""
         core, head = self.core, rows is not None
         dists = []
         confidence = 1.0  # the draft's estimate that the target accepts every token so far
@@ -92,6 +97,10 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
             step = await core.feed(s, feed, 1, stats, scored_only=True, features_in=rows, norm_rows=int(head))
             logits = step.logits  # [1, scored tokens]
             position = len(s.tokens)  # absolute position of the token drafted now
+            if rules is not None:
+                logits, _ = rules.apply(logits, s.tokens, position, core.vocab_size, self.ids)
+                if not torch.isfinite(logits).any():
+                    break
             if params.greedy:
                 x, qx = self._token(argmax_rows(logits)[0]), 1.0
                 if min_confidence:

@@ -145,6 +145,7 @@ class Generation:
                 num_tokens=k,
                 sampling=self._params,
                 min_confidence=self.spec.min_confidence,
+                rules=self.spec.rules,
             )
 
         answered = await (self.head.call(request, history) if self.head else failover.call(draft, request))
@@ -172,6 +173,7 @@ class Generation:
                 return_features=self.head is not None,
                 logprobs=self.spec.logprobs is not None,
                 top_logprobs=lp.verify_top(self.spec.logprobs),
+                rules=self.spec.rules,
             )
             cut[0] = self.head is not None and self.head.bound_verify(req)
             return req

@@ -17,6 +17,7 @@ from orchestrator.admission import Admission, KvShare
 from orchestrator.generation import Generation
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.replicas import ReplicaSet
+from orchestrator.rules import RuleChecker
 from orchestrator.spec import GenerationSpec
 from orchestrator.speculation import Speculation
 from specdec.config import OrchestratorConfig
@@ -73,6 +74,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._exported: dict[str, set[str]] = {}  # role -> replicas whose gauges are exported
         self.http = None  # the OpenAI-compatible API's runner, where it is served (orchestrator/app.py)
         self.admission = admission
+        self.rules = RuleChecker(tokenizer, eos_ids)  # output rules, checked as the model servers check them
         metrics.waiting.set_function(lambda: admission.waiting)
 
     def build_spec(self, req: gen_pb.GenerateRequest) -> GenerationSpec:
@@ -89,11 +91,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         for m in req.messages:
             if not m.role:
                 raise invalid("every message needs a role (system, user or assistant)")
-        if req.min_tokens:
-            raise invalid(
-                "min_tokens is not supported yet: it needs the end-of-sequence tokens masked in both model "
-                "servers' distributions; leave it unset or 0"
-            )
         vocab = len(self.tokenizer)
         if len(req.stop_token_ids) > cfg.max_stop_strings or any(t >= vocab for t in req.stop_token_ids):
             raise invalid(f"stop_token_ids takes at most {cfg.max_stop_strings} token ids below {vocab}")
@@ -117,6 +114,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ignore_eos=req.ignore_eos,
             stop_ids=frozenset(req.stop_token_ids),
             logprobs=req.top_logprobs if req.logprobs else None,
+            rules=self.rules.of(req, len(ids)),
         )
 
     def _sampling_fields(self, req: gen_pb.GenerateRequest) -> tuple[float, float, int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.sampling import SamplingParams
+from specdec.v1 import model_server_pb2 as ms_pb
 
 
 @dataclass
@@ -21,5 +22,6 @@ class GenerationSpec:
     ignore_eos: bool = False  # EOS tokens are emitted like any other instead of ending the generation
     stop_ids: frozenset[int] = frozenset()  # token ids that end the generation, not emitted
     logprobs: int | None = None  # set: the target's log-prob of each token and this many top alternatives
+    rules: ms_pb.OutputRules | None = None  # sent on every model call (specdec/rules.py); None: no rules
     adaptive_start: int | None = None  # set: each round chooses K in 0..k (orchestrator.speculation), this one
     # until the process has measured a drafted round; None: every round drafts k

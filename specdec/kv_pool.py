@@ -34,6 +34,7 @@ class Session:
     busy: bool = False  # a call is using the session
     logprobs: Any = None  # a target's LogprobRows of its last Verify, where it asked for logprobs (specdec/logprobs.py)
     features: Any = None  # a FeatureStore of a row per token (specdec.features), for sessions that keep features
+    rules: Any = None  # (specdec.rules.Rules, its RuleState) of the last call; (None, None) without rules
 
     def begin_call(self) -> None:
         """A call takes the session; another call on it meanwhile is refused (SessionPool.get)."""

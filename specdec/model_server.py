@@ -35,6 +35,7 @@ from specdec.errors import ServiceError, invalid
 from specdec.kv_pool import Session, SessionPool
 from specdec.memory import kv_capacity
 from specdec.prefix_cache import PrefixCache
+from specdec.rules import RuleBook
 from specdec.runners import attention_kernels, make_runner, resolve_activations, resolve_quantize
 from specdec.sampling import SamplingParams
 from specdec.server_metrics import ModelServerMetrics
@@ -83,6 +84,9 @@ class ModelServer:
         self.head = getattr(model, "specdec_head", None)  # a head draft's HeadInfo (specdec/head.py), else None
         self.feature_size = self._feature_size()
         self.info = self._model_info(model, tokenizer)
+        self.rules = RuleBook(
+            tokenizer, self.vocab_size, list(self.info.eos_token_ids)
+        )  # output rules (specdec/rules.py)
         self.registry = registry or CollectorRegistry()
         self.metrics = ModelServerMetrics(self.registry)
         self.metrics.sessions_capacity.set(cfg.max_sessions)
@@ -99,15 +103,19 @@ class ModelServer:
             functools.partial(attention_kernels, self.runner.device, cfg.strict_attention),
         )
         self.metrics.queued.set_function(lambda: self.engine.waiting)
-        self.prefix = (
-            PrefixCache(self.runner, cfg.prefix_cache_tokens)
-            if cfg.prefix_cache_tokens and getattr(self.runner, "batch_invariant", False) and not self.reads_features
-            else None
-        )  # a head's keys and values depend on the features it was fed, which the cache's keys do not name
+        self.prefix = self._prefix_cache()
         self.metrics.prefix_tokens.set_function(lambda: len(self.prefix) if self.prefix is not None else 0)
         self.engine.measure()  # what a row costs at each width, before the first call asks
         self._stopping: asyncio.Future | None = None  # set by begin_shutdown; ends idle streams
         self.draining = False
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache, where the runner is batch-invariant and the model reads no features (a head's keys and
+        values depend on the features it was fed, which the cache's keys do not name)."""
+        cfg = self.cfg
+        if cfg.prefix_cache_tokens and getattr(self.runner, "batch_invariant", False) and not self.reads_features:
+            return PrefixCache(self.runner, cfg.prefix_cache_tokens)
+        return None
 
     def _model_info(self, model, tokenizer) -> pb.ModelInfo:
         """What GetModelInfo reports that does not change while the server runs."""

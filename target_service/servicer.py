@@ -62,15 +62,20 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         if not unseen:
             raise invalid("tokens is empty: send at least the last token of the sequence")
         logprobs.check(req)
+        wanted = req.rules if req.HasField("rules") else None
+        core.rules.check(wanted)  # INVALID_ARGUMENT before the session moves
         stats = CallStats(core.engine)
         with core.session(req.cursor, len(unseen) + len(drafts), req.return_features) as s:
             start = len(s.tokens)  # the cursor's keep_length
             logits = await core.forward(s, unseen + drafts, len(drafts) + 1, stats)  # [K+1, vocab]
+            rules = core.rules.state_for(s, wanted)
         resp = target_pb2.VerifyResponse(length=len(s.tokens))
         stats.fill(resp)
         s.logprobs = (
             logprobs.fill(resp, logits, drafts, req.top_logprobs, len(s.tokens) - len(drafts)) if req.logprobs else None
         )
+        if rules is not None:  # after the raw logprobs, before everything that samples or compares
+            logits, _ = rules.apply(logits, s.tokens, len(s.tokens) - len(drafts), core.vocab_size)
         if req.return_features:
             resp.features, resp.features_start = features.encode(s.features.read(start, len(s.tokens))), start
         if params.greedy:

@@ -1,0 +1,279 @@
+"""A generation's output rules on a model server: its grammar, logit_bias, penalties and min_tokens.
+
+The rules change each row's logits before temperature, top-k and top-p, on both model servers alike: the target's
+p becomes the constrained distribution the output follows, and the draft's q proposes only what it allows, so the
+ratio test keeps the output exact (Leviathan et al. hold for any p and q). Row by row, in this order:
+
+  1. logit_bias: added to the token's logit;
+  2. repetition_penalty r (vLLM's): a token seen in the prompt or the output before the row has a positive logit
+     divided by r and a negative one multiplied by r;
+  3. frequency_penalty f and presence_penalty e (OpenAI's): logit - f * count - e * (count > 0), count the token's
+     occurrences in the output before the row;
+  4. min_tokens: while the output before the row is shorter, the blocked tokens (EOS, stop token ids) get -inf;
+  5. the grammar: a token the grammar does not allow after the output before the row gets -inf.
+
+Every rule reads only the tokens before its row, so a Verify's row i counts the drafts before it, and a row's
+logits are the same in any batch or call. The grammar runs on llguidance (bench/grammar.py: 43-57 us a token on
+the embedded tokenizer, against xgrammar's 96-152 us). A session keeps a matcher at its committed tokens; a call
+walks a copy of it through the drafts, so a rejected draft needs no rollback. A draft the grammar rejects makes
+the rows after it meaningless; they keep the last allowed row's mask (never all -inf), and the ratio test never
+reads them, since that draft has p = 0.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from specdec.errors import ServiceError, invalid
+
+# JSON from a schema: one compact form (", " and ": "), so no answer can run on in whitespace
+JSON_FORM = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_BIAS = 100.0
+
+
+def grammar_text(grammar) -> str | None:
+    """llguidance's grammar for a specdec.v1.Grammar message, or None when it is unset; INVALID_ARGUMENT when the
+    JSON schema is not JSON."""
+    import llguidance
+
+    kind = grammar.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not grammar.json_object):
+        return None
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(grammar.regex)
+    if kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(grammar.lark)
+    if kind == "json_object":
+        schema = {"type": "object"}
+    else:
+        try:
+            schema = json.loads(grammar.json_schema)
+        except ValueError as e:
+            raise invalid(f"grammar.json_schema is not JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise invalid("grammar.json_schema must be a JSON schema: an object (or true)")
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORM)
+
+
+def check_grammar(text: str, tokenizer) -> None:
+    """INVALID_ARGUMENT naming llguidance's error when the grammar does not compile for this tokenizer."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(text, tokenizer)
+    if error:
+        raise invalid(f"the grammar does not compile: {error.strip()}")
+
+
+def lltokenizer(hf_tokenizer, vocab_size: int, eos_ids: list[int]):
+    """The tokenizer llguidance masks over: the model's vocabulary, the grammar ending on any of its EOS tokens."""
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
+
+
+@dataclass(frozen=True)
+class Rules:
+    """One generation's rules, checked (from specdec.v1.OutputRules)."""
+
+    output_start: int
+    grammar: str | None = None
+    bias: tuple[tuple[int, float], ...] = ()
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    min_tokens: int = 0
+    blocked: tuple[int, ...] = ()
+
+    @property
+    def counts_tokens(self) -> bool:
+        return bool(self.presence or self.frequency or self.repetition != 1.0)
+
+
+def from_proto(msg, vocab_size: int) -> Rules | None:
+    """The rules of a request's OutputRules, or None where they change nothing; INVALID_ARGUMENT when out of range."""
+    if msg is None:
+        return None
+    bias = tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items() if b))
+    tokens = [t for t, _ in bias] + list(msg.min_tokens_blocked)
+    if any(t >= vocab_size for t in tokens):
+        raise invalid(f"a token id of the rules is outside the vocabulary of {vocab_size}")
+    if any(not abs(b) <= MAX_BIAS for _, b in bias):
+        raise invalid(f"logit_bias values must be within [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+    if not (abs(msg.presence_penalty) <= 2 and abs(msg.frequency_penalty) <= 2):
+        raise invalid("presence_penalty and frequency_penalty must be within [-2, 2]")
+    repetition = msg.repetition_penalty or 1.0
+    if not 0 < repetition < float("inf"):
+        raise invalid(f"repetition_penalty must be a finite number > 0, got {msg.repetition_penalty}")
+    rules = Rules(
+        output_start=msg.output_start,
+        grammar=grammar_text(msg.grammar) if msg.HasField("grammar") else None,
+        bias=bias,
+        presence=msg.presence_penalty,
+        frequency=msg.frequency_penalty,
+        repetition=repetition,
+        min_tokens=msg.min_tokens,
+        blocked=tuple(msg.min_tokens_blocked) if msg.min_tokens else (),
+    )
+    if rules == Rules(output_start=msg.output_start):
+        return None
+    return rules
+
+
+class RuleState:
+    """A session's rules and its grammar matcher at the session's committed tokens (the history before a call's
+    drafts). Kept on the session; a call whose rules differ builds a new one."""
+
+    def __init__(self, rules: Rules, tokenizer=None, eos_ids=()):
+        self.rules = rules
+        self.eos_ids = frozenset(eos_ids)  # the grammar's end: after one, nothing is allowed
+        self.matcher = None
+        self.consumed: list[int] = []  # output tokens the matcher has taken
+        if rules.grammar is not None:
+            import llguidance
+
+            self.matcher = llguidance.LLMatcher(tokenizer, rules.grammar)
+
+    def apply(self, logits: torch.Tensor, tokens: list[int], first: int, vocab: int, ids: torch.Tensor | None = None):
+        """The rows' logits under the rules (a new float32 tensor) and what the grammar allows at each ([n, vocab]
+        bool, or None without a grammar). Row i predicts position first + i after tokens[: first + i]
+        (tokens[first:] are a call's drafts). logits: [n, vocab], or [n, len(ids)] for a draft that scores the
+        tokens ids only (column c is token ids[c])."""
+        n = logits.shape[0]
+        out = logits.float()
+        if self.rules.bias:
+            add = torch.zeros(vocab)
+            for t, b in self.rules.bias:
+                add[t] = b
+            out = out + (add if ids is None else add[ids])
+        if self.rules.counts_tokens:
+            counts, seen = _counts(tokens, self.rules.output_start, first, n, vocab)  # [n, vocab] each
+            out = self._penalize(out, counts if ids is None else counts[:, ids], seen if ids is None else seen[:, ids])
+        out = self._block_short(out, first, ids)
+        allowed = self.allowed(tokens, first, n, vocab) if self.matcher is not None else None
+        if allowed is not None:
+            out = out.masked_fill(~(allowed if ids is None else allowed[:, ids]), float("-inf"))
+        return out, allowed
+
+    def _penalize(self, out: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        rules = self.rules
+        if rules.repetition != 1.0:
+            scaled = torch.where(out > 0, out / rules.repetition, out * rules.repetition)
+            out = torch.where(seen, scaled, out)
+        return out - rules.frequency * counts - rules.presence * (counts > 0).float()
+
+    def _block_short(self, out, first: int, ids) -> torch.Tensor:
+        rules = self.rules
+        short = [i for i in range(out.shape[0]) if first + i - rules.output_start < rules.min_tokens]
+        if not short or not rules.blocked:
+            return out
+        columns = list(rules.blocked)
+        if ids is not None:
+            where = {int(t): c for c, t in enumerate(ids.tolist())}
+            columns = [where[t] for t in rules.blocked if t in where]
+        out = out.clone()
+        out[torch.tensor(short)[:, None], torch.tensor(columns, dtype=torch.long)[None, :]] = float("-inf")
+        return out
+
+    def allowed(self, tokens: list[int], first: int, n: int, vocab: int) -> torch.Tensor:
+        """[n, vocab] bool: what the grammar allows at each row. FAILED_PRECONDITION when the committed tokens
+        break the grammar (they were not generated under it)."""
+        import llguidance.torch as lt
+
+        output = tokens[self.rules.output_start : first]
+        if self.eos_ids.intersection(output):  # a draft's own steps past the grammar's end: nothing more
+            return torch.zeros(n, vocab, dtype=torch.bool)
+        self._sync(output)
+        drafts = tokens[first : first + n - 1]
+        walker = self.matcher.deep_copy()
+        valid = walker.validate_tokens(drafts) if drafts else 0
+        bitmask = lt.allocate_token_bitmask(n, vocab)  # [n, ceil(vocab / 32)] int32
+        for i in range(n):
+            if i > valid:  # after a draft the grammar rejects: a meaningless row, kept well defined
+                bitmask[i] = bitmask[i - 1]
+                continue
+            lt.fill_next_token_bitmask(walker, bitmask, i)
+            if i < min(valid, n - 1):
+                walker.consume_token(drafts[i])
+        return unpack(bitmask, vocab)
+
+    def _sync(self, output: list[int]) -> None:
+        """Move the matcher to the output tokens given: roll back what they no longer hold, take what they add."""
+        done = self.consumed
+        keep = min(len(done), len(output))
+        if done[:keep] != output[:keep]:
+            keep = next(i for i, (a, b) in enumerate(zip(done, output)) if a != b)
+        if len(done) > keep and not self.matcher.rollback(len(done) - keep):
+            self.matcher.reset()
+            keep = 0
+        done = done[:keep]
+        fresh = output[keep:]
+        if fresh and not self.matcher.consume_tokens(fresh):
+            error = self.matcher.get_error()
+            self.matcher.reset()
+            self.consumed = []
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the session's output breaks its grammar (it was not generated under these rules): {error}",
+            )
+        self.consumed = done + fresh
+
+
+def _counts(tokens: list[int], start: int, first: int, n: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows i < n: each token's occurrences in the output before row i (tokens[start : first + i]) as float32,
+    and whether it occurs in the prompt or the output before it, as bool; [n, vocab] each."""
+    history = torch.tensor(tokens[: first + n - 1], dtype=torch.long)
+    counts = torch.bincount(history[start:first], minlength=vocab)[:vocab].float().repeat(n, 1)
+    seen = torch.bincount(history[:first], minlength=vocab)[:vocab].float().repeat(n, 1)
+    for i in range(1, n):  # the drafts before row i count too
+        d = history[first : first + i]
+        counts[i].index_add_(0, d, torch.ones(len(d)))
+        seen[i].index_add_(0, d, torch.ones(len(d)))
+    return counts, seen > 0
+
+
+def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """llguidance's int32 bitmask ([n, words], bit j of word w is token 32 w + j) as [n, vocab] bool."""
+    bits = torch.arange(32, dtype=torch.int32)
+    return ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab].bool()
+
+
+class RuleBook:
+    """A model server's rules: the tokenizer its grammars mask over, built on first use, and each session's state."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: list[int]):
+        self.hf_tokenizer, self.vocab_size, self.eos_ids = hf_tokenizer, vocab_size, list(eos_ids)
+        self._tokenizer = None
+        self._checked: dict[bytes, Rules | None] = {}
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = lltokenizer(self.hf_tokenizer, self.vocab_size, self.eos_ids)
+        return self._tokenizer
+
+    def check(self, msg) -> Rules | None:
+        """A request's rules (OutputRules, or None), checked; INVALID_ARGUMENT when out of range or when the grammar
+        does not compile. The last few are remembered, since every call of a generation sends the same."""
+        key = msg.SerializeToString(deterministic=True) if msg is not None else b""
+        if key not in self._checked:
+            rules = from_proto(msg, self.vocab_size) if key else None
+            if rules is not None and rules.grammar is not None:
+                check_grammar(rules.grammar, self.tokenizer)
+            if len(self._checked) >= 64:
+                self._checked.pop(next(iter(self._checked)))
+            self._checked[key] = rules
+        return self._checked[key]
+
+    def state_for(self, session, msg) -> RuleState | None:
+        """The session's RuleState for a request's rules (checked by ``check``), kept on the session and rebuilt when
+        the rules change."""
+        rules = self.check(msg)
+        if session.rules is not None and session.rules[0] == rules:
+            return session.rules[1]
+        state = RuleState(rules, self.tokenizer if rules.grammar else None, self.eos_ids) if rules is not None else None
+        session.rules = (rules, state)
+        return state

@@ -1,0 +1,173 @@
+"""Output rules (specdec/rules.py): each rule follows its formula row by row, reads only the tokens before its row,
+and a grammar's mask allows exactly what the grammar accepts."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+import torch
+
+from specdec import rules
+from specdec.errors import ServiceError
+from specdec.v1 import model_server_pb2 as pb
+
+VOCAB = 40
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def naive(logits, tokens, first, r: rules.Rules):
+    """The rules applied one row and one token at a time, as their docstrings state them."""
+    out = logits.clone().float()
+    for i in range(out.shape[0]):
+        before = tokens[: first + i]
+        output = before[r.output_start :]
+        for t in range(out.shape[1]):
+            x = out[i, t] + dict(r.bias).get(t, 0.0)
+            if t in before and r.repetition != 1.0:
+                x = x / r.repetition if x > 0 else x * r.repetition
+            x = x - r.frequency * output.count(t) - r.presence * (t in output)
+            if len(output) < r.min_tokens and t in r.blocked:
+                x = float("-inf")
+            out[i, t] = x
+    return out
+
+
+def test_bias_penalties_and_min_tokens_follow_their_formulas_row_by_row():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, VOCAB, generator=g) * 3
+    tokens = [int(t) for t in torch.randint(0, VOCAB, (20,), generator=g)]
+    r = rules.Rules(
+        output_start=9,
+        bias=((3, 5.0), (7, -2.5)),
+        presence=0.7,
+        frequency=0.4,
+        repetition=1.3,
+        min_tokens=11,
+        blocked=(1, 2),
+    )
+    first = len(tokens) - 3  # the last 3 tokens are a Verify's drafts: row i counts the i drafts before it
+    out, allowed = rules.RuleState(r).apply(logits, tokens, first, VOCAB)
+    assert allowed is None
+    torch.testing.assert_close(out, naive(logits, tokens, first, r), rtol=0, atol=1e-5)
+    assert (
+        torch.isinf(out[:3, [1, 2]]).all() and torch.isfinite(out[3]).all()
+    )  # rows after outputs of 8..11 tokens: the last is free
+
+
+def test_a_draft_that_scores_some_tokens_gets_the_full_rows_columns():
+    g = torch.Generator().manual_seed(1)
+    tokens = [int(t) for t in torch.randint(0, VOCAB, (15,), generator=g)]
+    r = rules.Rules(
+        output_start=5, bias=((4, 2.0), (30, 1.0)), frequency=0.5, repetition=1.5, min_tokens=20, blocked=(4,)
+    )
+    full = torch.randn(1, VOCAB, generator=g)
+    ids = torch.tensor([0, 2, 4, 9, 17, 30, 39])
+    out_full, _ = rules.RuleState(r).apply(full, tokens, len(tokens), VOCAB)
+    out_cols, _ = rules.RuleState(r).apply(full[:, ids], tokens, len(tokens), VOCAB, ids)
+    torch.testing.assert_close(out_cols, out_full[:, ids])
+
+
+def test_neutral_rules_are_no_rules():
+    assert rules.from_proto(pb.OutputRules(output_start=7, repetition_penalty=1.0), VOCAB) is None
+    assert rules.from_proto(pb.OutputRules(output_start=7, logit_bias={3: 0.0}), VOCAB) is None
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"logit_bias": {VOCAB: 1.0}}, {"logit_bias": {1: 101.0}}, {"presence_penalty": 2.5}, {"repetition_penalty": -1.0}],
+)
+def test_rules_out_of_range_are_invalid_argument(fields):
+    with pytest.raises(ServiceError) as e:
+        rules.from_proto(pb.OutputRules(**fields), VOCAB)
+    assert e.value.code.name == "INVALID_ARGUMENT"
+
+
+@pytest.fixture(scope="module")
+def book(tokenizer):
+    return rules.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
+def schema_rules(start: int = 0) -> pb.OutputRules:
+    return pb.OutputRules(output_start=start, grammar=pb.Grammar(json_schema=json.dumps(SCHEMA)))
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_grammar_mask_allows_exactly_the_tokens_the_grammar_accepts(book, tokenizer):
+    text = encode(tokenizer, '{"name": "Ada", "age": 36}')
+    prompt = [5, 6, 7]
+    state = rules.RuleState(book.check(schema_rules(len(prompt))), book.tokenizer)
+    matcher = llguidance.LLMatcher(book.tokenizer, state.rules.grammar)
+    vocab = len(tokenizer)
+    logits = torch.zeros(len(text) + 1, vocab)
+    _, allowed = state.apply(logits, prompt + text, len(prompt), vocab)  # the whole answer as one Verify's drafts
+    probe = torch.randperm(vocab, generator=torch.Generator().manual_seed(2))[:300].tolist()
+    for i in range(len(text) + 1):
+        ids = set(allowed[i].nonzero().flatten().tolist())
+        assert ids, f"row {i} allows nothing"
+        if matcher.is_stopped():  # the answer is complete: the grammar takes nothing, the mask only the end
+            break
+        for t in probe + list(ids)[:50]:
+            assert (matcher.validate_tokens([t]) == 1) == (t in ids), f"row {i}, token {t}"
+        if i < len(text):
+            assert matcher.consume_token(text[i])
+    assert set(allowed[-1].nonzero().flatten().tolist()) == {tokenizer.eos_token_id}  # complete: only the end
+
+
+def test_rows_after_a_draft_the_grammar_rejects_stay_defined(book, tokenizer):
+    good = encode(tokenizer, '{"name"')
+    bad = encode(tokenizer, "hello")
+    state = rules.RuleState(book.check(schema_rules()), book.tokenizer)
+    vocab = len(tokenizer)
+    logits = torch.randn(len(good) + len(bad) + 1, vocab)
+    out, allowed = state.apply(logits, good + bad, 0, vocab)
+    assert allowed[len(good)].any() and not allowed[len(good)][bad[0]]  # the rejected draft has p = 0
+    assert all(torch.isfinite(row).any() for row in out)  # rows past it: the last allowed row's mask
+
+
+def test_a_sessions_grammar_state_follows_its_tokens_back_and_forth(book, tokenizer):
+    """A session's matcher rolls back with the session (a rejected round, a rebuild) and gives what a fresh one gives."""
+    a = encode(tokenizer, '{"name": "Bob", "age": 4')
+    b = encode(tokenizer, '{"name": "Al", "age": 70}')
+    vocab = len(tokenizer)
+    kept = rules.RuleState(book.check(schema_rules()), book.tokenizer)
+    logits = torch.zeros(1, vocab)
+    for history in (a, a[:5], b, a, b[:3] + a[3:]):
+        fresh = rules.RuleState(book.check(schema_rules()), book.tokenizer)
+        assert torch.equal(
+            kept.apply(logits, history, len(history), vocab)[1], fresh.apply(logits, history, len(history), vocab)[1]
+        )
+
+
+def test_a_history_that_breaks_the_grammar_is_failed_precondition(book, tokenizer):
+    state = rules.RuleState(book.check(schema_rules()), book.tokenizer)
+    history = encode(tokenizer, "not json")
+    with pytest.raises(ServiceError) as e:
+        state.apply(torch.zeros(1, len(tokenizer)), history, len(history), len(tokenizer))
+    assert e.value.code.name == "FAILED_PRECONDITION"
+
+
+@pytest.mark.parametrize(
+    "grammar", [pb.Grammar(json_schema="{not json"), pb.Grammar(regex="[a-"), pb.Grammar(lark="start: undefined_rule")]
+)
+def test_a_grammar_that_does_not_compile_is_invalid_argument(book, grammar):
+    with pytest.raises(ServiceError) as e:
+        book.check(pb.OutputRules(grammar=grammar))
+    assert e.value.code.name == "INVALID_ARGUMENT"
+
+
+def test_after_the_grammars_end_nothing_is_allowed(book, tokenizer):
+    """A draft that drafted the end of the answer stops there: its next step has no allowed token."""
+    answer = encode(tokenizer, '{"name": "Ada", "age": 36}') + [tokenizer.eos_token_id]
+    state = rules.RuleState(book.check(schema_rules()), book.tokenizer, [tokenizer.eos_token_id])
+    _, allowed = state.apply(torch.zeros(1, len(tokenizer)), answer, len(answer), len(tokenizer))
+    assert not allowed.any()

@@ -1,0 +1,166 @@
+"""Output rules through the real services: structured output and penalties keep speculative decoding exact.
+
+Greedy: the output with speculation equals the target alone under the same rules, token for token. Sampled: the
+answers are distributed as the target's distribution restricted by the grammar, computed here from the target
+model and llguidance directly.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import jsonschema
+import llguidance
+import llguidance.torch
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_stack, stop_stack
+from specdec import rules
+from specdec.v1 import generation_pb2 as gen_pb, model_server_pb2 as ms_pb
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "moons": {"type": "integer"},
+        "gases": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3},
+    },
+    "required": ["name", "moons", "gases"],
+    "additionalProperties": False,
+}
+PROMPTS = [
+    "Describe a fictional planet as JSON with its name, number of moons and main gases.",
+    "Give me a JSON record for the planet Mars.",
+    "Invent a gas giant and answer in JSON.",
+]
+CHOICES = ["red", "green", "blue", "yellow"]
+
+
+@pytest.fixture(scope="module")
+def stack(event_loop_thread, tokenizer, partial_draft, target_model):
+    """The services, drafting from the first round on: a short answer is all drafted."""
+    stack = make_stack(
+        event_loop_thread, tokenizer, partial_draft, target_model, orch_cfg={"speculate_first_round": True}
+    )
+    yield stack
+    stop_stack(stack)
+
+
+def grammar_fields(**extra) -> dict:
+    return {"grammar": ms_pb.Grammar(json_schema=json.dumps(SCHEMA)), **extra}
+
+
+@pytest.mark.parametrize("k,lookup", [(4, 0), (3, 2)])
+def test_greedy_json_with_speculation_equals_the_target_alone_and_is_valid(stack, k, lookup):
+    """lookup: prompt-lookup proposals, which the grammar may refuse (the target's mask gives them p = 0)."""
+    for text in PROMPTS:
+        common = dict(messages=[("user", text)], max_tokens=120, temperature=0.0, **grammar_fields())
+        alone, answer, stats0 = stack.generate(num_speculative_tokens=0, **common)
+        spec, _, stats = stack.generate(num_speculative_tokens=k, prompt_lookup_min=lookup, **common)
+        assert spec == alone
+        assert stats0.finish_reason == gen_pb.FINISH_REASON_EOS_TOKEN, answer  # the grammar ended it
+        jsonschema.validate(json.loads(answer), SCHEMA)
+        assert stats.accepted_tokens > 0
+
+
+def test_penalties_bias_and_min_tokens_keep_greedy_exactness_and_change_the_output(stack, tokenizer):
+    text = "List the days of the week, then stop."
+    plain, _, _ = stack.generate(messages=[("user", text)], max_tokens=48, temperature=0.0)
+    banned = tokenizer.encode(" Monday", add_special_tokens=False)[0]
+    fields = dict(
+        messages=[("user", text)],
+        max_tokens=48,
+        temperature=0.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+        logit_bias={banned: -100.0},
+        min_tokens=40,
+    )
+    alone, _, _ = stack.generate(num_speculative_tokens=0, **fields)
+    spec, _, stats = stack.generate(num_speculative_tokens=4, **fields)
+    assert spec == alone != plain
+    assert banned not in alone and len(alone) >= 40
+    assert stats.accepted_tokens > 0
+
+
+def constrained_distribution(tokenizer, target_model, prompt: list[int], grammar: str) -> dict[str, float]:
+    """Each answer's probability under the target at temperature 1, restricted to what the grammar allows: the
+    product over its tokens of the renormalized allowed mass, by walking every allowed path (a small grammar)."""
+    book = rules.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    out: dict[str, float] = {}
+
+    def walk(matcher, tokens: list[int], p: float) -> None:
+        if matcher.is_stopped():
+            out[tokenizer.decode(tokens)] = out.get(tokenizer.decode(tokens), 0.0) + p
+            return
+        with torch.no_grad():
+            logits = target_model(torch.tensor([prompt + tokens])).logits[0, -1].float()
+        bitmask = llguidance.torch.allocate_token_bitmask(1, len(tokenizer))
+        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+        mask = rules.unpack(bitmask, len(tokenizer))[0]
+        probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=0)
+        for t in mask.nonzero().flatten().tolist():
+            child = matcher.deep_copy()
+            assert child.consume_token(t)
+            if t == tokenizer.eos_token_id:
+                out[tokenizer.decode(tokens)] = out.get(tokenizer.decode(tokens), 0.0) + p * float(probs[t])
+            else:
+                walk(child, tokens + [t], p * float(probs[t]))
+
+    walk(llguidance.LLMatcher(book.tokenizer, grammar), [], 1.0)
+    return out
+
+
+def test_sampled_answers_follow_the_targets_constrained_distribution(stack, tokenizer, target_model):
+    """600 seeded answers with speculation, each bin within 5 sigma of the exact constrained probability."""
+    prompt_text = "Pick a colour."
+    regex = "(" + "|".join(CHOICES) + ")"
+    chat = [{"role": "user", "content": prompt_text}]
+    prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
+    expected = constrained_distribution(tokenizer, target_model, prompt, llguidance.LLMatcher.grammar_from_regex(regex))
+    assert set(expected) == set(CHOICES) and abs(sum(expected.values()) - 1) < 1e-4
+    n = 600
+
+    def answer(seed: int):
+        _, text, stats = stack.generate(
+            messages=[("user", prompt_text)],
+            max_tokens=8,
+            temperature=1.0,
+            seed=seed,
+            num_speculative_tokens=3,
+            grammar=ms_pb.Grammar(regex=regex),
+        )
+        return text, stats.draft_tokens
+
+    with ThreadPoolExecutor(8) as pool:  # the servers batch them; each answer depends on its seed alone
+        answers = list(pool.map(answer, range(n)))
+    seen = {c: sum(a == c for a, _ in answers) for c in CHOICES}
+    drafted = sum(d for _, d in answers)
+    assert drafted > 0
+    for c in CHOICES:
+        p = expected[c]
+        sigma = np.sqrt(n * p * (1 - p))
+        assert abs(seen[c] - n * p) <= 5 * sigma + 1, (c, seen, expected)
+
+
+@pytest.mark.parametrize(
+    "fields,what",
+    [
+        (dict(grammar=ms_pb.Grammar(json_schema="{nope")), "not JSON"),
+        (dict(grammar=ms_pb.Grammar(regex="[a-")), "does not compile"),
+        (dict(logit_bias={1: 500.0}), "logit_bias"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(grammar=ms_pb.Grammar(json_object=True), ignore_eos=True), "ignore_eos"),
+    ],
+)
+def test_bad_rules_are_invalid_argument_naming_the_field(stack, fields, what):
+    with pytest.raises(grpc.RpcError) as e:
+        stack.generate(messages=[("user", "hi")], max_tokens=4, **fields)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert what in e.value.details()
