@@ -98,8 +98,8 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
             logits = step.logits  # [1, scored tokens]
             position = len(s.tokens)  # absolute position of the token drafted now
             if rules is not None:
-                logits, _ = rules.apply(logits, s.tokens, position, core.vocab_size, self.ids)
-                if not torch.isfinite(logits).any():
+                logits, allowed = rules.apply(logits, s.tokens, position, core.vocab_size, self.ids)
+                if allowed is not None and not allowed.any():
                     break
             if params.greedy:
                 x, qx = self._token(argmax_rows(logits)[0]), 1.0

@@ -138,24 +138,32 @@ class RuleState:
             self.matcher = llguidance.LLMatcher(tokenizer, rules.grammar)
 
     def apply(self, logits: torch.Tensor, tokens: list[int], first: int, vocab: int, ids: torch.Tensor | None = None):
-        """The rows' logits under the rules (a new float32 tensor) and what the grammar allows at each ([n, vocab]
-        bool, or None without a grammar). Row i predicts position first + i after tokens[: first + i]
-        (tokens[first:] are a call's drafts). logits: [n, vocab], or [n, len(ids)] for a draft that scores the
-        tokens ids only (column c is token ids[c])."""
-        n = logits.shape[0]
+        """The rows' logits under the rules (a new float32 tensor on the logits' device) and what the grammar allows
+        at each (a CPU bool tensor like the logits, or None without a grammar). Row i predicts position first + i
+        after tokens[: first + i] (tokens[first:] are a call's drafts). logits: [n, vocab], or [n, len(ids)] for a
+        draft that scores the tokens ids only (column c is token ids[c]). What the rules read is built on the CPU
+        and crosses to the device once per rule."""
+        n, device = logits.shape[0], logits.device
+        cpu_ids = None if ids is None else ids.cpu()
+
+        def columns(t: torch.Tensor) -> torch.Tensor:  # the columns the logits hold
+            return t if cpu_ids is None else t[..., cpu_ids]
+
         out = logits.float()
         if self.rules.bias:
             add = torch.zeros(vocab)
             for t, b in self.rules.bias:
                 add[t] = b
-            out = out + (add if ids is None else add[ids])
+            out = out + columns(add).to(device)
         if self.rules.counts_tokens:
             counts, seen = _counts(tokens, self.rules.output_start, first, n, vocab)  # [n, vocab] each
-            out = self._penalize(out, counts if ids is None else counts[:, ids], seen if ids is None else seen[:, ids])
-        out = self._block_short(out, first, ids)
-        allowed = self.allowed(tokens, first, n, vocab) if self.matcher is not None else None
+            out = self._penalize(out, columns(counts).to(device), columns(seen).to(device))
+        blocked = self._blocked(first, n, vocab)
+        if blocked is not None:
+            out = out.masked_fill(columns(blocked).to(device), float("-inf"))
+        allowed = columns(self.allowed(tokens, first, n, vocab)) if self.matcher is not None else None
         if allowed is not None:
-            out = out.masked_fill(~(allowed if ids is None else allowed[:, ids]), float("-inf"))
+            out = out.masked_fill(~allowed.to(device), float("-inf"))
         return out, allowed
 
     def _penalize(self, out: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
@@ -165,18 +173,15 @@ class RuleState:
             out = torch.where(seen, scaled, out)
         return out - rules.frequency * counts - rules.presence * (counts > 0).float()
 
-    def _block_short(self, out, first: int, ids) -> torch.Tensor:
+    def _blocked(self, first: int, n: int, vocab: int) -> torch.Tensor | None:
+        """[n, vocab] bool: min_tokens' blocked tokens at the rows whose output is still short; None if no row is."""
         rules = self.rules
-        short = [i for i in range(out.shape[0]) if first + i - rules.output_start < rules.min_tokens]
+        short = [i for i in range(n) if first + i - rules.output_start < rules.min_tokens]
         if not short or not rules.blocked:
-            return out
-        columns = list(rules.blocked)
-        if ids is not None:
-            where = {int(t): c for c, t in enumerate(ids.tolist())}
-            columns = [where[t] for t in rules.blocked if t in where]
-        out = out.clone()
-        out[torch.tensor(short)[:, None], torch.tensor(columns, dtype=torch.long)[None, :]] = float("-inf")
-        return out
+            return None
+        mask = torch.zeros(n, vocab, dtype=torch.bool)
+        mask[torch.tensor(short)[:, None], torch.tensor(rules.blocked)[None, :]] = True
+        return mask
 
     def allowed(self, tokens: list[int], first: int, n: int, vocab: int) -> torch.Tensor:
         """[n, vocab] bool: what the grammar allows at each row. FAILED_PRECONDITION when the committed tokens

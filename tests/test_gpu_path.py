@@ -22,6 +22,7 @@ from specdec.config import ConfigError, ModelServerConfig
 from specdec.engine import Engine
 from specdec.kv_pool import SessionPool
 from specdec.runners import CausalLMRunner, LeanLlamaRunner, to_host
+from specdec.v1 import model_server_pb2 as ms_pb
 from tests.conftest import make_stack, stop_stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,9 +98,24 @@ def test_runner_outputs_reach_python_and_numpy_only_through_the_host_boundary(
         sampled, _, stats = stack.generate(
             messages=chat, max_tokens=10, temperature=0.8, seed=5, num_speculative_tokens=3
         )
+        ruled = [  # output rules on both servers: a grammar's masks, penalties, a bias and min_tokens
+            stack.generate(messages=chat, max_tokens=10, temperature=t, seed=5, num_speculative_tokens=k, **RULES)[0]
+            for t, k in ((0, 0), (0, 3), (0.8, 3))
+        ]
     finally:
         stop_stack(stack)
     assert greedy == alone and len(sampled) == stats.completion_tokens > 0
+    assert ruled[0] == ruled[1] and all(ruled)
+
+
+RULES = dict(
+    grammar=ms_pb.Grammar(regex="[a-z ,]+"),
+    logit_bias={11: -5.0},
+    presence_penalty=0.5,
+    frequency_penalty=0.2,
+    repetition_penalty=1.1,
+    min_tokens=5,
+)
 
 
 def test_a_targets_features_reach_the_wire_only_through_the_host_boundary(tiny_draft, tokenizer, monkeypatch):
