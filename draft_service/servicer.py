@@ -98,7 +98,7 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
             logits = step.logits  # [1, scored tokens]
             position = len(s.tokens)  # absolute position of the token drafted now
             if rules is not None:
-                logits, allowed = rules.apply(logits, s.tokens, position, core.vocab_size, self.ids)
+                logits, allowed = core.rules.apply(rules, logits, s.tokens, position, self.ids)
                 if allowed is not None and not allowed.any():
                     break
             if params.greedy:

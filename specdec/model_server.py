@@ -84,11 +84,9 @@ class ModelServer:
         self.head = getattr(model, "specdec_head", None)  # a head draft's HeadInfo (specdec/head.py), else None
         self.feature_size = self._feature_size()
         self.info = self._model_info(model, tokenizer)
-        self.rules = RuleBook(
-            tokenizer, self.vocab_size, list(self.info.eos_token_ids)
-        )  # output rules (specdec/rules.py)
         self.registry = registry or CollectorRegistry()
         self.metrics = ModelServerMetrics(self.registry)
+        self.rules = RuleBook(tokenizer, self.vocab_size, self.info.eos_token_ids, self.metrics)  # specdec/rules.py
         self.metrics.sessions_capacity.set(cfg.max_sessions)
         self.metrics.tokens_capacity.set(self.max_tokens)
         self.threads = torch.get_num_threads()  # ModelServer.load set cfg.threads

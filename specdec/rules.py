@@ -23,6 +23,7 @@ reads them, since that draft has p = 0.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -249,8 +250,9 @@ def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 class RuleBook:
     """A model server's rules: the tokenizer its grammars mask over, built on first use, and each session's state."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: list[int]):
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: list[int], metrics=None):
         self.hf_tokenizer, self.vocab_size, self.eos_ids = hf_tokenizer, vocab_size, list(eos_ids)
+        self.metrics = metrics  # a server's ModelServerMetrics: the rules' seconds and rows
         self._tokenizer = None
         self._checked: dict[bytes, Rules | None] = {}
 
@@ -272,6 +274,15 @@ class RuleBook:
                 self._checked.pop(next(iter(self._checked)))
             self._checked[key] = rules
         return self._checked[key]
+
+    def apply(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids=None):
+        """state.apply over this server's vocabulary, timed into the server's metrics."""
+        t0 = time.perf_counter()
+        out = state.apply(logits, tokens, first, self.vocab_size, ids)
+        if self.metrics is not None:
+            self.metrics.rules_seconds.inc(time.perf_counter() - t0)
+            self.metrics.rules_rows.inc(logits.shape[0])
+        return out
 
     def state_for(self, session, msg) -> RuleState | None:
         """The session's RuleState for a request's rules (checked by ``check``), kept on the session and rebuilt when

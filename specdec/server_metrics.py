@@ -63,11 +63,22 @@ class ModelServerMetrics:
             registry=registry,
         )
         self.prefix_tokens = Gauge("specdec_prefix_cache_tokens", "Tokens held in the prefix cache", registry=registry)
+        self._rules(registry)
         # Each width's series exists from the start at zero, so that rate() counts a series' first passes: one
         # created by its first observation, between two scrapes, starts at that value and rate() never sees it,
         # and a short request whose passes all fall between two scrapes would show no data.
         for width in _TOKENS_BUCKETS:
             self.forward_seconds.labels(width)
+
+    def _rules(self, registry: CollectorRegistry) -> None:
+        self.rules_seconds = Counter(
+            "specdec_rules_seconds_total",
+            "Seconds spent applying output rules (grammar masks, penalties, biases) to rows' logits",
+            registry=registry,
+        )
+        self.rules_rows = Counter(
+            "specdec_rules_rows_total", "Rows whose logits output rules changed", registry=registry
+        )
 
     def observe_pass(self, rows: int, sessions: int, seconds: float) -> None:
         self.forward_seconds.labels(_tokens_bucket(rows)).observe(seconds)

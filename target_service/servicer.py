@@ -75,7 +75,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
             logprobs.fill(resp, logits, drafts, req.top_logprobs, len(s.tokens) - len(drafts)) if req.logprobs else None
         )
         if rules is not None:  # after the raw logprobs, before everything that samples or compares
-            logits, _ = rules.apply(logits, s.tokens, len(s.tokens) - len(drafts), core.vocab_size)
+            logits, _ = core.rules.apply(rules, logits, s.tokens, len(s.tokens) - len(drafts))
         if req.return_features:
             resp.features, resp.features_start = features.encode(s.features.read(start, len(s.tokens))), start
         if params.greedy:

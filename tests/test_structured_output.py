@@ -86,6 +86,9 @@ def test_penalties_bias_and_min_tokens_keep_greedy_exactness_and_change_the_outp
     assert spec == alone != plain
     assert banned not in alone and len(alone) >= 40
     assert stats.accepted_tokens > 0
+    for core in (stack.draft, stack.target):  # both servers applied them, and timed them
+        assert core.registry.get_sample_value("specdec_rules_rows_total") > 0
+        assert core.registry.get_sample_value("specdec_rules_seconds_total") > 0
 
 
 def constrained_distribution(tokenizer, target_model, prompt: list[int], grammar: str) -> dict[str, float]:
