@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from specdec.errors import ServiceError, invalid
@@ -133,6 +134,7 @@ class RuleState:
         self.eos_ids = frozenset(eos_ids)  # the grammar's end: after one, nothing is allowed
         self.matcher = None
         self.consumed: list[int] = []  # output tokens the matcher has taken
+        self._columns = None  # (a draft's scored ids, token -> column)
         if rules.grammar is not None:
             import llguidance
 
@@ -140,58 +142,77 @@ class RuleState:
 
     def apply(self, logits: torch.Tensor, tokens: list[int], first: int, vocab: int, ids: torch.Tensor | None = None):
         """The rows' logits under the rules (a new float32 tensor on the logits' device) and what the grammar allows
-        at each (a CPU bool tensor like the logits, or None without a grammar). Row i predicts position first + i
+        at each (a CPU bool array like the logits, or None without a grammar). Row i predicts position first + i
         after tokens[: first + i] (tokens[first:] are a call's drafts). logits: [n, vocab], or [n, len(ids)] for a
-        draft that scores the tokens ids only (column c is token ids[c]). What the rules read is built on the CPU
-        and crosses to the device once per rule."""
+        draft that scores the tokens ids only (column c is token ids[c]).
+
+        Biases, penalties and min_tokens touch only the columns of the tokens they name or the history holds, a few
+        hundred at most; the grammar's mask is the one vocabulary-wide step, done in numpy. Vocabulary-wide torch ops
+        here would each wake a team of threads beside the engine's, which on a small CPU made them 5x slower."""
         n, device = logits.shape[0], logits.device
-        cpu_ids = None if ids is None else ids.cpu()
-
-        def columns(t: torch.Tensor) -> torch.Tensor:  # the columns the logits hold
-            return t if cpu_ids is None else t[..., cpu_ids]
-
-        out = logits.float()
-        if self.rules.bias:
-            add = torch.zeros(vocab)
-            for t, b in self.rules.bias:
-                add[t] = b
-            out = out + columns(add).to(device)
-        if self.rules.counts_tokens:
-            counts, seen = _counts(tokens, self.rules.output_start, first, n, vocab)  # [n, vocab] each
-            out = self._penalize(out, columns(counts).to(device), columns(seen).to(device))
-        blocked = self._blocked(first, n, vocab)
-        if blocked is not None:
-            out = out.masked_fill(columns(blocked).to(device), float("-inf"))
-        allowed = columns(self.allowed(tokens, first, n, vocab)) if self.matcher is not None else None
-        if allowed is not None:
-            out = out.masked_fill(~allowed.to(device), float("-inf"))
+        column = self._column_map(ids)
+        out = _copy(logits)  # [n, columns] float32
+        edits = self._sparse_edits(tokens, first, n, column)
+        for rows, cols, fn in edits:
+            out[rows, cols] = fn(out[rows, cols])
+        allowed = None
+        if self.matcher is not None:
+            allowed = self.allowed(tokens, first, n, vocab)  # [n, vocab] bool
+            if ids is not None:
+                allowed = allowed[:, ids.cpu().numpy()]
+            if device.type == "cpu":
+                np.putmask(out.numpy(), ~allowed, -np.inf)
+            else:
+                out = out.masked_fill(~torch.from_numpy(allowed).to(device), float("-inf"))
         return out, allowed
 
-    def _penalize(self, out: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-        rules = self.rules
-        if rules.repetition != 1.0:
-            scaled = torch.where(out > 0, out / rules.repetition, out * rules.repetition)
-            out = torch.where(seen, scaled, out)
-        return out - rules.frequency * counts - rules.presence * (counts > 0).float()
+    def _column_map(self, ids: torch.Tensor | None):
+        """token id -> its column in the logits (None where a draft does not score it); a draft's is kept."""
+        if ids is None:
+            return lambda t: t
+        if self._columns is None or self._columns[0] is not ids:
+            self._columns = (ids, {int(t): c for c, t in enumerate(ids.tolist())}.get)
+        return self._columns[1]
 
-    def _blocked(self, first: int, n: int, vocab: int) -> torch.Tensor | None:
-        """[n, vocab] bool: min_tokens' blocked tokens at the rows whose output is still short; None if no row is."""
-        rules = self.rules
+    def _sparse_edits(self, tokens: list[int], first: int, n: int, column) -> list:
+        """(row index, column index, function of those logits) for the bias, the penalties and min_tokens, in that
+        order; only the columns they touch."""
+        rules, edits = self.rules, []
+        everything = torch.arange(n)[:, None]
+        if rules.bias:
+            cols = [(column(t), b) for t, b in rules.bias if column(t) is not None]
+            if cols:
+                add = torch.tensor([b for _, b in cols])
+                edits.append((everything, torch.tensor([c for c, _ in cols]), lambda x, add=add: x + add.to(x.device)))
+        if rules.counts_tokens:
+            cand, counts, seen = _counts(tokens, rules.output_start, first, n)  # tokens, [n, len(cand)] twice
+            keep = [i for i, t in enumerate(cand.tolist()) if column(t) is not None]
+            if keep:
+                cols = torch.tensor([column(t) for t in cand[keep].tolist()])
+                edits.append((everything, cols, lambda x, c=counts[:, keep], s=seen[:, keep]: self._penalize(x, c, s)))
         short = [i for i in range(n) if first + i - rules.output_start < rules.min_tokens]
-        if not short or not rules.blocked:
-            return None
-        mask = torch.zeros(n, vocab, dtype=torch.bool)
-        mask[torch.tensor(short)[:, None], torch.tensor(rules.blocked)[None, :]] = True
-        return mask
+        blocked = [column(t) for t in rules.blocked if column(t) is not None]
+        if short and blocked:
+            edits.append(
+                (torch.tensor(short)[:, None], torch.tensor(blocked), lambda x: torch.full_like(x, -torch.inf))
+            )
+        return edits
 
-    def allowed(self, tokens: list[int], first: int, n: int, vocab: int) -> torch.Tensor:
+    def _penalize(self, x: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        rules = self.rules
+        counts, seen = counts.to(x.device), seen.to(x.device)
+        if rules.repetition != 1.0:
+            x = torch.where(seen, torch.where(x > 0, x / rules.repetition, x * rules.repetition), x)
+        return x - rules.frequency * counts - rules.presence * (counts > 0).float()
+
+    def allowed(self, tokens: list[int], first: int, n: int, vocab: int) -> np.ndarray:
         """[n, vocab] bool: what the grammar allows at each row. FAILED_PRECONDITION when the committed tokens
         break the grammar (they were not generated under it)."""
         import llguidance.torch as lt
 
         output = tokens[self.rules.output_start : first]
         if self.eos_ids.intersection(output):  # a draft's own steps past the grammar's end: nothing more
-            return torch.zeros(n, vocab, dtype=torch.bool)
+            return np.zeros((n, vocab), dtype=bool)
         self._sync(output)
         drafts = tokens[first : first + n - 1]
         walker = self.matcher.deep_copy()
@@ -204,7 +225,7 @@ class RuleState:
             lt.fill_next_token_bitmask(walker, bitmask, i)
             if i < min(valid, n - 1):
                 walker.consume_token(drafts[i])
-        return unpack(bitmask, vocab)
+        return unpack(bitmask.numpy(), vocab)
 
     def _sync(self, output: list[int]) -> None:
         """Move the matcher to the output tokens given: roll back what they no longer hold, take what they add."""
@@ -228,23 +249,29 @@ class RuleState:
         self.consumed = done + fresh
 
 
-def _counts(tokens: list[int], start: int, first: int, n: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For rows i < n: each token's occurrences in the output before row i (tokens[start : first + i]) as float32,
-    and whether it occurs in the prompt or the output before it, as bool; [n, vocab] each."""
-    history = torch.tensor(tokens[: first + n - 1], dtype=torch.long)
-    counts = torch.bincount(history[start:first], minlength=vocab)[:vocab].float().repeat(n, 1)
-    seen = torch.bincount(history[:first], minlength=vocab)[:vocab].float().repeat(n, 1)
-    for i in range(1, n):  # the drafts before row i count too
-        d = history[first : first + i]
-        counts[i].index_add_(0, d, torch.ones(len(d)))
-        seen[i].index_add_(0, d, torch.ones(len(d)))
-    return counts, seen > 0
+def _counts(tokens: list[int], start: int, first: int, n: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """The tokens any row's history holds (ascending), and for each row i < n and each of them: its occurrences in
+    the output before the row (tokens[start : first + i]), float32, and whether the prompt or output before the
+    row holds it, bool; [n, len(tokens held)] each."""
+    history = np.asarray(tokens[: first + n - 1], dtype=np.int64)
+    cand = np.unique(history)
+    where = np.searchsorted(cand, history)  # each history token's index in cand
+    counts = np.stack([np.bincount(where[start : first + i], minlength=len(cand)) for i in range(n)])
+    seen = np.stack([np.bincount(where[: first + i], minlength=len(cand)) for i in range(n)]) > 0
+    return cand, torch.from_numpy(counts.astype(np.float32)), torch.from_numpy(seen)
 
 
-def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+def _copy(logits: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of the logits to edit; on the CPU by numpy (one thread), elsewhere where they are."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy((logits if logits.dtype == torch.float32 else logits.float()).numpy().copy())
+    return logits.float().clone()
+
+
+def unpack(bitmask: np.ndarray, vocab: int) -> np.ndarray:
     """llguidance's int32 bitmask ([n, words], bit j of word w is token 32 w + j) as [n, vocab] bool."""
-    bits = torch.arange(32, dtype=torch.int32)
-    return ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab].bool()
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")
+    return bits[:, :vocab].astype(bool)
 
 
 class RuleBook:

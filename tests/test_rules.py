@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import llguidance
+import numpy as np
 import pytest
 import torch
 
@@ -112,7 +113,7 @@ def test_a_grammar_mask_allows_exactly_the_tokens_the_grammar_accepts(book, toke
     _, allowed = state.apply(logits, prompt + text, len(prompt), vocab)  # the whole answer as one Verify's drafts
     probe = torch.randperm(vocab, generator=torch.Generator().manual_seed(2))[:300].tolist()
     for i in range(len(text) + 1):
-        ids = set(allowed[i].nonzero().flatten().tolist())
+        ids = set(allowed[i].nonzero()[0].tolist())
         assert ids, f"row {i} allows nothing"
         if matcher.is_stopped():  # the answer is complete: the grammar takes nothing, the mask only the end
             break
@@ -120,7 +121,7 @@ def test_a_grammar_mask_allows_exactly_the_tokens_the_grammar_accepts(book, toke
             assert (matcher.validate_tokens([t]) == 1) == (t in ids), f"row {i}, token {t}"
         if i < len(text):
             assert matcher.consume_token(text[i])
-    assert set(allowed[-1].nonzero().flatten().tolist()) == {tokenizer.eos_token_id}  # complete: only the end
+    assert set(allowed[-1].nonzero()[0].tolist()) == {tokenizer.eos_token_id}  # complete: only the end
 
 
 def test_rows_after_a_draft_the_grammar_rejects_stay_defined(book, tokenizer):
@@ -143,7 +144,7 @@ def test_a_sessions_grammar_state_follows_its_tokens_back_and_forth(book, tokeni
     logits = torch.zeros(1, vocab)
     for history in (a, a[:5], b, a, b[:3] + a[3:]):
         fresh = rules.RuleState(book.check(schema_rules()), book.tokenizer)
-        assert torch.equal(
+        assert np.array_equal(
             kept.apply(logits, history, len(history), vocab)[1], fresh.apply(logits, history, len(history), vocab)[1]
         )
 
@@ -171,3 +172,22 @@ def test_after_the_grammars_end_nothing_is_allowed(book, tokenizer):
     state = rules.RuleState(book.check(schema_rules()), book.tokenizer, [tokenizer.eos_token_id])
     _, allowed = state.apply(torch.zeros(1, len(tokenizer)), answer, len(answer), len(tokenizer))
     assert not allowed.any()
+
+
+def test_a_restricted_draft_gets_the_full_rows_columns_under_a_grammar(book, tokenizer):
+    """A draft that scores a subset of the vocabulary (as the embedded draft does) sees the grammar's mask, biases and
+    penalties of its columns exactly as a full row has them."""
+    vocab = len(tokenizer)
+    history = encode(tokenizer, '{"name": "Ad')
+    msg = schema_rules()
+    msg.logit_bias[history[-1]] = -3.0
+    msg.frequency_penalty, msg.min_tokens = 0.5, 10
+    msg.min_tokens_blocked.append(tokenizer.eos_token_id)
+    full_logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3))
+    ids = torch.unique(torch.cat([torch.randperm(vocab)[:5000], torch.tensor(history)]))
+    full, allowed = rules.RuleState(book.check(msg), book.tokenizer).apply(full_logits, history, len(history), vocab)
+    cols, allowed_cols = rules.RuleState(book.check(msg), book.tokenizer).apply(
+        full_logits[:, ids], history, len(history), vocab, ids
+    )
+    assert torch.equal(cols, full[:, ids]) and np.array_equal(allowed_cols, allowed[:, ids.numpy()])
+    assert torch.isinf(full).any() and torch.isfinite(full).any()

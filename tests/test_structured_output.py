@@ -105,7 +105,7 @@ def constrained_distribution(tokenizer, target_model, prompt: list[int], grammar
             logits = target_model(torch.tensor([prompt + tokens])).logits[0, -1].float()
         bitmask = llguidance.torch.allocate_token_bitmask(1, len(tokenizer))
         llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
-        mask = rules.unpack(bitmask, len(tokenizer))[0]
+        mask = torch.from_numpy(rules.unpack(bitmask.numpy(), len(tokenizer))[0])
         probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=0)
         for t in mask.nonzero().flatten().tolist():
             child = matcher.deep_copy()

@@ -1,0 +1,217 @@
+"""Structured output through the services: valid answers, bounded length, alpha and the grammar's cost.
+
+    python -m bench.structured [--reps 2] [--tokens 200] [--k 4]
+
+`specdec up` with the embedded pair; each JSON schema below is asked for by two prompts, greedy and at T = 0.7,
+in arms run one after the other within a rep: the schema as a grammar with speculation at --k, the same requests
+without a grammar at --k (alpha without), and the grammar at K = 0 (the target alone). Reported, with the spread
+over reps:
+  - valid: answers that end on the grammar's end (finish EOS) and parse as JSON valid against their schema, over
+    those answers; finished: answers that end within --tokens; whitespace: answers holding a run of 2 or more
+    whitespace characters outside strings (the compact form allows none);
+  - alpha = accepted / (accepted + rounds ending in a rejection) at --k, with the grammar and without;
+  - the rules' seconds on both model servers (specdec_rules_seconds_total) per generated token, against the
+    target's mean one-token step (specdec_forward_seconds{tokens="1"}) in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+
+import grpc
+import jsonschema
+
+from bench.load import run_jobs
+from bench.metrics import delta, leviathan_alpha, mean_step_s, scrape_all, value
+from bench.services import machine, start_services, stop_services
+from specdec import models
+from specdec.config import DEFAULT_DRAFT
+from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc, model_server_pb2 as ms_pb
+
+S = {"type": "string", "maxLength": 40}
+SCHEMAS = {
+    "person": {
+        "type": "object",
+        "properties": {"name": S, "age": {"type": "integer", "minimum": 0}, "email": S},
+        "required": ["name", "age", "email"],
+    },
+    "planet": {
+        "type": "object",
+        "properties": {"name": S, "moons": {"type": "integer"}, "gases": {"type": "array", "items": S, "maxItems": 4}},
+        "required": ["name", "moons", "gases"],
+    },
+    "weather_call": {
+        "type": "object",
+        "properties": {
+            "city": S,
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        },
+        "required": ["city", "unit", "days"],
+    },
+    "recipe": {
+        "type": "object",
+        "properties": {
+            "title": S,
+            "ingredients": {"type": "array", "items": S, "minItems": 1, "maxItems": 5},
+            "minutes": {"type": "integer"},
+            "vegetarian": {"type": "boolean"},
+        },
+        "required": ["title", "ingredients", "minutes", "vegetarian"],
+    },
+    "address": {
+        "type": "object",
+        "properties": {
+            "street": S,
+            "city": S,
+            "country": S,
+            "geo": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}}},
+        },
+        "required": ["street", "city", "country", "geo"],
+    },
+    "review": {
+        "type": "object",
+        "properties": {
+            "product": S,
+            "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+            "pros": {"type": "array", "items": S, "maxItems": 3},
+            "cons": {"type": "array", "items": S, "maxItems": 3},
+        },
+        "required": ["product", "rating", "pros", "cons"],
+    },
+}
+for _schema in SCHEMAS.values():
+    _schema["additionalProperties"] = False
+PROMPTS = {
+    "person": ["Make up a customer record in JSON.", "Describe the author of a famous novel as JSON."],
+    "planet": ["Describe a planet of the solar system in JSON.", "Invent an ice planet and answer with JSON."],
+    "weather_call": ["I need the forecast for Lisbon next week; fill in the call as JSON.", "Weather in Oslo, JSON."],
+    "recipe": ["Give me a quick pasta recipe as JSON.", "A vegetarian breakfast recipe in JSON, please."],
+    "address": ["Give the address of a museum in Paris as JSON.", "Where is the Sydney Opera House? Answer in JSON."],
+    "review": ["Review a pair of running shoes as JSON.", "Write a JSON review of a budget laptop."],
+}
+MODES = {"greedy": (0.0, 1.0), "t0.7": (0.7, 0.9)}
+WHITESPACE_RUN = re.compile(r'"(?:[^"\\]|\\.)*"|(\s{2,})')
+
+
+def sender(address: str, k: int, tokens: int, temperature: float, top_p: float, grammar: bool):
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
+
+    def send(job) -> dict:
+        i, (name, prompt) = job
+        req = pb.GenerateRequest(max_tokens=tokens, temperature=temperature, top_p=top_p, seed=1 + i)
+        req.num_speculative_tokens, req.prompt_lookup_min = k, 0
+        req.messages.add(role="user", content=prompt)
+        if grammar:
+            req.grammar.CopyFrom(ms_pb.Grammar(json_schema=json.dumps(SCHEMAS[name])))
+        text, ids, stats = "", 0, None
+        for msg in stub.Generate(req, timeout=900):
+            text, ids = text + msg.text, ids + len(msg.token_ids)
+            stats = msg.stats if msg.HasField("stats") else stats
+        return {"name": name, "text": text, "tokens": ids, "stats": stats}
+
+    return send
+
+
+def judge(results: list[dict]) -> dict:
+    """valid, finished and whitespace counts of one arm's answers (see the module's docstring)."""
+    ended = [r for r in results if r["stats"].finish_reason == pb.FINISH_REASON_EOS_TOKEN]
+    valid = 0
+    for r in ended:
+        try:
+            jsonschema.validate(json.loads(r["text"]), SCHEMAS[r["name"]])
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    runs = sum(any(m.group(1) for m in WHITESPACE_RUN.finditer(r["text"])) for r in results)
+    return {"valid": valid / max(len(ended), 1), "finished": len(ended) / len(results), "whitespace_runs": runs}
+
+
+def arm(address: str, urls: dict, jobs, tokens: int, k: int, mode: str, grammar: bool) -> dict:
+    temperature, top_p = MODES[mode]
+    before = scrape_all(urls)
+    t0 = time.perf_counter()
+    results, _ = run_jobs(sender(address, k, tokens, temperature, top_p, grammar), jobs, 1)
+    wall = time.perf_counter() - t0
+    d = delta(before, scrape_all(urls))
+    generated = sum(r["tokens"] for r in results)
+    rules_s = sum(value(d, "specdec_rules_seconds_total", job=job) for job in ("draft", "target"))
+    accepted = sum(r["stats"].accepted_tokens for r in results)
+    rejected = sum(r["stats"].rejected_rounds for r in results)
+    return {
+        **(judge(results) if grammar else {}),
+        "alpha": leviathan_alpha(accepted, rejected) if k else None,
+        "tokens_per_s": generated / wall,
+        "rules_us_per_token": 1e6 * rules_s / generated,
+        "target_step_ms": 1e3 * mean_step_s(d, "target"),
+    }
+
+
+def one_run(address: str, urls: dict, jobs, tokens: int, k: int) -> dict:
+    out = {}
+    for mode in MODES:
+        r = {
+            "grammar_k": arm(address, urls, jobs, tokens, k, mode, True),
+            "plain_k": arm(address, urls, jobs, tokens, k, mode, False),
+            "grammar_k0": arm(address, urls, jobs, tokens, 0, mode, True),
+        }
+        step_us = 1e3 * r["grammar_k0"]["target_step_ms"]
+        r["rules_share_of_step_k"] = r["grammar_k"]["rules_us_per_token"] / step_us if step_us else None
+        r["rules_share_of_step_k0"] = r["grammar_k0"]["rules_us_per_token"] / step_us if step_us else None
+        out[mode] = r
+    return out
+
+
+def spread(xs: list) -> dict | None:
+    xs = [x for x in xs if x is not None]
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else None
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Every figure of one_run as its spread over the reps."""
+    out: dict = {}
+    for mode, first in runs[0].items():
+        out[mode] = {}
+        for key, v in first.items():
+            if isinstance(v, dict):
+                out[mode][key] = {f: spread([r[mode][key][f] for r in runs]) for f in v}
+            else:
+                out[mode][key] = spread([r[mode][key] for r in runs])
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--target", default=models.DEFAULT_TARGET)
+    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--out", default="results/structured")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = list(enumerate((name, prompt) for name, prompts in PROMPTS.items() for prompt in prompts))
+    procs, address, urls, _, forwards = start_services(args.draft, args.target, out / "services.log")
+    try:
+        one_run(address, urls, jobs[:2], 16, args.k)  # warm-up: kernels, caches
+        runs = []
+        for rep in range(args.reps):
+            runs.append(one_run(address, urls, jobs, args.tokens, args.k))
+            print(f"rep {rep}: {json.dumps(runs[-1])}", flush=True)
+    finally:
+        stop_services(procs)
+    report = {"machine": machine(), "forwards": forwards, "schemas": len(SCHEMAS), "requests": len(jobs)}
+    report.update(tokens=args.tokens, k=args.k, reps=args.reps, results=summarize(runs))
+    (out / "structured.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
