@@ -99,7 +99,9 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
             position = len(s.tokens)  # absolute position of the token drafted now
             if rules is not None:
                 logits, allowed = core.rules.apply(rules, logits, s.tokens, position, self.ids)
-                if allowed is not None and not allowed.any():
+                if allowed is not None and not allowed.any():  # the round ends at the token before this step
+                    if resp.token_ids:  # it was fed to reach this step: the session keeps the drafts but the last
+                        core.pool.truncate(s, position - 1)
                     break
             if params.greedy:
                 x, qx = self._token(argmax_rows(logits)[0]), 1.0

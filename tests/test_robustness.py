@@ -381,13 +381,21 @@ def evicting_stack(event_loop_thread, tokenizer, partial_draft, target_model):
     stop_stack(stack)
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=99)])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        dict(temperature=0.0),
+        dict(temperature=0.8, top_p=0.9, seed=99),
+        # output rules: each server's grammar state and counts are re-derived from the rebuilt session's tokens
+        dict(temperature=0.8, top_p=0.9, seed=7, grammar=ms.Grammar(json_object=True), frequency_penalty=0.4),
+    ],
+)
 def test_evicted_sessions_are_rebuilt_and_output_is_unchanged(
     deployed_draft_stack, evicting_stack, tokenizer, sampling
 ):
     kw = dict(messages=CHAT, max_tokens=40, num_speculative_tokens=4, **sampling)
     expected, _, _ = deployed_draft_stack.generate(**kw)
-    got, _, _ = evicting_stack.generate(**kw)
+    got, _, stats = evicting_stack.generate(**kw)
     assert got == expected
     assert evicting_stack.metric("specdec_session_rebuilds_total", {"service": "draft"}) > 0
     assert evicting_stack.metric("specdec_session_rebuilds_total", {"service": "target"}) > 0
@@ -405,10 +413,12 @@ def test_evicted_sessions_are_rebuilt_and_output_is_unchanged(
             [{"role": r, "content": c} for r, c in CHAT], add_generation_prompt=True, return_dict=True
         )["input_ids"]
         + got
-    )
+        + ([tokenizer.eos_token_id] if stats.finish_reason == gen_pb.FINISH_REASON_EOS_TOKEN else [])
+    )  # the sessions hold the end of sequence the generation ended on, which the output leaves out
     for servicer in (evicting_stack.servicers_draft, evicting_stack.servicers_target):
         lengths = [len(s) for s in servicer.snapshots]
-        assert all(s == history[: len(s)] for s in servicer.snapshots)
+        bad = [s for s in servicer.snapshots if s != history[: len(s)]]
+        assert not bad, (len(history), history[-8:], [(len(b), b[-8:]) for b in bad[:3]], stats.finish_reason)
         assert lengths == sorted(lengths) and lengths[-1] >= len(history) - 5
         servicer.snapshots = []
     assert _pools_drain(evicting_stack)
