@@ -92,6 +92,8 @@ class Generation:
             t0 = time.perf_counter()
             trace = RoundTrace()
             looked_up = self.lookup.propose(self.history, k) if self.lookup else []
+            if looked_up and self.spec.grammar is not None:  # none the grammar refuses: the target would give p = 0
+                looked_up = looked_up[: self.spec.grammar.valid_prefix(self.history, looked_up)]
             proposal = await self._propose(k, trace) if k and not looked_up else None
             drafts = looked_up or (list(proposal.token_ids) if proposal else [])
             verdict = await self._verify(drafts, trace)

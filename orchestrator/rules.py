@@ -40,3 +40,11 @@ class RuleChecker:
         if self.book.check(msg) is None:
             return None
         return msg
+
+    def grammar(self, msg: ms_pb.OutputRules | None) -> rules.RuleState | None:
+        """A generation's own grammar state, which cuts prompt-lookup proposals at the first token the grammar
+        refuses (the draft model's proposals follow the grammar already); None without a grammar."""
+        checked = self.book.check(msg)
+        if checked is None or checked.grammar is None:
+            return None
+        return rules.RuleState(checked, self.book.tokenizer, self.book.eos_ids)

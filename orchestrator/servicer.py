@@ -101,6 +101,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise invalid("the prompt encodes to no tokens")
         max_tokens = self._max_tokens(req, len(ids))
         seed = req.seed if req.HasField("seed") else secrets.randbits(63)
+        rules = self.rules.of(req, len(ids))
         return GenerationSpec(
             ids,
             max_tokens,
@@ -114,7 +115,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ignore_eos=req.ignore_eos,
             stop_ids=frozenset(req.stop_token_ids),
             logprobs=req.top_logprobs if req.logprobs else None,
-            rules=self.rules.of(req, len(ids)),
+            rules=rules,
+            grammar=self.rules.grammar(rules) if lookup_min else None,
         )
 
     def _sampling_fields(self, req: gen_pb.GenerateRequest) -> tuple[float, float, int]:

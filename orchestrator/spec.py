@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from specdec.sampling import SamplingParams
 from specdec.v1 import model_server_pb2 as ms_pb
@@ -23,5 +24,6 @@ class GenerationSpec:
     stop_ids: frozenset[int] = frozenset()  # token ids that end the generation, not emitted
     logprobs: int | None = None  # set: the target's log-prob of each token and this many top alternatives
     rules: ms_pb.OutputRules | None = None  # sent on every model call (specdec/rules.py); None: no rules
+    grammar: Any = None  # a specdec.rules.RuleState of the rules' grammar, which cuts prompt-lookup proposals
     adaptive_start: int | None = None  # set: each round chooses K in 0..k (orchestrator.speculation), this one
     # until the process has measured a drafted round; None: every round drafts k

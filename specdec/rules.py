@@ -227,6 +227,17 @@ class RuleState:
                 walker.consume_token(drafts[i])
         return unpack(bitmask.numpy(), vocab)
 
+    def valid_prefix(self, tokens: list[int], drafts: list[int]) -> int:
+        """How many of the drafts after tokens the grammar accepts, in order: where proposals made without the
+        grammar (prompt lookup) are cut before a Verify, which would give the rest p = 0."""
+        output = tokens[self.rules.output_start :]
+        if self.matcher is None or not drafts:
+            return len(drafts)
+        if self.eos_ids.intersection(output):
+            return 0
+        self._sync(output)
+        return self.matcher.validate_tokens(drafts)
+
     def _sync(self, output: list[int]) -> None:
         """Move the matcher to the output tokens given: roll back what they no longer hold, take what they add."""
         done = self.consumed

@@ -191,3 +191,14 @@ def test_a_restricted_draft_gets_the_full_rows_columns_under_a_grammar(book, tok
     )
     assert torch.equal(cols, full[:, ids]) and np.array_equal(allowed_cols, allowed[:, ids.numpy()])
     assert torch.isinf(full).any() and torch.isfinite(full).any()
+
+
+def test_proposals_made_without_the_grammar_are_cut_at_the_first_token_it_refuses(book, tokenizer):
+    """Prompt lookup copies tokens from the history: the orchestrator keeps only the prefix the grammar accepts."""
+    state = rules.RuleState(book.check(schema_rules(2)), book.tokenizer, [tokenizer.eos_token_id])
+    history = [7, 8] + encode(tokenizer, '{"name": ')
+    good = encode(tokenizer, '"Ada", "age"')
+    assert state.valid_prefix(history, good) == len(good)
+    bad = encode(tokenizer, "x")
+    assert state.valid_prefix(history, good + bad + good) == len(good)  # after the key "age" comes ':', not x
+    assert state.valid_prefix(history, bad + good) == 0  # a value must follow '"name": '
