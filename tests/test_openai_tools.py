@@ -98,6 +98,7 @@ def test_an_assistants_tool_calls_and_a_tool_result_map_onto_the_messages():
         (dict(tool_choice="required"), "tool_choice"),
         (dict(tool_choice="auto"), "tool_choice"),
         (dict(tools=TOOLS, parallel_tool_calls="yes"), "parallel_tool_calls"),
+        (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
         (dict(tools=TOOLS, functions=[{"name": "f"}]), "functions"),
         (dict(messages=[{"role": "tool", "content": "x"}]), "messages"),  # no tool_call_id
         (dict(messages=[{"role": "user", "content": None}]), "messages"),
@@ -128,7 +129,7 @@ def call(name: str, args: dict) -> str:
 def test_hermes_calls_after_some_text_become_tool_calls_with_the_text_as_content():
     text = "Let me check.\n" + call("get_weather", {"city": "Paris"}) + "\n" + call("get_time", {"city": "Oslo"})
     content, calls = parse(text, GENERIC, NAMES)
-    assert content == "Let me check."
+    assert content == "Let me check.\n"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Paris"}),
         ("get_time", {"city": "Oslo"}),
@@ -234,13 +235,18 @@ def test_the_prompt_holds_the_tools_and_the_history_in_the_generic_format(api, t
         assert answer.usage.prompt_tokens == len(ids)
 
 
-def test_tool_choice_none_and_auto_answer_without_error_and_none_reads_no_calls(api):
+def test_tool_choice_none_and_auto_answer_the_same_streamed_or_not_and_none_reads_no_calls(api):
     for choice in ("none", "auto"):
         answer = create(api, tools=TOOLS, tool_choice=choice).choices[0]
         calls = answer.message.tool_calls or []
         assert (answer.finish_reason == "tool_calls") == bool(calls)
         assert all(c.function.name in NAMES and isinstance(json.loads(c.function.arguments), dict) for c in calls)
         assert choice == "auto" or not calls
+        chunks = [ch.choices[0] for ch in create(api, tools=TOOLS, tool_choice=choice, stream=True) if ch.choices]
+        streamed_calls = [d.function.name for ch in chunks for d in ch.delta.tool_calls or []]
+        assert "".join(ch.delta.content or "" for ch in chunks) == (answer.message.content or "")
+        assert streamed_calls == [c.function.name for c in calls]
+        assert chunks[-1].finish_reason == answer.finish_reason
 
 
 def check_calls(calls, names=NAMES) -> None:

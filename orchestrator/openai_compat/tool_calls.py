@@ -24,13 +24,13 @@ def wanted(req: gen_pb.GenerateRequest) -> bool:
 
 
 def parse(text: str, fmt: ToolFormat, names) -> tuple[str | None, list[dict]]:
-    """(content, calls) of an answer: calls in OpenAI's shape and the text before them (None when blank), or
-    (text, []) when the answer holds no call that parses."""
+    """(content, calls) of an answer: calls in OpenAI's shape and the text before them, as streamed (None when
+    blank), or (text, []) when the answer holds no call that parses."""
     calls = _hermes(text, names) if fmt.style == HERMES else _json(text, names)
     if calls is None:
         return text, []
     before = text[: text.find(CALL_OPEN)] if fmt.style == HERMES else ""
-    return before.strip() or None, calls
+    return (before if before.strip() else None), calls
 
 
 def _call(obj, names) -> dict | None:

@@ -21,6 +21,11 @@ def apply(body: dict, req: gen_pb.GenerateRequest, chat: bool) -> None:
         raise unsupported(given[0], "on completions (tools are chat's)")
     req.tools.extend(tools(body.get("tools")))
     req.tool_choice, req.tool_choice_function = tool_choice(body.get("tool_choice"), req.tools)
+    if req.HasField("grammar") and req.tool_choice in (gen_pb.TOOL_CHOICE_REQUIRED, gen_pb.TOOL_CHOICE_FUNCTION):
+        raise invalid(
+            "a request takes at most one structured output, got a structured output and a required tool call",
+            "tool_choice",
+        )
     if (parallel := body.get("parallel_tool_calls")) is not None:
         if not isinstance(parallel, bool):
             raise invalid(f"parallel_tool_calls must be true or false, got {str(parallel)[:40]}", "parallel_tool_calls")
