@@ -21,6 +21,9 @@ HERMES, JSON = "hermes", "json"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # The separators of the calls the grammar allows, as json.dumps writes them and the instructions show.
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The most calls a required call with parallel_tool_calls writes: a small model may otherwise repeat its call until
+# max_tokens, and the last one, cut short, would not parse.
+MAX_PARALLEL_CALLS = 8
 _PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "probe", "parameters": {}}}
 INSTRUCTIONS = (
     "You may call one or more functions to assist with the user query. The functions, as JSON schemas:\n"
@@ -105,7 +108,8 @@ def enforce(req: gen_pb.GenerateRequest, fmt: ToolFormat) -> None:
 
 
 def call_grammar(tools: list[gen_pb.Tool], parallel: bool, fmt: ToolFormat) -> ms_pb.Grammar:
-    """A Lark grammar (llguidance's, with %json) of one call of one of tools, or of one or more with parallel:
+    """A Lark grammar (llguidance's, with %json) of one call of one of tools, or of 1 to MAX_PARALLEL_CALLS with
+    parallel:
     `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>` in HERMES style, `{"name": NAME, "parameters":
     ARGS}` (several joined by "; ", as Llama's) in JSON style; ARGS valid against the tool's parameters."""
     key = "arguments" if fmt.style == HERMES else "parameters"
@@ -121,10 +125,12 @@ def call_grammar(tools: list[gen_pb.Tool], parallel: bool, fmt: ToolFormat) -> m
     body = json.dumps({"x-guidance": _COMPACT, "anyOf": calls})
     if fmt.style == HERMES:
         rules = f'call: "{CALL_OPEN}\\n" %json {body} "\\n{CALL_CLOSE}"'
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        separator = '"\\n"'
     else:
         rules = f"call: %json {body}"
-        start = 'start: call ("; " call)*' if parallel else "start: call"
+        separator = '"; "'
+    more = f"({separator} call){{0,{MAX_PARALLEL_CALLS - 1}}}"
+    start = f"start: call {more}" if parallel else "start: call"
     return ms_pb.Grammar(lark=f"{start}\n{rules}\n")
 
 

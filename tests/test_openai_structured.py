@@ -180,7 +180,8 @@ def test_a_json_schema_answer_is_json_valid_against_the_schema(api):
 
 
 def test_a_json_object_answer_is_a_json_object(api):
-    assert isinstance(json.loads(ask(api, response_format={"type": "json_object"}).message.content), dict)
+    choice = ask(api, response_format={"type": "json_object"}, max_tokens=300)
+    assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content), dict)
 
 
 def test_a_choice_or_a_regex_answer_matches_it(api):

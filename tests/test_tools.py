@@ -123,6 +123,9 @@ def test_a_required_call_accepts_calls_of_the_tools_valid_against_their_schemas_
     assert not ok(call("add", {"x": 1}) + "\n" + call("add", {"x": 2}))  # one call only without parallel
     parallel = tools.call_grammar([WEATHER, ADD], parallel=True, fmt=GENERIC)
     assert accepts(tokenizer, matcher_tokenizer, parallel, call("add", {"x": 1}) + "\n" + call("add", {"x": 2}))
+    most = [call("add", {"x": i}) for i in range(tools.MAX_PARALLEL_CALLS + 1)]
+    assert accepts(tokenizer, matcher_tokenizer, parallel, "\n".join(most[:-1]))
+    assert not accepts(tokenizer, matcher_tokenizer, parallel, "\n".join(most))  # one call too many
 
 
 def test_a_named_function_accepts_only_its_own_calls_in_the_templates_style(tokenizer, matcher_tokenizer):
