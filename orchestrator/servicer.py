@@ -13,6 +13,7 @@ import uuid
 
 import grpc
 
+from orchestrator import tools as tooling
 from orchestrator.admission import Admission, KvShare
 from orchestrator.generation import Generation
 from orchestrator.metrics import OrchestratorMetrics
@@ -62,6 +63,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ):
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.tool_format = tooling.format_of(tokenizer)  # how tools go in the prompt, and calls come out
         self.draft = draft
         self.target = target
         self.eos_ids = eos_ids
@@ -177,19 +179,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _tokenize(self, req: gen_pb.GenerateRequest) -> list[int]:
         if req.prompt:
             return self.encode(req.prompt)
-        return self.encode(messages=[(m.role, m.content) for m in req.messages])
+        return self.encode(messages=req.messages, tools=tooling.openai_tools(req))
 
-    def encode(self, prompt: str | None = None, messages=None, add_generation_prompt: bool = True) -> list[int]:
-        """The token ids of a raw prompt, or of (role, content) messages through the chat template; raises
-        INVALID_ARGUMENT where the model has no template or the template refuses the conversation."""
+    def encode(
+        self, prompt: str | None = None, messages=None, add_generation_prompt: bool = True, tools: list | None = None
+    ) -> list[int]:
+        """The token ids of a raw prompt, or of messages (ChatMessages or (role, content) pairs) and tools through
+        the chat template (orchestrator/tools.py); raises INVALID_ARGUMENT where the model has no template or the
+        template refuses the conversation."""
         if prompt is not None:
             return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         if not getattr(self.tokenizer, "chat_template", None):
             raise invalid("this model has no chat template; send a raw prompt instead of messages")
-        chat = [{"role": role, "content": content} for role, content in messages]
+        chat, keywords = tooling.template_input(messages, tools or [], self.tool_format)
         try:
             out = self.tokenizer.apply_chat_template(
-                chat, add_generation_prompt=add_generation_prompt, return_dict=True
+                chat, add_generation_prompt=add_generation_prompt, return_dict=True, **keywords
             )
         except Exception as e:  # the template rejects the conversation (roles out of order...)
             raise invalid(f"the chat template rejected the messages: {e}") from None
@@ -263,6 +268,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         (given back by ``_release``); a request refused or cancelled while in line is counted as an error."""
         m = self.metrics
         try:
+            tooling.enforce(request, self.tool_format)  # a required tool call becomes the request's grammar
             spec = self.build_spec(request)
             prompt = len(spec.prompt_ids)
             cap = min(prompt + spec.max_tokens + spec.k, self.max_model_len)

@@ -1,7 +1,8 @@
 """An OpenAI request body checked field by field and mapped onto our GenerateRequest; ApiError 400 naming the
 field for anything malformed or not served, so that no body gets a 500 and no field is dropped without a word.
 
-Every field is one of: ours or OpenAI's, mapped (`_INTS`, `_FLOATS`, the rest in `generate_request`); neutral,
+Every field is one of: ours or OpenAI's, mapped (`_INTS`, `_FLOATS`, the rest in `generate_request`, structured
+output and the logit rules in structured.py, tools in tool_fields.py); neutral,
 accepted only at the value that changes nothing here (`_NEUTRAL`); ignored because it changes no output, as
 OpenAI's own metadata fields (`_IGNORED`); or refused by name. docs/openai.md lists them all against vLLM and
 llama-server.
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 import math
 
+from orchestrator.openai_compat import structured, tool_fields
 from orchestrator.openai_compat.errors import invalid, unsupported
 from specdec.logprobs import MAX_TOP_LOGPROBS
 from specdec.v1 import generation_pb2 as gen_pb
 
 _U32, _I32, _U64 = (1 << 32) - 1, (1 << 31) - 1, (1 << 64) - 1
 _F32 = 3.4e38  # beyond it a float field holds inf
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 # name -> (lowest, highest) of the integers we map
 _INTS = {
@@ -36,16 +38,9 @@ _NEUTRAL = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "repetition_penalty": (1,),
     "min_p": (0,),
-    "logit_bias": ({},),
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none",),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "use_beam_search": (False,),
     "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
@@ -56,21 +51,23 @@ _NEUTRAL = {
 # OpenAI's metadata and routing fields: they change no output, and OpenAI takes them.
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
 _MAPPED = {"messages", "prompt", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options"}
-_MAPPED |= {"parallel_tool_calls", "logprobs", "top_logprobs", *_INTS, *_FLOATS}
+_MAPPED |= {"logprobs", "top_logprobs", *_INTS, *_FLOATS, *structured.GRAMMAR_FIELDS}
+_MAPPED |= {"logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+_MAPPED |= {"tools", "tool_choice", "parallel_tool_calls"}
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on a completion's logprobs
 # What a test of the future features sends; refused by name until each is built (issue 42).
 _NOT_BUILT = {
-    "tools": "(other than an empty list)",
-    "tool_choice": "(other than none)",
-    "response_format": "(other than {'type': 'text'}): json_object and json_schema are not built yet",
+    "functions": "(other than an empty list): send tools instead (functions is OpenAI's deprecated form)",
+    "function_call": "(other than none): send tool_choice instead (function_call is OpenAI's deprecated form)",
     "n": "(other than 1)",
     "best_of": "(other than 1)",
     "echo": "(other than false)",
 }
 
 
-def generate_request(body, chat: bool) -> gen_pb.GenerateRequest:
-    """An OpenAI request body as our GenerateRequest; ApiError 400 for what does not map."""
+def generate_request(body, chat: bool, vocab: int | None = None) -> gen_pb.GenerateRequest:
+    """An OpenAI request body as our GenerateRequest; ApiError 400 for what does not map. vocab: the model's
+    vocabulary size, which bounds logit_bias's token ids."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     for name in body:
@@ -79,19 +76,18 @@ def generate_request(body, chat: bool) -> gen_pb.GenerateRequest:
     _check_neutral(body)
     req = gen_pb.GenerateRequest()
     if chat:
-        for role, content in messages(body.get("messages")):
-            req.messages.add(role=role, content=content)
+        req.messages.extend(messages(body.get("messages")))
     else:
         req.prompt = prompt(body.get("prompt"))
     ints = {name: integer(body, name, *bounds) for name, bounds in _INTS.items()}
-    if ints["min_tokens"]:
-        raise unsupported("min_tokens", "above 0 (it needs the end-of-sequence tokens masked on both model servers)")
     max_tokens = ints["max_completion_tokens"] if ints["max_completion_tokens"] is not None else ints["max_tokens"]
     if max_tokens is not None:
         req.max_tokens = max_tokens
     else:
         req.run_to_context_end = True  # OpenAI's default: no cut but the context's
-    for name in ("seed", "num_speculative_tokens", "prompt_lookup_min"):
+    if max_tokens is not None and (ints["min_tokens"] or 0) > max_tokens:
+        raise invalid(f"min_tokens ({ints['min_tokens']}) must not exceed max_tokens ({max_tokens})", "min_tokens")
+    for name in ("seed", "num_speculative_tokens", "prompt_lookup_min", "min_tokens"):
         if ints[name] is not None:
             setattr(req, name, ints[name])
     if ints["top_k"] is not None:
@@ -104,9 +100,23 @@ def generate_request(body, chat: bool) -> gen_pb.GenerateRequest:
     req.stop_token_ids.extend(_token_ids(body.get("stop_token_ids"), "stop_token_ids"))
     req.ignore_eos = flag(body, "ignore_eos")
     req.logprobs, req.top_logprobs = logprobs(body, chat)
-    flag(body, "stream"), flag(body, "parallel_tool_calls")
+    flag(body, "stream")
     stream_options(body)
+    output_rules(body, req, vocab)
+    tool_fields.apply(body, req, chat)
     return req
+
+
+def output_rules(body: dict, req: gen_pb.GenerateRequest, vocab: int | None) -> None:
+    """The grammar (structured output), logit_bias and the penalties of the body, set on req."""
+    if (grammar := structured.grammar(body)) is not None:
+        req.grammar.CopyFrom(grammar)
+    for token, bias in structured.logit_bias(body.get("logit_bias"), vocab).items():
+        req.logit_bias[token] = bias
+    for name in ("presence_penalty", "frequency_penalty"):
+        setattr(req, name, structured.penalty(body, name, -structured.MAX_PENALTY, structured.MAX_PENALTY) or 0.0)
+    if (repetition := structured.penalty(body, "repetition_penalty", 0, _F32, low_open=True)) is not None:
+        req.repetition_penalty = repetition
 
 
 def logprobs(body: dict, chat: bool) -> tuple[bool, int]:
@@ -187,21 +197,31 @@ def stream_options(body: dict) -> dict:
     return options
 
 
-def messages(value) -> list[tuple[str, str]]:
-    """(role, text) of each message; tool messages and non-text parts are refused by name."""
+def messages(value) -> list[gen_pb.ChatMessage]:
+    """The chat's messages: text content (a string or text parts), an assistant's tool_calls (its content then
+    may be null), a tool message's tool_call_id; the legacy function role and function_call are refused by name."""
     if not isinstance(value, list) or not value:
         raise invalid("messages must be a non-empty list of {role, content}", "messages")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise invalid(f"messages[{i}] must be an object with a role", "messages")
+        if m["role"] == "function" or m.get("function_call") is not None:
+            raise unsupported("messages", "with role 'function' or function_call (send tool messages instead)")
         if m["role"] not in ROLES:
-            if m["role"] in ("tool", "function"):
-                raise unsupported("messages", f"with role {m['role']!r} (tools are not built yet)")
             raise invalid(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {_show(m['role'])}", "messages")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise unsupported("messages", "with tool_calls (tools are not built yet)")
-        out.append((ROLES[m["role"]], _text(m.get("content"), f"messages[{i}].content")))
+        message = gen_pb.ChatMessage(role=ROLES[m["role"]])
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:
+            message.tool_calls.extend(tool_fields.calls(m["tool_calls"], f"messages[{i}].tool_calls"))
+        elif m.get("tool_calls") is not None:
+            raise invalid(f"messages[{i}]: only an assistant message has tool_calls", "messages")
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise invalid(f"messages[{i}].tool_call_id must be the id of the call answered", "messages")
+            message.tool_call_id = m["tool_call_id"]
+        if not (message.tool_calls and m.get("content") is None):
+            message.content = _text(m.get("content"), f"messages[{i}].content")
+        out.append(message)
     return out
 
 

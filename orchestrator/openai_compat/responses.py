@@ -48,24 +48,30 @@ def usage(stats: gen_pb.GenerationStats) -> dict:
     }
 
 
-def choice(chat: bool, text: str, finish: str, logprobs: dict | None = None) -> dict:
-    """The one choice of a whole completion."""
+def choice(chat: bool, text: str | None, finish: str, logprobs: dict | None = None, calls=()) -> dict:
+    """The one choice of a whole completion; a chat's tool calls (OpenAI's shape) end it with "tool_calls"."""
+    message = {"role": "assistant", "content": text, **({"tool_calls": list(calls)} if calls else {})}
     out = (
-        {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
+        {"index": 0, "message": message, "logprobs": logprobs}
         if chat
         else {"index": 0, "text": text, "logprobs": logprobs}
     )
-    out["finish_reason"] = finish
+    out["finish_reason"] = "tool_calls" if calls else finish
     return out
 
 
 def chunk_choice(
-    chat: bool, delta: str | None = None, finish: str | None = None, role: bool = False, logprobs: dict | None = None
+    chat: bool,
+    delta: str | None = None,
+    finish: str | None = None,
+    role: bool = False,
+    logprobs: dict | None = None,
+    calls: list | None = None,
 ) -> dict:
-    """The one choice of a stream's chunk: new text, or (delta None) none, and its tokens' logprobs; role: the
-    chat's first chunk."""
+    """The one choice of a stream's chunk: new text, or (delta None) none, and its tokens' logprobs, or tool calls
+    (their stream deltas); role: the chat's first chunk."""
     if not chat:
         return {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
-    content = {} if delta is None else {"content": delta}
+    content = {"tool_calls": calls} if calls else {} if delta is None else {"content": delta}
     delta_body = {"role": "assistant", **content} if role else content
     return {"index": 0, "delta": delta_body, "logprobs": logprobs, "finish_reason": finish}

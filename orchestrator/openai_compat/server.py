@@ -11,7 +11,7 @@ import uuid
 
 from aiohttp import web
 
-from orchestrator.openai_compat import logprobs as lp, request as fields, responses as out
+from orchestrator.openai_compat import logprobs as lp, request as fields, responses as out, tool_calls
 from orchestrator.openai_compat.errors import ApiError, invalid
 from orchestrator.servicer import bearer_matches
 from specdec.errors import ServiceError
@@ -146,15 +146,17 @@ class OpenAIApi:
 
     async def complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
-        gen_request = fields.generate_request(body, chat)
+        gen_request = fields.generate_request(body, chat, len(self.servicer.tokenizer))
         include_usage = bool(fields.stream_options(body).get("include_usage"))
         kind = "chat.completion" if chat else "text_completion"
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        calls = self._calls(gen_request)
         messages = self.servicer.stream(gen_request)
         async with contextlib.aclosing(messages):
             scores = self._scores(chat) if gen_request.logprobs else None
             if body.get("stream"):
-                return await self._stream(request, messages, chat, kind, ident, include_usage, scores)
+                splitter = calls and tool_calls.CallStream(*calls)
+                return await self._stream(request, messages, chat, kind, ident, include_usage, scores, splitter)
             text, stats, scored = [], None, []
             try:
                 async for msg in messages:
@@ -164,23 +166,30 @@ class OpenAIApi:
                         stats = msg.stats
             except ServiceError as e:
                 raise ApiError.of(e) from None
+        content, found = tool_calls.parse("".join(text), *calls) if calls else ("".join(text), [])
         return web.json_response(
             {
                 "id": ident,
                 "object": kind,
                 "created": int(time.time()),
                 "model": self.model,
-                "choices": [out.choice(chat, "".join(text), out.finish_reason(stats), scores and scores(scored))],
+                "choices": [out.choice(chat, content, out.finish_reason(stats), scores and scores(scored), found)],
                 "usage": out.usage(stats),
                 "specdec": out.speculation_stats(stats),
             }
         )
 
+    def _calls(self, req) -> tuple | None:
+        """(the model's tool format, the tools' names) where the answer is read for tool calls, else None."""
+        return (self.servicer.tool_format, [t.name for t in req.tools]) if tool_calls.wanted(req) else None
+
     def _scores(self, chat: bool):
         """What turns a message's (or a whole completion's) GenerateResponse.logprobs into OpenAI's logprobs."""
         return functools.partial(lp.chat, texts=self.texts) if chat else lp.CompletionLogprobs(self.texts).take
 
-    async def _stream(self, request, messages, chat: bool, kind: str, ident: str, include_usage: bool, scores=None):
+    async def _stream(
+        self, request, messages, chat: bool, kind: str, ident: str, include_usage: bool, scores=None, splitter=None
+    ):
         created = int(time.time())
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         head = {"id": ident, "object": kind + ".chunk" if chat else kind, "created": created, "model": self.model}
@@ -197,11 +206,11 @@ class OpenAIApi:
                     started = True
                     if chat:
                         await send({**head, "choices": [out.chunk_choice(chat, "", role=True)]})
-                if msg.text or msg.logprobs:
-                    scored = scores(msg.logprobs) if scores else None
-                    await send({**head, "choices": [out.chunk_choice(chat, msg.text, logprobs=scored)]})
+                for choice in self._chunks(chat, msg, scores, splitter):
+                    await send({**head, "choices": [choice]})
                 if msg.HasField("stats"):
-                    final = out.chunk_choice(chat, finish=out.finish_reason(msg.stats))
+                    finish = "tool_calls" if splitter and splitter.found else out.finish_reason(msg.stats)
+                    final = out.chunk_choice(chat, finish=finish)
                     await send({**head, "choices": [final], "specdec": out.speculation_stats(msg.stats)})
                     if include_usage:
                         await send({**head, "choices": [], "usage": out.usage(msg.stats)})
@@ -214,6 +223,22 @@ class OpenAIApi:
         await send("[DONE]")
         await response.write_eof()
         return response
+
+    @staticmethod
+    def _chunks(chat: bool, msg, scores, splitter) -> list[dict]:
+        """The chunk choices of one message: its text and logprobs, or, through the splitter of an answer read for
+        tool calls, the content it lets go now and, at the end, what it held: more content, or the calls."""
+        text, scored = splitter.feed(msg.text, msg.logprobs) if splitter else (msg.text, msg.logprobs)
+        pieces = [(text, scored)] if text or scored else []
+        calls = []
+        if splitter and msg.HasField("stats"):
+            rest, held, calls = splitter.finish()
+            pieces += [(rest, held)] if rest or (held and not calls) else []
+        choices = [out.chunk_choice(chat, t, logprobs=scores(s) if scores else None) for t, s in pieces]
+        if calls:
+            scored = scores(held) if scores else None
+            choices.append(out.chunk_choice(chat, logprobs=scored, calls=tool_calls.deltas(calls)))
+        return choices
 
 
 async def start_http(servicer, model: str, host: str, port: int, api_key: str = "") -> web.AppRunner:
