@@ -135,13 +135,15 @@ class RuleState:
         self.matcher = None
         self.consumed: list[int] = []  # output tokens the matcher has taken
         self._columns = None  # (a draft's scored ids, token -> column)
+        self._mask_buffer = None  # the grammar's bitmasks, [rows, words] int32
         if rules.grammar is not None:
             import llguidance
 
             self.matcher = llguidance.LLMatcher(tokenizer, rules.grammar)
 
     def apply(self, logits: torch.Tensor, tokens: list[int], first: int, vocab: int, ids: torch.Tensor | None = None):
-        """The rows' logits under the rules (a new float32 tensor on the logits' device) and what the grammar allows
+        """The rows' logits under the rules (float32 on the host: the logits themselves, edited in place, when they are
+        float32 there) and what the grammar allows
         at each (a CPU bool array like the logits, or None without a grammar). Row i predicts position first + i
         after tokens[: first + i] (tokens[first:] are a call's drafts). logits: [n, vocab], or [n, len(ids)] for a
         draft that scores the tokens ids only (column c is token ids[c]).
@@ -149,21 +151,19 @@ class RuleState:
         Biases, penalties and min_tokens touch only the columns of the tokens they name or the history holds, a few
         hundred at most; the grammar's mask is the one vocabulary-wide step, done in numpy. Vocabulary-wide torch ops
         here would each wake a team of threads beside the engine's, which on a small CPU made them 5x slower."""
-        n, device = logits.shape[0], logits.device
+        n = logits.shape[0]
         column = self._column_map(ids)
-        out = _copy(logits)  # [n, columns] float32
-        edits = self._sparse_edits(tokens, first, n, column)
-        for rows, cols, fn in edits:
-            out[rows, cols] = fn(out[rows, cols])
+        out = logits.cpu()  # the rules run on the host: a device's few rows cross once, and are sampled there
+        out = out if out.dtype == torch.float32 else out.float()  # [n, columns], edited in place
+        host = out.numpy()
+        for rows, cols, fn in self._sparse_edits(tokens, first, n, column):
+            host[rows, cols] = fn(host[rows, cols])
         allowed = None
         if self.matcher is not None:
             allowed = self.allowed(tokens, first, n, vocab)  # [n, vocab] bool
             if ids is not None:
                 allowed = allowed[:, ids.cpu().numpy()]
-            if device.type == "cpu":
-                np.putmask(out.numpy(), ~allowed, -np.inf)
-            else:
-                out = out.masked_fill(~torch.from_numpy(allowed).to(device), float("-inf"))
+            np.putmask(host, ~allowed, -np.inf)
         return out, allowed
 
     def _column_map(self, ids: torch.Tensor | None):
@@ -176,56 +176,56 @@ class RuleState:
 
     def _sparse_edits(self, tokens: list[int], first: int, n: int, column) -> list:
         """(row index, column index, function of those logits) for the bias, the penalties and min_tokens, in that
-        order; only the columns they touch."""
+        order, as numpy indices: only the columns they touch."""
         rules, edits = self.rules, []
-        everything = torch.arange(n)[:, None]
+        every_row = np.arange(n)[:, None]
         if rules.bias:
             cols = [(column(t), b) for t, b in rules.bias if column(t) is not None]
             if cols:
-                add = torch.tensor([b for _, b in cols])
-                edits.append((everything, torch.tensor([c for c, _ in cols]), lambda x, add=add: x + add.to(x.device)))
+                add = np.array([b for _, b in cols], dtype=np.float32)
+                edits.append((every_row, np.array([c for c, _ in cols]), lambda x, add=add: x + add))
         if rules.counts_tokens:
             cand, counts, seen = _counts(tokens, rules.output_start, first, n)  # tokens, [n, len(cand)] twice
             keep = [i for i, t in enumerate(cand.tolist()) if column(t) is not None]
             if keep:
-                cols = torch.tensor([column(t) for t in cand[keep].tolist()])
-                edits.append((everything, cols, lambda x, c=counts[:, keep], s=seen[:, keep]: self._penalize(x, c, s)))
+                cols = np.array([column(t) for t in cand[keep].tolist()])
+                edits.append((every_row, cols, lambda x, c=counts[:, keep], s=seen[:, keep]: self._penalize(x, c, s)))
         short = [i for i in range(n) if first + i - rules.output_start < rules.min_tokens]
         blocked = [column(t) for t in rules.blocked if column(t) is not None]
         if short and blocked:
-            edits.append(
-                (torch.tensor(short)[:, None], torch.tensor(blocked), lambda x: torch.full_like(x, -torch.inf))
-            )
+            edits.append((np.array(short)[:, None], np.array(blocked), lambda x: np.full_like(x, -np.inf)))
         return edits
 
-    def _penalize(self, x: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    def _penalize(self, x: np.ndarray, counts: np.ndarray, seen: np.ndarray) -> np.ndarray:
         rules = self.rules
-        counts, seen = counts.to(x.device), seen.to(x.device)
         if rules.repetition != 1.0:
-            x = torch.where(seen, torch.where(x > 0, x / rules.repetition, x * rules.repetition), x)
-        return x - rules.frequency * counts - rules.presence * (counts > 0).float()
+            x = np.where(seen, np.where(x > 0, x / np.float32(rules.repetition), x * np.float32(rules.repetition)), x)
+        return x - np.float32(rules.frequency) * counts - np.float32(rules.presence) * (counts > 0)
 
     def allowed(self, tokens: list[int], first: int, n: int, vocab: int) -> np.ndarray:
         """[n, vocab] bool: what the grammar allows at each row. FAILED_PRECONDITION when the committed tokens
         break the grammar (they were not generated under it)."""
-        import llguidance.torch as lt
-
         output = tokens[self.rules.output_start : first]
         if self.eos_ids.intersection(output):  # a draft's own steps past the grammar's end: nothing more
             return np.zeros((n, vocab), dtype=bool)
         self._sync(output)
         drafts = tokens[first : first + n - 1]
-        walker = self.matcher.deep_copy()
+        walker = self.matcher.deep_copy() if drafts else self.matcher  # filling a mask leaves a matcher as it was
         valid = walker.validate_tokens(drafts) if drafts else 0
-        bitmask = lt.allocate_token_bitmask(n, vocab)  # [n, ceil(vocab / 32)] int32
+        bitmask = self._bitmask(n, vocab)  # [n, ceil(vocab / 32)] int32, kept between calls
         for i in range(n):
             if i > valid:  # after a draft the grammar rejects: a meaningless row, kept well defined
                 bitmask[i] = bitmask[i - 1]
                 continue
-            lt.fill_next_token_bitmask(walker, bitmask, i)
+            walker.unsafe_compute_mask_ptr(bitmask[i].ctypes.data, bitmask.shape[1] * 4)
             if i < min(valid, n - 1):
                 walker.consume_token(drafts[i])
-        return unpack(bitmask.numpy(), vocab)
+        return unpack(bitmask[:n], vocab)
+
+    def _bitmask(self, n: int, vocab: int) -> np.ndarray:
+        if self._mask_buffer is None or self._mask_buffer.shape[0] < n:
+            self._mask_buffer = np.empty((max(n, 9), (vocab + 31) // 32), dtype=np.int32)
+        return self._mask_buffer
 
     def valid_prefix(self, tokens: list[int], drafts: list[int]) -> int:
         """How many of the drafts after tokens the grammar accepts, in order: where proposals made without the
@@ -260,7 +260,7 @@ class RuleState:
         self.consumed = done + fresh
 
 
-def _counts(tokens: list[int], start: int, first: int, n: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+def _counts(tokens: list[int], start: int, first: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The tokens any row's history holds (ascending), and for each row i < n and each of them: its occurrences in
     the output before the row (tokens[start : first + i]), float32, and whether the prompt or output before the
     row holds it, bool; [n, len(tokens held)] each."""
@@ -269,20 +269,12 @@ def _counts(tokens: list[int], start: int, first: int, n: int) -> tuple[np.ndarr
     where = np.searchsorted(cand, history)  # each history token's index in cand
     counts = np.stack([np.bincount(where[start : first + i], minlength=len(cand)) for i in range(n)])
     seen = np.stack([np.bincount(where[: first + i], minlength=len(cand)) for i in range(n)]) > 0
-    return cand, torch.from_numpy(counts.astype(np.float32)), torch.from_numpy(seen)
-
-
-def _copy(logits: torch.Tensor) -> torch.Tensor:
-    """A float32 copy of the logits to edit; on the CPU by numpy (one thread), elsewhere where they are."""
-    if logits.device.type == "cpu":
-        return torch.from_numpy((logits if logits.dtype == torch.float32 else logits.float()).numpy().copy())
-    return logits.float().clone()
+    return cand, counts.astype(np.float32), seen
 
 
 def unpack(bitmask: np.ndarray, vocab: int) -> np.ndarray:
     """llguidance's int32 bitmask ([n, words], bit j of word w is token 32 w + j) as [n, vocab] bool."""
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")
-    return bits[:, :vocab].astype(bool)
+    return np.unpackbits(bitmask.view(np.uint8), axis=-1, count=vocab, bitorder="little").view(bool)
 
 
 class RuleBook:

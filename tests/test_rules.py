@@ -54,7 +54,7 @@ def test_bias_penalties_and_min_tokens_follow_their_formulas_row_by_row():
         blocked=(1, 2),
     )
     first = len(tokens) - 3  # the last 3 tokens are a Verify's drafts: row i counts the i drafts before it
-    out, allowed = rules.RuleState(r).apply(logits, tokens, first, VOCAB)
+    out, allowed = rules.RuleState(r).apply(logits.clone(), tokens, first, VOCAB)  # edits its input
     assert allowed is None
     torch.testing.assert_close(out, naive(logits, tokens, first, r), rtol=0, atol=1e-5)
     assert (
@@ -70,8 +70,8 @@ def test_a_draft_that_scores_some_tokens_gets_the_full_rows_columns():
     )
     full = torch.randn(1, VOCAB, generator=g)
     ids = torch.tensor([0, 2, 4, 9, 17, 30, 39])
-    out_full, _ = rules.RuleState(r).apply(full, tokens, len(tokens), VOCAB)
-    out_cols, _ = rules.RuleState(r).apply(full[:, ids], tokens, len(tokens), VOCAB, ids)
+    out_full, _ = rules.RuleState(r).apply(full.clone(), tokens, len(tokens), VOCAB)
+    out_cols, _ = rules.RuleState(r).apply(full[:, ids].clone(), tokens, len(tokens), VOCAB, ids)
     torch.testing.assert_close(out_cols, out_full[:, ids])
 
 
@@ -185,7 +185,9 @@ def test_a_restricted_draft_gets_the_full_rows_columns_under_a_grammar(book, tok
     msg.min_tokens_blocked.append(tokenizer.eos_token_id)
     full_logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3))
     ids = torch.unique(torch.cat([torch.randperm(vocab)[:5000], torch.tensor(history)]))
-    full, allowed = rules.RuleState(book.check(msg), book.tokenizer).apply(full_logits, history, len(history), vocab)
+    full, allowed = rules.RuleState(book.check(msg), book.tokenizer).apply(
+        full_logits.clone(), history, len(history), vocab
+    )
     cols, allowed_cols = rules.RuleState(book.check(msg), book.tokenizer).apply(
         full_logits[:, ids], history, len(history), vocab, ids
     )
