@@ -160,11 +160,21 @@ class RuleState:
             host[rows, cols] = fn(host[rows, cols])
         allowed = None
         if self.matcher is not None:
-            allowed = self.allowed(tokens, first, n, vocab)  # [n, vocab] bool
-            if ids is not None:
-                allowed = allowed[:, ids.cpu().numpy()]
+            packed = self._packed(tokens, first, n, vocab)  # [n, words] int32
+            if ids is None:
+                allowed = unpack(packed, vocab)  # [n, vocab] bool
+            else:  # only the draft's columns: a quarter of the row for the embedded draft
+                where = self._id_array(ids)
+                allowed = ((packed[:, where >> 5] >> (where & 31)) & 1).astype(bool)
             np.putmask(host, ~allowed, -np.inf)
         return out, allowed
+
+    def _id_array(self, ids: torch.Tensor) -> np.ndarray:
+        """A draft's scored ids as an int64 array, kept with its column map."""
+        self._column_map(ids)
+        if len(self._columns) < 3:
+            self._columns = (*self._columns, ids.cpu().numpy().astype(np.int64))
+        return self._columns[2]
 
     def _column_map(self, ids: torch.Tensor | None):
         """token id -> its column in the logits (None where a draft does not score it); a draft's is kept."""
@@ -205,9 +215,13 @@ class RuleState:
     def allowed(self, tokens: list[int], first: int, n: int, vocab: int) -> np.ndarray:
         """[n, vocab] bool: what the grammar allows at each row. FAILED_PRECONDITION when the committed tokens
         break the grammar (they were not generated under it)."""
+        return unpack(self._packed(tokens, first, n, vocab), vocab)
+
+    def _packed(self, tokens: list[int], first: int, n: int, vocab: int) -> np.ndarray:
+        """``allowed`` as llguidance's bitmask, [n, ceil(vocab / 32)] int32 (a buffer the next call reuses)."""
         output = tokens[self.rules.output_start : first]
         if self.eos_ids.intersection(output):  # a draft's own steps past the grammar's end: nothing more
-            return np.zeros((n, vocab), dtype=bool)
+            return np.zeros((n, (vocab + 31) // 32), dtype=np.int32)
         self._sync(output)
         drafts = tokens[first : first + n - 1]
         walker = self.matcher.deep_copy() if drafts else self.matcher  # filling a mask leaves a matcher as it was
@@ -220,7 +234,7 @@ class RuleState:
             walker.unsafe_compute_mask_ptr(bitmask[i].ctypes.data, bitmask.shape[1] * 4)
             if i < min(valid, n - 1):
                 walker.consume_token(drafts[i])
-        return unpack(bitmask[:n], vocab)
+        return bitmask[:n]
 
     def _bitmask(self, n: int, vocab: int) -> np.ndarray:
         if self._mask_buffer is None or self._mask_buffer.shape[0] < n:
