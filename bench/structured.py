@@ -11,7 +11,9 @@ over reps:
     whitespace characters outside strings (the compact form allows none);
   - alpha = accepted / (accepted + rounds ending in a rejection) at --k, with the grammar and without;
   - the rules' seconds on both model servers (specdec_rules_seconds_total) per generated token, against the
-    target's mean one-token step (specdec_forward_seconds{tokens="1"}) in the same run.
+    target's mean one-token step (specdec_forward_seconds{tokens="1"}) in the same run;
+  - same_text: the draft's greedy agreement with the grammar's greedy answers, teacher-forced, with its row masked
+    and unmasked (alpha on the same text: the arms without a grammar answer with other text).
 """
 
 from __future__ import annotations
@@ -109,11 +111,11 @@ def sender(address: str, k: int, tokens: int, temperature: float, top_p: float, 
         req.messages.add(role="user", content=prompt)
         if grammar:
             req.grammar.CopyFrom(ms_pb.Grammar(json_schema=json.dumps(SCHEMAS[name])))
-        text, ids, stats = "", 0, None
+        text, ids, stats = "", [], None
         for msg in stub.Generate(req, timeout=900):
-            text, ids = text + msg.text, ids + len(msg.token_ids)
+            text, ids = text + msg.text, ids + list(msg.token_ids)
             stats = msg.stats if msg.HasField("stats") else stats
-        return {"name": name, "text": text, "tokens": ids, "stats": stats}
+        return {"name": name, "prompt": prompt, "text": text, "ids": ids, "tokens": len(ids), "stats": stats}
 
     return send
 
@@ -144,12 +146,49 @@ def arm(address: str, urls: dict, jobs, tokens: int, k: int, mode: str, grammar:
     accepted = sum(r["stats"].accepted_tokens for r in results)
     rejected = sum(r["stats"].rejected_rounds for r in results)
     return {
+        "answers": results if grammar and k and mode == "greedy" else None,
         **(judge(results) if grammar else {}),
         "alpha": leviathan_alpha(accepted, rejected) if k else None,
         "tokens_per_s": generated / wall,
         "rules_us_per_token": 1e6 * rules_s / generated,
         "target_step_ms": 1e3 * mean_step_s(d, "target"),
     }
+
+
+def same_text_agreement(draft: str, target: str, answers: list[dict]) -> dict:
+    """The draft's greedy agreement with the target's answers under their grammars, teacher-forced in one pass each:
+    with the draft's row masked by the grammar (as served) and unmasked. Greedy alpha on the same text, so the mask's
+    own effect apart from what the answers say: unconstrained answers are other text (code fences, indentation)."""
+    import torch
+
+    from specdec import rules
+    from specdec.runners.vocab import output_token_ids
+
+    tokenizer, model = models.load_tokenizer(target), models.load_model(draft)
+    scored = output_token_ids(model)
+    book = rules.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    hits = {"masked": 0, "unmasked": 0}
+    total = 0
+    for a in answers:
+        chat = [{"role": "user", "content": a["prompt"]}]
+        prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
+        answer = a["ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1].float()  # [n, vocab]
+        if scored is not None:  # the draft's restricted vocabulary, as its server scores it
+            outside = torch.ones(logits.shape[1], dtype=torch.bool)
+            outside[scored] = False
+            logits[:, outside] = float("-inf")
+        msg = ms_pb.OutputRules(
+            output_start=len(prompt), grammar=ms_pb.Grammar(json_schema=json.dumps(SCHEMAS[a["name"]]))
+        )
+        state = rules.RuleState(book.check(msg), book.tokenizer, book.eos_ids)
+        allowed = torch.from_numpy(state.allowed(prompt + answer, len(prompt), len(answer), len(tokenizer)).copy())
+        want = torch.tensor(answer)
+        hits["unmasked"] += int((logits.argmax(-1) == want).sum())
+        hits["masked"] += int((logits.masked_fill(~allowed, float("-inf")).argmax(-1) == want).sum())
+        total += len(answer)
+    return {key: v / total for key, v in hits.items()} | {"tokens": total}
 
 
 def one_run(address: str, urls: dict, jobs, tokens: int, k: int) -> dict:
@@ -203,11 +242,17 @@ def main(argv: list[str] | None = None) -> dict:
         runs = []
         for rep in range(args.reps):
             runs.append(one_run(address, urls, jobs, args.tokens, args.k))
+            answers = runs[-1]["greedy"]["grammar_k"].pop("answers")
+            for mode in MODES:
+                for arm in runs[-1][mode].values():
+                    if isinstance(arm, dict):
+                        arm.pop("answers", None)
             print(f"rep {rep}: {json.dumps(runs[-1])}", flush=True)
     finally:
         stop_services(procs)
+    agreement = same_text_agreement(args.draft, args.target, answers)
     report = {"machine": machine(), "forwards": forwards, "schemas": len(SCHEMAS), "requests": len(jobs)}
-    report.update(tokens=args.tokens, k=args.k, reps=args.reps, results=summarize(runs))
+    report.update(tokens=args.tokens, k=args.k, reps=args.reps, results=summarize(runs), same_text=agreement)
     (out / "structured.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
     return report
