@@ -250,3 +250,38 @@ def test_echo_through_the_openai_client_puts_the_prompt_and_its_logprobs_first(s
         )
     )
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == PROMPT + completion
+
+
+def test_each_choice_has_its_own_tool_calls_and_logprobs_streamed_or_not(stack):
+    """A required call with prompt lookup on (each choice cuts its proposals by its own grammar state): every choice
+    is a call valid against the schema, read on its own; each choice's logprobs are its own tokens'."""
+    import json
+
+    from test_openai_tools import TOOLS, check_calls
+
+    c = client(stack)
+    ask = dict(
+        model=c.models.list().data[0].id,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        n=2,
+        temperature=1,
+        seed=3,
+        max_tokens=300,
+        extra_body={"prompt_lookup_min": 1},
+    )
+    whole = c.chat.completions.create(tools=TOOLS, tool_choice="required", **ask)
+    assert [ch.index for ch in whole.choices] == [0, 1]
+    for ch in whole.choices:
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        check_calls(ch.message.tool_calls)
+    deltas, finishes = {0: [], 1: []}, {0: [], 1: []}
+    for chunk in c.chat.completions.create(tools=TOOLS, tool_choice="required", stream=True, **ask):
+        for ch in chunk.choices:
+            deltas[ch.index] += ch.delta.tool_calls or []
+            finishes[ch.index] += [ch.finish_reason] if ch.finish_reason else []
+    for i in (0, 1):
+        assert finishes[i] == ["tool_calls"] and deltas[i] and all(json.loads(d.function.arguments) for d in deltas[i])
+    scored = c.chat.completions.create(logprobs=True, top_logprobs=2, **{**ask, "max_tokens": 12})
+    assert scored.choices[0].message.content != scored.choices[1].message.content
+    for ch in scored.choices:
+        assert b"".join(bytes(t.bytes) for t in ch.logprobs.content).decode() == ch.message.content
