@@ -176,7 +176,8 @@ class Generation:
                 return_features=self.head is not None,
                 logprobs=self.spec.logprobs is not None,
                 top_logprobs=lp.verify_top(self.spec.logprobs),
-                prompt_logprobs=self.spec.prompt_logprobs and self.prompt_logprobs is None,
+                # from a session fed from its start only: a Verify that feeds the prompt again scores it all
+                prompt_logprobs=self.spec.prompt_logprobs and self.prompt_logprobs is None and not target.mirror,
                 rules=self.spec.rules,
             )
             cut[0] = self.head is not None and self.head.bound_verify(req)
