@@ -12,7 +12,9 @@ it fits again; its tokens do not change. Growths go before the line, and the old
 newest, so the oldest always makes progress. Requests that do not fit wait in line, first come first served,
 as they would on vLLM or TGI; only a request past the line's length, or one larger than the whole pool, is
 refused at once. Waiting counts against the client's deadline, and a client that leaves while waiting leaves
-the line.
+the line. A request for n choices (n generations) enters as one: its n slots and first reservations are taken
+together or not at all (``enter_all``), so that two such requests can never each hold part of what the other
+waits for.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Admission:
         self.queue = queue
         self.reserved = 0
         self.running: list[Hold] = []
-        self._line: deque[tuple[Hold, asyncio.Future]] = deque()
+        self._line: deque[tuple[list[Hold], asyncio.Future]] = deque()  # each entry: one request's generations
         self._growers: list[asyncio.Future] = []  # growths waiting for KV; woken when some is given back
         self._arrivals = itertools.count()
 
@@ -56,28 +58,44 @@ class Admission:
     def waiting(self) -> int:
         return len(self._line)
 
-    def _fits(self, tokens: int) -> bool:
-        return not self._growers and len(self.running) < self.slots and self.reserved + tokens <= self.tokens
+    def _fits(self, holds: list[Hold]) -> bool:
+        return (
+            not self._growers
+            and len(self.running) + len(holds) <= self.slots
+            and self.reserved + sum(h.tokens for h in holds) <= self.tokens
+        )
 
-    def _take(self, hold: Hold) -> None:
-        self.running.append(hold)
-        self.reserved += hold.tokens
+    def _take(self, holds: list[Hold]) -> None:
+        self.running.extend(holds)
+        self.reserved += sum(h.tokens for h in holds)
 
     async def enter(self, tokens: int) -> Hold:
         """Take a slot and `tokens` of KV, waiting in line for them; RESOURCE_EXHAUSTED when the line is full
         or the request is larger than the pools."""
-        self.check(tokens)
-        hold = Hold(tokens, next(self._arrivals))
-        if not self._line and self._fits(tokens):
-            self._take(hold)
-            return hold
+        return (await self.enter_all([tokens]))[0]
+
+    async def enter_all(self, tokens: list[int]) -> list[Hold]:
+        """Take len(tokens) slots and tokens[i] of KV for the i-th, all at once (never a part of them), waiting in
+        line for them; RESOURCE_EXHAUSTED when the line is full or they could never fit together. The holds are
+        ordered as tokens, the first the oldest."""
+        self.check(sum(tokens))
+        if len(tokens) > self.slots:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request needs {len(tokens)} generations at once, more than the {self.slots} the model "
+                "servers run at once (--max-sessions, --max-concurrent-requests); lower n",
+            )
+        holds = [Hold(t, next(self._arrivals)) for t in tokens]
+        if not self._line and self._fits(holds):
+            self._take(holds)
+            return holds
         if len(self._line) >= self.queue:
             raise ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{len(self.running)} generations are running and {len(self._line)} requests are waiting, "
                 "as many as this orchestrator queues (--max-queued-requests); retry later",
             )
-        return await self._wait(hold, first=False)
+        return await self._wait(holds, first=False)
 
     async def come_back(self, hold: Hold, tokens: int) -> Hold:
         """A preempted generation, its sessions freed, gives back what it holds and waits at the head of the
@@ -85,7 +103,7 @@ class Admission:
         self.check(tokens)
         self.running.remove(hold)
         self.reserved -= hold.tokens
-        return await self._wait(Hold(tokens, hold.order), first=True)
+        return (await self._wait([Hold(tokens, hold.order)], first=True))[0]
 
     def check(self, tokens: int) -> None:
         """RESOURCE_EXHAUSTED when `tokens` could never fit in the pools."""
@@ -96,8 +114,8 @@ class Admission:
                 "model servers' pools hold (--max-tokens); lower max_tokens or shorten the prompt",
             )
 
-    async def _wait(self, hold: Hold, first: bool) -> Hold:
-        entry = (hold, asyncio.get_running_loop().create_future())
+    async def _wait(self, holds: list[Hold], first: bool) -> list[Hold]:
+        entry = (holds, asyncio.get_running_loop().create_future())
         if first:
             self._line.appendleft(entry)
             self._wake()  # what it gave back goes to the growths waiting, then to the line's head: itself
@@ -107,12 +125,13 @@ class Admission:
             await entry[1]
         except BaseException:  # the client left, or its deadline passed
             if entry[1].done() and not entry[1].cancelled():
-                self.leave(hold)  # admitted just as it left: hand the place on
+                for hold in holds:
+                    self.leave(hold)  # admitted just as it left: hand the places on
             elif entry in self._line:
                 self._line.remove(entry)
                 self._admit()  # the head of the line may have changed
             raise
-        return hold
+        return holds
 
     async def grow(self, hold: Hold, tokens: int) -> bool:
         """Raise hold to `tokens` (at most the pool), waiting for older generations' room if need be; False when
@@ -168,10 +187,10 @@ class Admission:
         self._admit()
 
     def _admit(self) -> None:
-        while self._line and self._fits(self._line[0][0].tokens):
-            hold, future = self._line.popleft()
+        while self._line and self._fits(self._line[0][0]):
+            holds, future = self._line.popleft()
             if not future.done():  # a waiter cancelled but not yet run its except clause holds nothing
-                self._take(hold)
+                self._take(holds)
                 future.set_result(None)
 
 
@@ -193,6 +212,13 @@ class KvShare:
 
     async def enter(self) -> None:
         self.hold = await self.admission.enter(self.first)
+
+    @staticmethod
+    async def enter_all(shares: list[KvShare]) -> None:
+        """Admit the shares of one request's generations together (Admission.enter_all): all or none."""
+        holds = await shares[0].admission.enter_all([s.first for s in shares])
+        for share, hold in zip(shares, holds):
+            share.hold = hold
 
     async def grow(self, tokens: int) -> bool:
         """Hold at least `tokens`; False when this generation must give its KV up first (``come_back``)."""

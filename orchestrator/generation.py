@@ -62,6 +62,7 @@ class Generation:
         self.history = list(spec.prompt_ids)
         self.stats = gen_pb.GenerationStats(prompt_tokens=len(spec.prompt_ids), seed=spec.sampling.seed)
         self._round_tokens = 0  # tokens the rounds produced, before stop conditions cut any
+        self.prompt_logprobs: list[gen_pb.TokenLogprobs] | None = None  # spec.prompt_logprobs': from the first Verify
         self._params = ms_pb.SamplingParams(
             temperature=spec.sampling.temperature,
             top_p=spec.sampling.top_p,
@@ -175,6 +176,8 @@ class Generation:
                 return_features=self.head is not None,
                 logprobs=self.spec.logprobs is not None,
                 top_logprobs=lp.verify_top(self.spec.logprobs),
+                # from a session fed from its start only: a Verify that feeds the prompt again scores it all
+                prompt_logprobs=self.spec.prompt_logprobs and self.prompt_logprobs is None and not target.mirror,
                 rules=self.spec.rules,
             )
             cut[0] = self.head is not None and self.head.bound_verify(req)
@@ -185,6 +188,8 @@ class Generation:
             if self.head:
                 self.head.absorb(resp)
             trace.add_call(req, resp, wall, "verify_s")
+            if req.prompt_logprobs and self.prompt_logprobs is None:
+                self.prompt_logprobs = lp.of_prompt(req, resp, self.spec.prompt_ids, self.spec.logprobs)
             if not cut[0]:
                 break
             target.mirror = history[: resp.length]  # a piece of the history: the Verify goes on from there

@@ -74,3 +74,18 @@ def round_logprobs(
             )
         )
     return out
+
+
+def of_prompt(
+    req: target_pb2.VerifyRequest, verdict: target_pb2.VerifyResponse, prompt: list[int], top: int
+) -> list[gen_pb.TokenLogprobs] | None:
+    """The entries of the prompt's tokens but the first (GenerateResponse.prompt_logprobs), from a Verify that set
+    prompt_logprobs and fed the prompt from its start; None where it fed less (it went in pieces)."""
+    if req.cursor.keep_length or len(verdict.prompt_token_logprobs) < len(prompt) - 1:
+        return None
+    return [
+        gen_pb.TokenLogprobs(
+            token_id=t, logprob=value, top_token_ids=row.token_ids[:top], top_logprobs=row.logprobs[:top]
+        )
+        for t, value, row in zip(prompt[1:], verdict.prompt_token_logprobs, verdict.prompt_top_logprobs)
+    ]

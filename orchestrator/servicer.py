@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import math
@@ -13,7 +14,7 @@ import uuid
 
 import grpc
 
-from orchestrator import tools as tooling
+from orchestrator import choices, tools as tooling
 from orchestrator.admission import Admission, KvShare
 from orchestrator.generation import Generation
 from orchestrator.metrics import OrchestratorMetrics
@@ -98,6 +99,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise invalid(f"stop_token_ids takes at most {cfg.max_stop_strings} token ids below {vocab}")
         if req.top_logprobs > MAX_TOP_LOGPROBS or (req.top_logprobs and not req.logprobs):
             raise invalid(f"top_logprobs takes 0 to {MAX_TOP_LOGPROBS} alternatives, and needs logprobs")
+        if req.n > cfg.max_choices:
+            raise invalid(f"n takes 1 to {cfg.max_choices} choices (--max-choices), got {req.n}")
         ids = self._tokenize(req)
         if not ids:
             raise invalid("the prompt encodes to no tokens")
@@ -119,7 +122,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             logprobs=req.top_logprobs if req.logprobs else None,
             rules=rules,
             grammar=self.rules.grammar(rules) if lookup_min else None,
+            prompt_logprobs=req.echo and req.logprobs,
         )
+
+    def choice_specs(self, spec: GenerationSpec, n: int) -> list[GenerationSpec]:
+        """The spec of each of a request's n choices (orchestrator/choices.py): choice i seeded from (seed, i), with
+        its own grammar state; only choice 0 asks the target for the prompt's logprobs, which all of them echo."""
+        return [spec] + [
+            dataclasses.replace(
+                spec,
+                sampling=dataclasses.replace(spec.sampling, seed=choices.choice_seed(spec.sampling.seed, i)),
+                grammar=self.rules.grammar(spec.rules) if spec.grammar is not None else None,
+                prompt_logprobs=False,
+            )
+            for i in range(1, n)
+        ]
 
     def _sampling_fields(self, req: gen_pb.GenerateRequest) -> tuple[float, float, int]:
         """temperature, top_p and top_k, the request's or the defaults; raises INVALID_ARGUMENT."""
@@ -217,31 +234,36 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 await context.abort(e.code, e.message)
 
     async def stream(self, request: gen_pb.GenerateRequest):
-        """One request's generation as the messages its client gets, the last with stats; the gRPC handler and
-        the OpenAI-compatible endpoint (orchestrator/openai_compat/) both serve it. Raises ServiceError with the
-        status the client should see (INTERNAL for a defect, whose traceback goes to the log). Every request is
-        counted once, finished or errored; its sessions are freed on both servers however it ends."""
+        """One request's generation as the messages its client gets, each choice's last with its stats; the gRPC
+        handler and the OpenAI-compatible endpoint (orchestrator/openai_compat/) both serve it. Raises ServiceError
+        with the status the client should see (INTERNAL for a defect, whose traceback goes to the log). Every request
+        is counted once, finished (with choice 0's finish reason) or errored; its sessions are freed on both servers
+        however it ends."""
         arrived = time.perf_counter()
         m = self.metrics
-        spec, gen = await self._admit(request)
+        spec, gens = await self._admit(request)
         m.active.inc()
         m.prompt_tokens.inc(len(spec.prompt_ids))
-        last = None
-        finished = False  # counted in specdec_requests_total
+        last: list[float | None] = [None] * len(gens)
+        finished = [False] * len(gens)
         try:
-            async for msg in gen.run():
-                now = time.perf_counter()
-                if last is None:
+            async for i, msg in choices.interleave(gens, self._release):
+                gen, now = gens[i], time.perf_counter()
+                if last[i] is None:
                     gen.stats.time_to_first_token_seconds = now - arrived
                     m.ttft.observe(now - arrived)
+                    if request.echo:
+                        msg.prompt_token_ids.extend(spec.prompt_ids)
+                        msg.prompt_logprobs.extend(gens[0].prompt_logprobs or ())
                 else:
-                    m.inter_token.observe(now - last)
-                last = now
+                    m.inter_token.observe(now - last[i])
+                last[i], msg.index = now, i
                 if msg.HasField("stats"):
                     msg.stats.time_to_first_token_seconds = gen.stats.time_to_first_token_seconds
                     msg.stats.total_seconds = now - arrived
-                    m.requests.labels(gen_pb.FinishReason.Name(msg.stats.finish_reason)).inc()
-                    finished = True
+                    finished[i] = True
+                    if all(finished):
+                        m.requests.labels(gen_pb.FinishReason.Name(gens[0].stats.finish_reason)).inc()
                     m.request_acceptance.observe(msg.stats.acceptance_rate)
                 yield msg
         except ServiceError as e:
@@ -256,16 +278,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away: its handler is cancelled at an await, or this generator closed at a yield
             # (GeneratorExit) when the client cancels while a message is on its way.
-            if not finished:
+            if not all(finished):
                 m.request_errors.labels("CANCELLED").inc()
             raise
         finally:
             m.active.dec()
-            self._release(gen)
 
-    async def _admit(self, request: gen_pb.GenerateRequest) -> tuple[GenerationSpec, Generation]:
-        """The request checked and its generation set up, once admission gave it a slot and its first KV tokens
-        (given back by ``_release``); a request refused or cancelled while in line is counted as an error."""
+    async def _admit(self, request: gen_pb.GenerateRequest) -> tuple[GenerationSpec, list[Generation]]:
+        """The request checked and its choices' generations set up, once admission gave them their slots and first
+        KV tokens, all at once (given back by ``_release``); a request refused or cancelled while in line is
+        counted as an error."""
         m = self.metrics
         try:
             tooling.enforce(request, self.tool_format)  # a required tool call becomes the request's grammar
@@ -274,28 +296,30 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             cap = min(prompt + spec.max_tokens + spec.k, self.max_model_len)
             if request.HasField("max_tokens"):  # asked for more than the pools could ever hold: refused now
                 self.admission.check(cap)
-            kv = KvShare(self.admission, prompt, cap, spec.k, self.cfg.kv_reserve_tokens)
-            gen = Generation(
-                spec,
-                uuid.uuid4().hex,
-                self.draft,
-                self.target,
-                self.tokenizer,
-                self.eos_ids,
-                self.max_model_len,
-                m,
-                self.cfg,
-                self.speculation,
-                kv,
-            )
-            await kv.enter()  # given back once the generation's sessions are freed
+            gens = [
+                Generation(
+                    s,
+                    uuid.uuid4().hex,
+                    self.draft,
+                    self.target,
+                    self.tokenizer,
+                    self.eos_ids,
+                    self.max_model_len,
+                    m,
+                    self.cfg,
+                    self.speculation,
+                    KvShare(self.admission, prompt, cap, spec.k, self.cfg.kv_reserve_tokens),
+                )
+                for s in self.choice_specs(spec, max(request.n, 1))
+            ]
+            await KvShare.enter_all([g.kv for g in gens])  # given back once each generation's sessions are freed
         except ServiceError as e:
             m.request_errors.labels(e.code.name).inc()
             raise
         except asyncio.CancelledError:  # the client left, or its deadline passed, while it waited in line
             m.request_errors.labels("CANCELLED").inc()
             raise
-        return spec, gen
+        return spec, gens
 
     def _release(self, gen: Generation) -> None:
         """Free the generation's sessions on both servers in the background, then give its KV tokens back."""

@@ -25,5 +25,6 @@ class GenerationSpec:
     logprobs: int | None = None  # set: the target's log-prob of each token and this many top alternatives
     rules: ms_pb.OutputRules | None = None  # sent on every model call (specdec/rules.py); None: no rules
     grammar: Any = None  # a specdec.rules.RuleState of the rules' grammar, which cuts prompt-lookup proposals
+    prompt_logprobs: bool = False  # ask the target for the prompt's logprobs (an echo's) in the first round
     adaptive_start: int | None = None  # set: each round chooses K in 0..k (orchestrator.speculation), this one
     # until the process has measured a drafted round; None: every round drafts k

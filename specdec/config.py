@@ -294,6 +294,11 @@ class OrchestratorConfig:
         "KV tokens of output a generation reserves at admission, and adds each time it runs out; when a "
         "growth does not fit, the newest generation gives its KV up and is rebuilt from its history later",
     )
+    max_choices: int = _option(
+        8,
+        "most choices (n) one request may ask for: each runs as its own generation, with a slot and KV sessions "
+        "of its own, all admitted at once",
+    )
     max_queued_requests: int = _option(
         256, "requests that may wait for a free slot; past them a request gets RESOURCE_EXHAUSTED at once"
     )
@@ -332,6 +337,8 @@ class OrchestratorConfig:
             raise ConfigError("--max-concurrent-requests and --max-queued-requests must be >= 0")
         if self.kv_reserve_tokens < 1:
             raise ConfigError("--kv-reserve-tokens must be >= 1")
+        if self.max_choices < 1:
+            raise ConfigError("--max-choices must be >= 1")
 
 
 def _one_of(values) -> str:

@@ -65,6 +65,8 @@ def check(req: target_pb2.VerifyRequest) -> None:
         raise invalid(f"top_logprobs must be within [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
     if req.top_logprobs and not req.logprobs:
         raise invalid("top_logprobs needs logprobs")
+    if req.prompt_logprobs and not req.logprobs:
+        raise invalid("prompt_logprobs needs logprobs")
 
 
 def fill(resp: target_pb2.VerifyResponse, logits: torch.Tensor, drafts: list[int], top: int, start: int) -> LogprobRows:
@@ -75,6 +77,15 @@ def fill(resp: target_pb2.VerifyResponse, logits: torch.Tensor, drafts: list[int
     for ids, values in top_tokens(rows, top):
         resp.top_logprobs.add(token_ids=ids, logprobs=values)
     return LogprobRows(start, rows)
+
+
+def fill_prompt(resp: target_pb2.VerifyResponse, logits: torch.Tensor, tokens: list[int], top: int) -> None:
+    """Set a Verify's prompt_token_logprobs and prompt_top_logprobs (VerifyRequest.prompt_logprobs).
+    logits: [len(tokens), vocab], row i scoring tokens[i]."""
+    rows = raw_logprobs(logits)  # [len(tokens), vocab]
+    resp.prompt_token_logprobs.extend(at(rows, tokens))
+    for ids, values in top_tokens(rows, top):
+        resp.prompt_top_logprobs.add(token_ids=ids, logprobs=values)
 
 
 def fill_bonus(resp: target_pb2.VerifyResponse, kept: LogprobRows | None) -> None:

@@ -65,12 +65,16 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         wanted = req.rules if req.HasField("rules") else None
         core.rules.check(wanted)  # INVALID_ARGUMENT before the session moves
         stats = CallStats(core.engine)
+        scored = len(unseen) + len(drafts) if req.prompt_logprobs else len(drafts) + 1  # rows whose logits it needs
         with core.session(req.cursor, len(unseen) + len(drafts), req.return_features) as s:
             start = len(s.tokens)  # the cursor's keep_length
-            logits = await core.forward(s, unseen + drafts, len(drafts) + 1, stats)  # [K+1, vocab]
+            logits = await core.forward(s, unseen + drafts, scored, stats)  # [scored, vocab]
             rules = core.rules.state_for(s, wanted)
         resp = target_pb2.VerifyResponse(length=len(s.tokens))
         stats.fill(resp)
+        if req.prompt_logprobs:  # the rows before the last unseen token score the unseen tokens after the first
+            logprobs.fill_prompt(resp, logits[: len(unseen) - 1], unseen[1:], req.top_logprobs)
+            logits = logits[len(unseen) - 1 :]  # [K+1, vocab]
         s.logprobs = (
             logprobs.fill(resp, logits, drafts, req.top_logprobs, len(s.tokens) - len(drafts)) if req.logprobs else None
         )

@@ -214,3 +214,39 @@ def test_a_generation_waiting_to_grow_gives_way_when_an_older_one_needs_the_room
         assert (await back).tokens == 60
 
     run(main())
+
+
+def test_a_request_for_several_generations_takes_its_slots_all_at_once_or_waits_holding_none():
+    """Two requests of n = 2 against 3 slots: the second must not take the one slot left and wait for another
+    (with a third such request it could hold a part of what the others wait for: a deadlock)."""
+
+    async def main():
+        a = Admission(slots=3, tokens=1000, queue=8)
+        first = await a.enter_all([10, 10])
+        assert len(a.running) == 2 and a.reserved == 20 and first[0].order < first[1].order
+        second = asyncio.ensure_future(a.enter_all([10, 10]))
+        await _settle()
+        assert not second.done() and len(a.running) == 2 and a.reserved == 20  # not one slot of the three
+        single = asyncio.ensure_future(a.enter(10))  # arrived after it: no overtaking into the free slot
+        await _settle()
+        assert not single.done() and a.waiting == 2
+        a.leave(first[0])
+        await _settle()
+        assert second.done() and not single.done() and len(a.running) == 3
+        a.leave(first[1])
+        await single
+        assert len(a.running) == 3 and a.reserved == 30
+
+    run(main())
+
+
+def test_a_request_for_more_generations_than_slots_or_kv_is_refused_at_once():
+    async def main():
+        a = Admission(slots=2, tokens=100, queue=8)
+        for tokens in ([10, 10, 10], [60, 60]):
+            with pytest.raises(ServiceError) as e:
+                await a.enter_all(tokens)
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert a.running == [] and a.waiting == 0
+
+    run(main())

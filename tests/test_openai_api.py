@@ -99,10 +99,10 @@ def test_a_text_completion_is_the_grpc_generations_text(api):
 @pytest.mark.parametrize(
     "fields, error, words, code",
     [
-        (dict(n=2), openai.BadRequestError, "n (other than 1) is not supported", "unsupported"),
+        (dict(n=0), openai.BadRequestError, "n must be within [1,", None),
         (dict(temperature=-1), openai.BadRequestError, "temperature", "invalid_argument"),
         (dict(max_tokens=10**6), openai.BadRequestError, "context length", "out_of_range"),
-        (dict(logprobs=True, n=2), openai.BadRequestError, "n (other than 1) is not supported", "unsupported"),
+        (dict(n=9), openai.BadRequestError, "n takes 1 to 8 choices (--max-choices), got 9", "invalid_argument"),
         (dict(max_tokens=-1), openai.BadRequestError, "max_tokens must be within", None),
         (dict(seed=2**64), openai.BadRequestError, "seed must be within", None),
         (dict(stream_options=[1]), openai.BadRequestError, "stream_options must be an object", None),

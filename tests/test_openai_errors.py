@@ -22,13 +22,13 @@ BAD = {  # field -> values that are wrong for it whatever else the body says
     "top_p": ["x", 0, -1, 1.5, 2, True, [1]],
     "top_k": ["x", -2, 2**40, 0.5, True, {}],
     "seed": [-1, 2**64, 2**70, 10**100, "1", 1.5, True, []],
-    "n": [2, 0, -1, "1", 1.5, [1], True],
+    "n": [2**32, 10**6, 0, -1, "1", 1.5, [1], True],  # past --max-choices (8) too
     "stop": [5, [5], [None], {"a": 1}, [["x"]], True, [""]],
     "stream": ["yes", 1, 0, [], {}],
     "stream_options": [1, "x", [], True, {"include_usage": "x"}, {"bogus": True}],
     "logprobs": ["x", -1, 6, [], {"a": 1}],  # chat takes true or false, completions 0 to 5
     "top_logprobs": [21, "x", -1, 2.5],
-    "echo": [True, "x", 1],
+    "echo": ["x", 1, []],
     "response_format": [{"type": "xml"}, "text", [], {"type": "json_schema", "json_schema": {}}],
     "tools": [[{"type": "function", "function": {"name": ""}}], [{"type": "custom"}], "x", 5],
     "tool_choice": ["auto", "required", {"type": "function"}, 5],  # without tools, "auto" is refused too

@@ -99,9 +99,9 @@ def test_token_bytes_are_the_tokens_own_even_where_a_character_is_split(tokenize
     [
         (True, dict(logprobs=True, top_logprobs=21), "top_logprobs"),
         (True, dict(top_logprobs=2), "top_logprobs"),
-        (True, dict(logprobs=True, n=2), "n"),
+        (True, dict(logprobs=True, n=0), "n"),
         (False, dict(logprobs=6), "logprobs"),
-        (False, dict(logprobs=1, n=2), "n"),
+        (False, dict(logprobs=1, n=0), "n"),
     ],
 )
 def test_logprobs_out_of_bounds_are_400_naming_the_field(api, chat, fields, param):

@@ -75,11 +75,22 @@ def chat(entries, texts: TokenTexts) -> dict:
 
 class CompletionLogprobs:
     """A completion's logprobs, built chunk by chunk: text_offset counts the characters of the tokens before,
-    across chunks. top_logprobs holds the N most likely tokens and the emitted one (so up to N + 1, as OpenAI's)."""
+    across chunks. top_logprobs holds the N most likely tokens and the emitted one (so up to N + 1, as OpenAI's).
+    With echo the prompt's tokens come first (``prompt``), the first of them with null for its logprob and
+    alternatives, as OpenAI's legacy API and vLLM answer."""
 
     def __init__(self, texts: TokenTexts):
         self.texts = texts
         self.offset = 0
+
+    def prompt(self, token_ids: list[int], entries: list[gen_pb.TokenLogprobs]) -> dict:
+        """The echoed prompt's logprobs: entries score token_ids[1:] (GenerateResponse.prompt_logprobs)."""
+        if not token_ids:
+            return self.take([])
+        text = self.texts(token_ids[0])[0]
+        head = {"tokens": [text], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [self.offset]}
+        self.offset += len(text)
+        return joined(head, self.take(entries))
 
     def take(self, entries: list[gen_pb.TokenLogprobs]) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -93,3 +104,10 @@ class CompletionLogprobs:
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out
+
+
+def joined(first: dict | None, then: dict | None) -> dict | None:
+    """Two completions' logprobs one after the other (an echoed prompt's, then the output's)."""
+    if first is None or then is None:
+        return first or then
+    return {key: first[key] + then[key] for key in first}

@@ -30,13 +30,12 @@ _INTS = {
     "num_speculative_tokens": (0, _I32),
     "prompt_lookup_min": (0, _U32),
     "min_tokens": (0, _U32),
+    "n": (1, _U32),  # past --max-choices: refused by the orchestrator
 }
 _FLOATS = ("temperature", "top_p", "draft_confidence_threshold")
 # Fields accepted at the value that changes nothing here (several spellings of nothing); others are refused.
 _NEUTRAL = {
-    "n": (1,),
     "best_of": (1,),
-    "echo": (False,),
     "suffix": ("",),
     "min_p": (0,),
     "functions": ([],),
@@ -50,7 +49,7 @@ _NEUTRAL = {
 }
 # OpenAI's metadata and routing fields: they change no output, and OpenAI takes them.
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
-_MAPPED = {"messages", "prompt", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options"}
+_MAPPED = {"messages", "prompt", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "echo"}
 _MAPPED |= {"logprobs", "top_logprobs", *_INTS, *_FLOATS, *structured.GRAMMAR_FIELDS}
 _MAPPED |= {"logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty"}
 _MAPPED |= {"tools", "tool_choice", "parallel_tool_calls"}
@@ -59,9 +58,7 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on a completion's logprobs
 _NOT_BUILT = {
     "functions": "(other than an empty list): send tools instead (functions is OpenAI's deprecated form)",
     "function_call": "(other than none): send tool_choice instead (function_call is OpenAI's deprecated form)",
-    "n": "(other than 1)",
     "best_of": "(other than 1)",
-    "echo": "(other than false)",
 }
 
 
@@ -87,7 +84,7 @@ def generate_request(body, chat: bool, vocab: int | None = None) -> gen_pb.Gener
         req.run_to_context_end = True  # OpenAI's default: no cut but the context's
     if max_tokens is not None and (ints["min_tokens"] or 0) > max_tokens:
         raise invalid(f"min_tokens ({ints['min_tokens']}) must not exceed max_tokens ({max_tokens})", "min_tokens")
-    for name in ("seed", "num_speculative_tokens", "prompt_lookup_min", "min_tokens"):
+    for name in ("seed", "num_speculative_tokens", "prompt_lookup_min", "min_tokens", "n"):
         if ints[name] is not None:
             setattr(req, name, ints[name])
     if ints["top_k"] is not None:
@@ -99,6 +96,10 @@ def generate_request(body, chat: bool, vocab: int | None = None) -> gen_pb.Gener
     req.stop.extend(_strings(body.get("stop"), "stop"))
     req.stop_token_ids.extend(_token_ids(body.get("stop_token_ids"), "stop_token_ids"))
     req.ignore_eos = flag(body, "ignore_eos")
+    if flag(body, "echo"):
+        if chat:
+            raise unsupported("echo", "(other than false) on chat completions: it is served on /v1/completions")
+        req.echo = True
     req.logprobs, req.top_logprobs = logprobs(body, chat)
     flag(body, "stream")
     stream_options(body)

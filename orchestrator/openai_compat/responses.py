@@ -40,21 +40,19 @@ def speculation_stats(stats: gen_pb.GenerationStats) -> dict:
     }
 
 
-def usage(stats: gen_pb.GenerationStats) -> dict:
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.completion_tokens,
-        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
-    }
+def usage(stats: list[gen_pb.GenerationStats]) -> dict:
+    """A request's usage: the prompt once, the tokens of every choice summed (OpenAI's, with n > 1)."""
+    prompt, completion = stats[0].prompt_tokens, sum(s.completion_tokens for s in stats)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def choice(chat: bool, text: str | None, finish: str, logprobs: dict | None = None, calls=()) -> dict:
-    """The one choice of a whole completion; a chat's tool calls (OpenAI's shape) end it with "tool_calls"."""
+def choice(chat: bool, text: str | None, finish: str, logprobs: dict | None = None, calls=(), index: int = 0) -> dict:
+    """One choice of a whole completion; a chat's tool calls (OpenAI's shape) end it with "tool_calls"."""
     message = {"role": "assistant", "content": text, **({"tool_calls": list(calls)} if calls else {})}
     out = (
-        {"index": 0, "message": message, "logprobs": logprobs}
+        {"index": index, "message": message, "logprobs": logprobs}
         if chat
-        else {"index": 0, "text": text, "logprobs": logprobs}
+        else {"index": index, "text": text, "logprobs": logprobs}
     )
     out["finish_reason"] = "tool_calls" if calls else finish
     return out
@@ -67,11 +65,12 @@ def chunk_choice(
     role: bool = False,
     logprobs: dict | None = None,
     calls: list | None = None,
+    index: int = 0,
 ) -> dict:
-    """The one choice of a stream's chunk: new text, or (delta None) none, and its tokens' logprobs, or tool calls
-    (their stream deltas); role: the chat's first chunk."""
+    """One choice of a stream's chunk: new text, or (delta None) none, and its tokens' logprobs, or tool calls
+    (their stream deltas); role: the choice's first chat chunk."""
     if not chat:
-        return {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
     content = {"tool_calls": calls} if calls else {} if delta is None else {"content": delta}
     delta_body = {"role": "assistant", **content} if role else content
-    return {"index": 0, "delta": delta_body, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "delta": delta_body, "logprobs": logprobs, "finish_reason": finish}

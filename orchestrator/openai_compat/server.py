@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import time
@@ -12,6 +11,7 @@ import uuid
 from aiohttp import web
 
 from orchestrator.openai_compat import logprobs as lp, request as fields, responses as out, tool_calls
+from orchestrator.openai_compat.answer import Answer
 from orchestrator.openai_compat.errors import ApiError, invalid
 from orchestrator.servicer import bearer_matches
 from specdec.errors import ServiceError
@@ -150,32 +150,32 @@ class OpenAIApi:
         include_usage = bool(fields.stream_options(body).get("include_usage"))
         kind = "chat.completion" if chat else "text_completion"
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        calls = self._calls(gen_request)
+        answers: dict[int, Answer] = {}
+
+        def answer(index: int) -> Answer:  # each choice's, made at its first message
+            if index not in answers:
+                answers[index] = Answer(index, chat, self.texts, gen_request, self._calls(gen_request))
+            return answers[index]
+
         messages = self.servicer.stream(gen_request)
         async with contextlib.aclosing(messages):
-            scores = self._scores(chat) if gen_request.logprobs else None
             if body.get("stream"):
-                splitter = calls and tool_calls.CallStream(*calls)
-                return await self._stream(request, messages, chat, kind, ident, include_usage, scores, splitter)
-            text, stats, scored = [], None, []
+                return await self._stream(request, messages, chat, kind, ident, include_usage, answer)
             try:
                 async for msg in messages:
-                    text.append(msg.text)
-                    scored.extend(msg.logprobs)
-                    if msg.HasField("stats"):
-                        stats = msg.stats
+                    answer(msg.index).add(msg)
             except ServiceError as e:
                 raise ApiError.of(e) from None
-        content, found = tool_calls.parse("".join(text), *calls) if calls else ("".join(text), [])
+        ordered = [answers[i] for i in sorted(answers)]  # the choices by index, as OpenAI's
         return web.json_response(
             {
                 "id": ident,
                 "object": kind,
                 "created": int(time.time()),
                 "model": self.model,
-                "choices": [out.choice(chat, content, out.finish_reason(stats), scores and scores(scored), found)],
-                "usage": out.usage(stats),
-                "specdec": out.speculation_stats(stats),
+                "choices": [a.choice() for a in ordered],
+                "usage": out.usage([a.stats for a in ordered]),
+                "specdec": out.speculation_stats(ordered[0].stats),  # choice 0's: a stream's chunks carry each's
             }
         )
 
@@ -183,13 +183,9 @@ class OpenAIApi:
         """(the model's tool format, the tools' names) where the answer is read for tool calls, else None."""
         return (self.servicer.tool_format, [t.name for t in req.tools]) if tool_calls.wanted(req) else None
 
-    def _scores(self, chat: bool):
-        """What turns a message's (or a whole completion's) GenerateResponse.logprobs into OpenAI's logprobs."""
-        return functools.partial(lp.chat, texts=self.texts) if chat else lp.CompletionLogprobs(self.texts).take
-
-    async def _stream(
-        self, request, messages, chat: bool, kind: str, ident: str, include_usage: bool, scores=None, splitter=None
-    ):
+    async def _stream(self, request, messages, chat: bool, kind: str, ident: str, include_usage: bool, answer):
+        """The choices' chunks as their messages come, each with its index; each choice's last carries its finish
+        and its speculative stats; then, with include_usage, one usage for the whole request."""
         created = int(time.time())
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         head = {"id": ident, "object": kind + ".chunk" if chat else kind, "created": created, "model": self.model}
@@ -198,47 +194,30 @@ class OpenAIApi:
             payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
             await response.write(f"data: {payload}\n\n".encode())
 
-        started = False
+        started, finished = False, []
         try:
             async for msg in messages:
                 if not started:  # headers go out with the first message: an error before it gets its own status
                     await response.prepare(request)
                     started = True
-                    if chat:
-                        await send({**head, "choices": [out.chunk_choice(chat, "", role=True)]})
-                for choice in self._chunks(chat, msg, scores, splitter):
-                    await send({**head, "choices": [choice]})
+                choice = answer(msg.index)
+                for part in choice.chunks(msg):
+                    await send({**head, "choices": [part]})
                 if msg.HasField("stats"):
-                    finish = "tool_calls" if splitter and splitter.found else out.finish_reason(msg.stats)
-                    final = out.chunk_choice(chat, finish=finish)
+                    final = choice.finish_chunk(msg.stats)
                     await send({**head, "choices": [final], "specdec": out.speculation_stats(msg.stats)})
-                    if include_usage:
-                        await send({**head, "choices": [], "usage": out.usage(msg.stats)})
+                    finished.append(msg.stats)
         except ServiceError as e:
             if not started:
                 raise ApiError.of(e) from None
             await send(ApiError.of(e).body())  # mid-stream: the error as the last event, then the stream ends
             await response.write_eof()
             return response
+        if include_usage:
+            await send({**head, "choices": [], "usage": out.usage(finished)})
         await send("[DONE]")
         await response.write_eof()
         return response
-
-    @staticmethod
-    def _chunks(chat: bool, msg, scores, splitter) -> list[dict]:
-        """The chunk choices of one message: its text and logprobs, or, through the splitter of an answer read for
-        tool calls, the content it lets go now and, at the end, what it held: more content, or the calls."""
-        text, scored = splitter.feed(msg.text, msg.logprobs) if splitter else (msg.text, msg.logprobs)
-        pieces = [(text, scored)] if text or scored else []
-        calls = []
-        if splitter and msg.HasField("stats"):
-            rest, held, calls = splitter.finish()
-            pieces += [(rest, held)] if rest or (held and not calls) else []
-        choices = [out.chunk_choice(chat, t, logprobs=scores(s) if scores else None) for t, s in pieces]
-        if calls:
-            scored = scores(held) if scores else None
-            choices.append(out.chunk_choice(chat, logprobs=scored, calls=tool_calls.deltas(calls)))
-        return choices
 
 
 async def start_http(servicer, model: str, host: str, port: int, api_key: str = "") -> web.AppRunner:

@@ -8,13 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("cursor", "draft_tokens", "sampling", "return_features", "logprobs", "top_logprobs", "rules")
+    __slots__ = ("cursor", "draft_tokens", "sampling", "return_features", "logprobs", "top_logprobs", "prompt_logprobs", "rules")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RULES_FIELD_NUMBER: _ClassVar[int]
     cursor: _model_server_pb2.SessionCursor
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -22,8 +23,9 @@ class VerifyRequest(_message.Message):
     return_features: bool
     logprobs: bool
     top_logprobs: int
+    prompt_logprobs: bool
     rules: _model_server_pb2.OutputRules
-    def __init__(self, cursor: _Optional[_Union[_model_server_pb2.SessionCursor, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_model_server_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., rules: _Optional[_Union[_model_server_pb2.OutputRules, _Mapping]] = ...) -> None: ...
+    def __init__(self, cursor: _Optional[_Union[_model_server_pb2.SessionCursor, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_model_server_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., rules: _Optional[_Union[_model_server_pb2.OutputRules, _Mapping]] = ...) -> None: ...
 
 class RowLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -34,7 +36,7 @@ class RowLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("argmax_token_ids", "draft_token_probs", "distributions", "length", "compute_seconds", "bonus_token_id", "batch", "features", "features_start", "draft_token_logprobs", "top_logprobs", "bonus_token_logprob")
+    __slots__ = ("argmax_token_ids", "draft_token_probs", "distributions", "length", "compute_seconds", "bonus_token_id", "batch", "features", "features_start", "draft_token_logprobs", "top_logprobs", "bonus_token_logprob", "prompt_token_logprobs", "prompt_top_logprobs")
     ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +49,8 @@ class VerifyResponse(_message.Message):
     DRAFT_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_token_probs: _containers.RepeatedScalarFieldContainer[float]
     distributions: _containers.RepeatedCompositeFieldContainer[_model_server_pb2.SparseDistribution]
@@ -59,7 +63,9 @@ class VerifyResponse(_message.Message):
     draft_token_logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[RowLogprobs]
     bonus_token_logprob: float
-    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_model_server_pb2.SparseDistribution, _Mapping]]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., bonus_token_id: _Optional[int] = ..., batch: _Optional[_Union[_model_server_pb2.BatchInfo, _Mapping]] = ..., features: _Optional[bytes] = ..., features_start: _Optional[int] = ..., draft_token_logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ..., bonus_token_logprob: _Optional[float] = ...) -> None: ...
+    prompt_token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[RowLogprobs]
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_model_server_pb2.SparseDistribution, _Mapping]]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., bonus_token_id: _Optional[int] = ..., batch: _Optional[_Union[_model_server_pb2.BatchInfo, _Mapping]] = ..., features: _Optional[bytes] = ..., features_start: _Optional[int] = ..., draft_token_logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ..., bonus_token_logprob: _Optional[float] = ..., prompt_token_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GetLogprobsRequest(_message.Message):
     __slots__ = ("session_id", "position", "token_ids")
