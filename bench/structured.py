@@ -10,8 +10,10 @@ over reps:
     those answers; finished: answers that end within --tokens; whitespace: answers holding a run of 2 or more
     whitespace characters outside strings (the compact form allows none);
   - alpha = accepted / (accepted + rounds ending in a rejection) at --k, with the grammar and without;
-  - the rules' seconds on both model servers (specdec_rules_seconds_total) per generated token, against the
-    target's mean one-token step (specdec_forward_seconds{tokens="1"}) in the same run;
+  - the rules' seconds on both model servers per generated token, against the target's mean one-token step
+    (specdec_forward_seconds{tokens="1"}) in the same run: their work (specdec_rules_seconds_total, the masks
+    included, which run beside the forward passes) and what the calls waited for them after their passes
+    (specdec_rules_wait_seconds_total);
   - same_text: the draft's greedy agreement with the grammar's greedy answers, teacher-forced, with its row masked
     and unmasked (alpha on the same text: the arms without a grammar answer with other text).
 """
@@ -143,6 +145,7 @@ def arm(address: str, urls: dict, jobs, tokens: int, k: int, mode: str, grammar:
     d = delta(before, scrape_all(urls))
     generated = sum(r["tokens"] for r in results)
     rules_s = sum(value(d, "specdec_rules_seconds_total", job=job) for job in ("draft", "target"))
+    wait_s = sum(value(d, "specdec_rules_wait_seconds_total", job=job) for job in ("draft", "target"))
     accepted = sum(r["stats"].accepted_tokens for r in results)
     rejected = sum(r["stats"].rejected_rounds for r in results)
     return {
@@ -151,6 +154,7 @@ def arm(address: str, urls: dict, jobs, tokens: int, k: int, mode: str, grammar:
         "alpha": leviathan_alpha(accepted, rejected) if k else None,
         "tokens_per_s": generated / wall,
         "rules_us_per_token": 1e6 * rules_s / generated,
+        "rules_wait_us_per_token": 1e6 * wait_s / generated,
         "target_step_ms": 1e3 * mean_step_s(d, "target"),
     }
 
@@ -202,6 +206,9 @@ def one_run(address: str, urls: dict, jobs, tokens: int, k: int) -> dict:
         step_us = 1e3 * r["grammar_k0"]["target_step_ms"]
         r["rules_share_of_step_k"] = r["grammar_k"]["rules_us_per_token"] / step_us if step_us else None
         r["rules_share_of_step_k0"] = r["grammar_k0"]["rules_us_per_token"] / step_us if step_us else None
+        for k_arm in ("k", "k0"):  # what the calls waited for, the masks run beside the forward passes
+            wait = r[f"grammar_{k_arm}"]["rules_wait_us_per_token"]
+            r[f"rules_wait_share_of_step_{k_arm}"] = wait / step_us if step_us else None
         out[mode] = r
     return out
 

@@ -94,12 +94,13 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
         dists = []
         confidence = 1.0  # the draft's estimate that the target accepts every token so far
         for _ in range(k):  # each step a pass of the engine, beside the other sessions' steps
+            masks = core.rules.masks(rules, s.tokens + feed, len(s.tokens) + len(feed), 1)  # beside the pass
             step = await core.feed(s, feed, 1, stats, scored_only=True, features_in=rows, norm_rows=int(head))
             logits = step.logits  # [1, scored tokens]
             position = len(s.tokens)  # absolute position of the token drafted now
             if rules is not None:
-                logits, allowed = core.rules.apply(rules, logits, s.tokens, position, self.ids)
-                if allowed is not None and not allowed.any():  # the round ends at the token before this step
+                logits = await core.rules.apply(rules, logits, s.tokens, position, self.ids, masks)
+                if np.isneginf(logits.numpy()).all():  # nothing allowed: the round ends at the token before this step
                     if resp.token_ids:  # it was fed to reach this step: the session keeps the drafts but the last
                         core.pool.truncate(s, position - 1)
                     break

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -86,10 +87,11 @@ class ModelServer:
         self.info = self._model_info(model, tokenizer)
         self.registry = registry or CollectorRegistry()
         self.metrics = ModelServerMetrics(self.registry)
-        self.rules = RuleBook(tokenizer, self.vocab_size, self.info.eos_token_ids, self.metrics)  # specdec/rules.py
         self.metrics.sessions_capacity.set(cfg.max_sessions)
         self.metrics.tokens_capacity.set(self.max_tokens)
         self.threads = torch.get_num_threads()  # ModelServer.load set cfg.threads
+        beside = not on_cpu or self.threads < (os.cpu_count() or 1)  # a core the passes leave free for the masks
+        self.rules = RuleBook(tokenizer, self.vocab_size, self.info.eos_token_ids, self.metrics, beside)
         prefill_threads = (cfg.prefill_threads or _TORCH_THREADS) if on_cpu else self.threads
         self.engine = Engine(
             self.runner,

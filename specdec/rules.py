@@ -22,8 +22,10 @@ reads them, since that draft has p = 0.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -141,12 +143,20 @@ class RuleState:
 
             self.matcher = llguidance.LLMatcher(tokenizer, rules.grammar)
 
-    def apply(self, logits: torch.Tensor, tokens: list[int], first: int, vocab: int, ids: torch.Tensor | None = None):
-        """The rows' logits under the rules (float32 on the host: the logits themselves, edited in place, when they are
-        float32 there) and what the grammar allows
-        at each (a CPU bool array like the logits, or None without a grammar). Row i predicts position first + i
+    def apply(
+        self,
+        logits: torch.Tensor,
+        tokens: list[int],
+        first: int,
+        vocab: int,
+        ids: torch.Tensor | None = None,
+        packed: np.ndarray | None = None,
+    ) -> torch.Tensor:
+        """The rows' logits under the rules: float32 on the host, the logits themselves, edited in place, when they are
+        float32 there; a token the grammar refuses has -inf. Row i predicts position first + i
         after tokens[: first + i] (tokens[first:] are a call's drafts). logits: [n, vocab], or [n, len(ids)] for a
-        draft that scores the tokens ids only (column c is token ids[c]).
+        draft that scores the tokens ids only (column c is token ids[c]). packed: the grammar's masks of these rows,
+        computed beforehand by ``masks`` (beside the forward pass), else computed here.
 
         Biases, penalties and min_tokens touch only the columns of the tokens they name or the history holds, a few
         hundred at most; the grammar's mask is the one vocabulary-wide step, done in numpy. Vocabulary-wide torch ops
@@ -158,16 +168,14 @@ class RuleState:
         host = out.numpy()
         for rows, cols, fn in self._sparse_edits(tokens, first, n, column):
             host[rows, cols] = fn(host[rows, cols])
-        allowed = None
         if self.matcher is not None:
-            packed = self._packed(tokens, first, n, vocab)  # [n, words] int32
+            packed = self.masks(tokens, first, n, vocab) if packed is None else packed  # [n, words] int32
             if ids is None:
-                allowed = unpack(packed, vocab)  # [n, vocab] bool
+                np.putmask(host, ~unpack(packed, vocab), -np.inf)
             else:  # only the draft's columns: a quarter of the row for the embedded draft
                 where = self._id_array(ids)
-                allowed = ((packed[:, where >> 5] >> (where & 31)) & 1).astype(bool)
-            np.putmask(host, ~allowed, -np.inf)
-        return out, allowed
+                np.putmask(host, ((packed[:, where >> 5] >> (where & 31)) & 1) == 0, -np.inf)
+        return out
 
     def _id_array(self, ids: torch.Tensor) -> np.ndarray:
         """A draft's scored ids as an int64 array, kept with its column map."""
@@ -215,10 +223,11 @@ class RuleState:
     def allowed(self, tokens: list[int], first: int, n: int, vocab: int) -> np.ndarray:
         """[n, vocab] bool: what the grammar allows at each row. FAILED_PRECONDITION when the committed tokens
         break the grammar (they were not generated under it)."""
-        return unpack(self._packed(tokens, first, n, vocab), vocab)
+        return unpack(self.masks(tokens, first, n, vocab), vocab)
 
-    def _packed(self, tokens: list[int], first: int, n: int, vocab: int) -> np.ndarray:
-        """``allowed`` as llguidance's bitmask, [n, ceil(vocab / 32)] int32 (a buffer the next call reuses)."""
+    def masks(self, tokens: list[int], first: int, n: int, vocab: int) -> np.ndarray:
+        """``allowed`` as llguidance's bitmask, [n, ceil(vocab / 32)] int32 (a buffer the next call reuses). It reads
+        only the tokens, so a server computes it while the rows' forward pass runs (RuleBook.masks)."""
         output = tokens[self.rules.output_start : first]
         if self.eos_ids.intersection(output):  # a draft's own steps past the grammar's end: nothing more
             return np.zeros((n, (vocab + 31) // 32), dtype=np.int32)
@@ -294,11 +303,15 @@ def unpack(bitmask: np.ndarray, vocab: int) -> np.ndarray:
 class RuleBook:
     """A model server's rules: the tokenizer its grammars mask over, built on first use, and each session's state."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: list[int], metrics=None):
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: list[int], metrics=None, beside: bool = True):
         self.hf_tokenizer, self.vocab_size, self.eos_ids = hf_tokenizer, vocab_size, list(eos_ids)
+        # compute a grammar's masks on a thread beside the forward pass: where the pass leaves a core free (a GPU's
+        # host, a one-thread draft); a CPU pass on every core would only lose what the masks take from it
+        self.beside = beside
         self.metrics = metrics  # a server's ModelServerMetrics: the rules' seconds and rows
         self._tokenizer = None
         self._checked: dict[bytes, Rules | None] = {}
+        self._pool: ThreadPoolExecutor | None = None  # the thread the grammar's masks are computed on
 
     @property
     def tokenizer(self):
@@ -319,12 +332,37 @@ class RuleBook:
             self._checked[key] = rules
         return self._checked[key]
 
-    def apply(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids=None):
-        """state.apply over this server's vocabulary, timed into the server's metrics."""
+    def masks(self, state: RuleState | None, tokens: list[int], first: int, n: int) -> asyncio.Future | None:
+        """The grammar's masks of n rows (RuleState.masks), computed on the rules' own thread while the caller runs
+        the rows' forward pass (llguidance releases the GIL, and the pass mostly runs in C++); None without a
+        grammar, or where no core is free for them (``apply`` computes them then). tokens: what the session will hold
+        once the pass has fed it."""
+        if state is None or state.matcher is None or not self.beside:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="rules")
+        future = asyncio.get_running_loop().run_in_executor(self._pool, self._timed, state, tokens, first, n)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failed call may never await it
+        return future
+
+    def _timed(self, state: RuleState, tokens: list[int], first: int, n: int) -> np.ndarray:
         t0 = time.perf_counter()
-        out = state.apply(logits, tokens, first, self.vocab_size, ids)
+        try:
+            return state.masks(tokens, first, n, self.vocab_size)
+        finally:
+            if self.metrics is not None:
+                self.metrics.rules_seconds.inc(time.perf_counter() - t0)
+
+    async def apply(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids=None, masks=None):
+        """state.apply over this server's vocabulary, with the masks ``masks`` started (or None), timed into the
+        server's metrics: the work (rules_seconds) and what the call waited for it (rules_wait_seconds)."""
+        t0 = time.perf_counter()
+        packed = await masks if masks is not None else None
+        t1 = time.perf_counter()
+        out = state.apply(logits, tokens, first, self.vocab_size, ids, packed)
         if self.metrics is not None:
-            self.metrics.rules_seconds.inc(time.perf_counter() - t0)
+            self.metrics.rules_seconds.inc(time.perf_counter() - t1)
+            self.metrics.rules_wait_seconds.inc(time.perf_counter() - t0)
             self.metrics.rules_rows.inc(logits.shape[0])
         return out
 

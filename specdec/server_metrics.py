@@ -79,6 +79,11 @@ class ModelServerMetrics:
         self.rules_rows = Counter(
             "specdec_rules_rows_total", "Rows whose logits output rules changed", registry=registry
         )
+        self.rules_wait_seconds = Counter(
+            "specdec_rules_wait_seconds_total",
+            "Seconds calls waited for their output rules after their forward pass (the masks run beside it)",
+            registry=registry,
+        )
 
     def observe_pass(self, rows: int, sessions: int, seconds: float) -> None:
         self.forward_seconds.labels(_tokens_bucket(rows)).observe(seconds)

@@ -68,8 +68,9 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         scored = len(unseen) + len(drafts) if req.prompt_logprobs else len(drafts) + 1  # rows whose logits it needs
         with core.session(req.cursor, len(unseen) + len(drafts), req.return_features) as s:
             start = len(s.tokens)  # the cursor's keep_length
-            logits = await core.forward(s, unseen + drafts, scored, stats)  # [scored, vocab]
             rules = core.rules.state_for(s, wanted)
+            masks = core.rules.masks(rules, s.tokens + unseen + drafts, start + len(unseen), len(drafts) + 1)
+            logits = await core.forward(s, unseen + drafts, scored, stats)  # [scored, vocab]
         resp = target_pb2.VerifyResponse(length=len(s.tokens))
         stats.fill(resp)
         if req.prompt_logprobs:  # the rows before the last unseen token score the unseen tokens after the first
@@ -79,7 +80,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
             logprobs.fill(resp, logits, drafts, req.top_logprobs, len(s.tokens) - len(drafts)) if req.logprobs else None
         )
         if rules is not None:  # after the raw logprobs, before everything that samples or compares
-            logits, _ = core.rules.apply(rules, logits, s.tokens, len(s.tokens) - len(drafts))
+            logits = await core.rules.apply(rules, logits, s.tokens, len(s.tokens) - len(drafts), masks=masks)
         if req.return_features:
             resp.features, resp.features_start = features.encode(s.features.read(start, len(s.tokens))), start
         if params.greedy:

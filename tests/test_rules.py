@@ -54,8 +54,7 @@ def test_bias_penalties_and_min_tokens_follow_their_formulas_row_by_row():
         blocked=(1, 2),
     )
     first = len(tokens) - 3  # the last 3 tokens are a Verify's drafts: row i counts the i drafts before it
-    out, allowed = rules.RuleState(r).apply(logits.clone(), tokens, first, VOCAB)  # edits its input
-    assert allowed is None
+    out = rules.RuleState(r).apply(logits.clone(), tokens, first, VOCAB)  # edits its input
     torch.testing.assert_close(out, naive(logits, tokens, first, r), rtol=0, atol=1e-5)
     assert (
         torch.isinf(out[:3, [1, 2]]).all() and torch.isfinite(out[3]).all()
@@ -70,8 +69,8 @@ def test_a_draft_that_scores_some_tokens_gets_the_full_rows_columns():
     )
     full = torch.randn(1, VOCAB, generator=g)
     ids = torch.tensor([0, 2, 4, 9, 17, 30, 39])
-    out_full, _ = rules.RuleState(r).apply(full.clone(), tokens, len(tokens), VOCAB)
-    out_cols, _ = rules.RuleState(r).apply(full[:, ids].clone(), tokens, len(tokens), VOCAB, ids)
+    out_full = rules.RuleState(r).apply(full.clone(), tokens, len(tokens), VOCAB)
+    out_cols = rules.RuleState(r).apply(full[:, ids].clone(), tokens, len(tokens), VOCAB, ids)
     torch.testing.assert_close(out_cols, out_full[:, ids])
 
 
@@ -109,8 +108,7 @@ def test_a_grammar_mask_allows_exactly_the_tokens_the_grammar_accepts(book, toke
     state = rules.RuleState(book.check(schema_rules(len(prompt))), book.tokenizer)
     matcher = llguidance.LLMatcher(book.tokenizer, state.rules.grammar)
     vocab = len(tokenizer)
-    logits = torch.zeros(len(text) + 1, vocab)
-    _, allowed = state.apply(logits, prompt + text, len(prompt), vocab)  # the whole answer as one Verify's drafts
+    allowed = state.allowed(prompt + text, len(prompt), len(text) + 1, vocab)  # the answer as one Verify's drafts
     probe = torch.randperm(vocab, generator=torch.Generator().manual_seed(2))[:300].tolist()
     for i in range(len(text) + 1):
         ids = set(allowed[i].nonzero()[0].tolist())
@@ -130,7 +128,9 @@ def test_rows_after_a_draft_the_grammar_rejects_stay_defined(book, tokenizer):
     state = rules.RuleState(book.check(schema_rules()), book.tokenizer)
     vocab = len(tokenizer)
     logits = torch.randn(len(good) + len(bad) + 1, vocab)
-    out, allowed = state.apply(logits, good + bad, 0, vocab)
+    allowed = state.allowed(good + bad, 0, len(logits), vocab)
+    out = state.apply(logits, good + bad, 0, vocab)
+    assert torch.equal(torch.isneginf(out), torch.from_numpy(~allowed))
     assert allowed[len(good)].any() and not allowed[len(good)][bad[0]]  # the rejected draft has p = 0
     assert all(torch.isfinite(row).any() for row in out)  # rows past it: the last allowed row's mask
 
@@ -141,11 +141,10 @@ def test_a_sessions_grammar_state_follows_its_tokens_back_and_forth(book, tokeni
     b = encode(tokenizer, '{"name": "Al", "age": 70}')
     vocab = len(tokenizer)
     kept = rules.RuleState(book.check(schema_rules()), book.tokenizer)
-    logits = torch.zeros(1, vocab)
     for history in (a, a[:5], b, a, b[:3] + a[3:]):
         fresh = rules.RuleState(book.check(schema_rules()), book.tokenizer)
         assert np.array_equal(
-            kept.apply(logits, history, len(history), vocab)[1], fresh.apply(logits, history, len(history), vocab)[1]
+            kept.allowed(history, len(history), 1, vocab), fresh.allowed(history, len(history), 1, vocab)
         )
 
 
@@ -170,8 +169,8 @@ def test_after_the_grammars_end_nothing_is_allowed(book, tokenizer):
     """A draft that drafted the end of the answer stops there: its next step has no allowed token."""
     answer = encode(tokenizer, '{"name": "Ada", "age": 36}') + [tokenizer.eos_token_id]
     state = rules.RuleState(book.check(schema_rules()), book.tokenizer, [tokenizer.eos_token_id])
-    _, allowed = state.apply(torch.zeros(1, len(tokenizer)), answer, len(answer), len(tokenizer))
-    assert not allowed.any()
+    assert not state.allowed(answer, len(answer), 1, len(tokenizer)).any()
+    assert torch.isneginf(state.apply(torch.zeros(1, len(tokenizer)), answer, len(answer), len(tokenizer))).all()
 
 
 def test_a_restricted_draft_gets_the_full_rows_columns_under_a_grammar(book, tokenizer):
@@ -185,13 +184,11 @@ def test_a_restricted_draft_gets_the_full_rows_columns_under_a_grammar(book, tok
     msg.min_tokens_blocked.append(tokenizer.eos_token_id)
     full_logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3))
     ids = torch.unique(torch.cat([torch.randperm(vocab)[:5000], torch.tensor(history)]))
-    full, allowed = rules.RuleState(book.check(msg), book.tokenizer).apply(
-        full_logits.clone(), history, len(history), vocab
-    )
-    cols, allowed_cols = rules.RuleState(book.check(msg), book.tokenizer).apply(
+    full = rules.RuleState(book.check(msg), book.tokenizer).apply(full_logits.clone(), history, len(history), vocab)
+    cols = rules.RuleState(book.check(msg), book.tokenizer).apply(
         full_logits[:, ids], history, len(history), vocab, ids
     )
-    assert torch.equal(cols, full[:, ids]) and np.array_equal(allowed_cols, allowed[:, ids.numpy()])
+    assert torch.equal(cols, full[:, ids])
     assert torch.isinf(full).any() and torch.isfinite(full).any()
 
 
