@@ -33,6 +33,9 @@ import numpy as np
 import torch
 
 from specdec.errors import ServiceError, invalid
+from specdec.runners.kernels import kernels_for
+
+_NO_IDS = torch.empty(0, dtype=torch.long)  # mask_rows' columns for a full row
 
 # JSON from a schema: one compact form (", " and ": "), so no answer can run on in whitespace
 JSON_FORM = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -170,12 +173,18 @@ class RuleState:
             host[rows, cols] = fn(host[rows, cols])
         if self.matcher is not None:
             packed = self.masks(tokens, first, n, vocab) if packed is None else packed  # [n, words] int32
-            if ids is None:
+            kernels = kernels_for(out)
+            if kernels is not None:  # specdec's kernel: one pass over each row, in place
+                kernels.mask_rows(out, torch.from_numpy(packed), _NO_IDS if ids is None else self._id_tensor(ids))
+            elif ids is None:
                 np.putmask(host, ~unpack(packed, vocab), -np.inf)
             else:  # only the draft's columns: a quarter of the row for the embedded draft
                 where = self._id_array(ids)
                 np.putmask(host, ((packed[:, where >> 5] >> (where & 31)) & 1) == 0, -np.inf)
         return out
+
+    def _id_tensor(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self._id_array(ids))
 
     def _id_array(self, ids: torch.Tensor) -> np.ndarray:
         """A draft's scored ids as an int64 array, kept with its column map."""

@@ -201,3 +201,32 @@ def test_proposals_made_without_the_grammar_are_cut_at_the_first_token_it_refuse
     bad = encode(tokenizer, "x")
     assert state.valid_prefix(history, good + bad + good) == len(good)  # after the key "age" comes ':', not x
     assert state.valid_prefix(history, bad + good) == 0  # a value must follow '"name": '
+
+
+@pytest.mark.parametrize("restricted", [False, True])
+def test_the_mask_kernel_refuses_exactly_what_the_bitmask_refuses(book, tokenizer, restricted, monkeypatch):
+    """specdec's mask_rows and the numpy path (where the kernels cannot be built) give the same rows, full or a
+    draft's columns, for words of all ones, all zeros and mixed bits."""
+    from specdec.runners.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("specdec's kernels cannot be built here (no compiler)")
+    vocab = len(tokenizer)
+    g = np.random.default_rng(7)
+    words = (vocab + 31) // 32
+    packed = g.integers(-(2**31), 2**31, (3, words), dtype=np.int64).astype(np.int32)
+    packed[g.random((3, words)) < 0.4] = -1
+    packed[g.random((3, words)) < 0.3] = 0
+    ids = (
+        torch.unique(torch.randint(0, vocab, (9000,), generator=torch.Generator().manual_seed(1)))
+        if restricted
+        else None
+    )
+    logits = torch.randn(3, vocab if ids is None else len(ids), generator=torch.Generator().manual_seed(2))
+    state = rules.RuleState(book.check(schema_rules()), book.tokenizer)
+    with_kernel = state.apply(logits.clone(), [], 0, vocab, ids, packed=packed)
+    monkeypatch.setattr(rules, "kernels_for", lambda t: None)
+    with_numpy = state.apply(logits.clone(), [], 0, vocab, ids, packed=packed)
+    assert torch.equal(with_kernel, with_numpy)
+    allowed = rules.unpack(packed, vocab)[:, slice(None) if ids is None else ids.numpy()]
+    assert torch.equal(torch.isneginf(with_kernel), torch.from_numpy(~allowed))

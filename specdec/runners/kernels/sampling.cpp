@@ -138,3 +138,40 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   }
   return out;
 }
+
+// A grammar's mask on the rows, in place: -inf in column c of row r where bit t of bitmask[r] is 0, t the column's
+// token (columns[c], or c itself when columns is empty: a full row). llguidance's bitmask: bit j of word w is token
+// 32 w + j. Unpacking the row in numpy then masking took 0.06 ms of a 0.3 ms masked row in the services.
+void mask_rows(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor columns) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.device().is_cpu() &&
+                  logits.is_contiguous(),
+              "mask_rows: logits must be a contiguous float32 [n, columns] tensor on CPU");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt && bitmask.size(0) == logits.size(0) &&
+                  bitmask.stride(1) == 1,
+              "mask_rows: bitmask must be int32 [n, words], one row per logits row");
+  const int64_t n = logits.size(0), C = logits.size(1), words = bitmask.size(1);
+  const bool full = columns.numel() == 0;
+  TORCH_CHECK(full || (columns.scalar_type() == torch::kLong && columns.numel() == C && columns.is_contiguous()),
+              "mask_rows: columns must be empty or int64 [columns]");
+  const int64_t* ids = full ? nullptr : columns.data_ptr<int64_t>();
+  TORCH_CHECK(full ? C <= 32 * words : true, "mask_rows: the bitmask is shorter than the row");
+  for (int64_t r = 0; r < n; r++) {
+    float* x = logits.data_ptr<float>() + r * C;
+    const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>() + r * bitmask.stride(0));
+    if (full) {
+      for (int64_t w = 0; w * 32 < C; w++) {
+        const uint32_t b = bits[w];
+        if (b == 0xFFFFFFFFu) continue;  // a word that allows all its tokens
+        const int64_t end = std::min<int64_t>(32, C - w * 32);
+        for (int64_t j = 0; j < end; j++)
+          if (!((b >> j) & 1u)) x[w * 32 + j] = -kInf;
+      }
+    } else {
+      for (int64_t c = 0; c < C; c++) {
+        const int64_t t = ids[c];
+        TORCH_CHECK(t >= 0 && t < 32 * words, "mask_rows: a column's token is outside the bitmask");
+        if (!((bits[t >> 5] >> (t & 31)) & 1u)) x[c] = -kInf;
+      }
+    }
+  }
+}
