@@ -74,7 +74,12 @@ SCHEMAS = {
             "street": S,
             "city": S,
             "country": S,
-            "geo": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}}},
+            "geo": {
+                "type": "object",
+                "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+                "required": ["lat", "lon"],
+                "additionalProperties": False,
+            },
         },
         "required": ["street", "city", "country", "geo"],
     },
@@ -89,7 +94,7 @@ SCHEMAS = {
         "required": ["product", "rating", "pros", "cons"],
     },
 }
-for _schema in SCHEMAS.values():
+for _schema in SCHEMAS.values():  # strict schemas, as OpenAI's strict mode requires: no other keys in any object
     _schema["additionalProperties"] = False
 PROMPTS = {
     "person": ["Make up a customer record in JSON.", "Describe the author of a famous novel as JSON."],
