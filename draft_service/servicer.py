@@ -14,6 +14,8 @@ with their true features. num_tokens 0 only appends the tokens, for a session bu
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -99,7 +101,9 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
             logits = step.logits  # [1, scored tokens]
             position = len(s.tokens)  # absolute position of the token drafted now
             if rules is not None:
+                t0 = time.perf_counter()
                 logits = await core.rules.apply(rules, logits, s.tokens, position, self.ids, masks)
+                resp.rules_seconds += time.perf_counter() - t0
                 if np.isneginf(logits.numpy()).all():  # nothing allowed: the round ends at the token before this step
                     if resp.token_ids:  # it was fed to reach this step: the session keeps the drafts but the last
                         core.pool.truncate(s, position - 1)

@@ -279,6 +279,8 @@ class Generation:
             self.speculation.observe(self.spec.sampling.greedy, k, n, now - t0, trace.target_cost, trace.draft_cost)
         if self.adaptive and trace.draft_wall_s:
             self.adaptive.observe(k, n)
+        if self.adaptive and self.spec.rules is not None and trace.target_cost is not None:
+            self.adaptive.observe_rules(k, trace.target_cost, trace.draft_cost)
 
     def _message(self, added: list[int], finish, scored=()) -> gen_pb.GenerateResponse:
         msg = gen_pb.GenerateResponse(

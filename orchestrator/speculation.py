@@ -65,16 +65,24 @@ class CallCost:
     queue_s: float = 0.0
     sessions: int = 1
     active: int = 1
+    rules_s: float = 0.0  # the generation's output rules (a grammar's masks): its own cost, priced per request
 
     @classmethod
     def of(cls, wall_s: float, response) -> CallCost:
         b = response.batch
-        return cls(wall_s, response.compute_seconds, b.queue_seconds, max(b.sessions, 1), max(b.active_sessions, 1))
+        return cls(
+            wall_s,
+            response.compute_seconds,
+            b.queue_seconds,
+            max(b.sessions, 1),
+            max(b.active_sessions, 1),
+            response.rules_seconds,
+        )
 
     @property
     def overhead_s(self) -> float:
-        """The call's time outside the queue and its passes: RPC and the servers' Python."""
-        return max(self.wall_s - self.queue_s - self.compute_s, 0.0)
+        """The call's time outside the queue, its passes and its rules: RPC and the servers' Python."""
+        return max(self.wall_s - self.queue_s - self.compute_s - self.rules_s, 0.0)
 
 
 class RoundCosts:
@@ -137,7 +145,7 @@ class RoundCosts:
     def observe(self, round_s: float, target: CallCost, draft: CallCost | None = None) -> None:
         """One decoding round: its wall time, the target's call and, when the draft proposed, the draft's."""
         self.active = float(target.active)  # the server counts over its last second already
-        outside = round_s - target.queue_s - target.compute_s - (draft.wall_s if draft else 0.0)
+        outside = round_s - target.queue_s - target.compute_s - target.rules_s - (draft.wall_s if draft else 0.0)
         self._outside.append(max(outside, 0.0))
         if draft is not None:
             self.verify_sessions = costs.ewma(self.verify_sessions, target.sessions, self.rate)
@@ -245,6 +253,9 @@ class AdaptiveK:
         self.acceptance = Acceptance(shared.prior_alpha(greedy))
         self.explorer = shared.new_request(greedy)
         self._idle = 0  # rounds in a row this request chose K = 0
+        # seconds a row of this request's output rules costs on the target and the draft (0 without rules): a
+        # grammar's masks cost each verify row and each draft step, this request's alone
+        self.rules_row_s = {"target": 0.0, "draft": 0.0}
 
     def next_k(self, remaining: int | None = None, draft_started: bool = True) -> int:
         """remaining: the most tokens the request may still produce; draft_started: whether the draft holds
@@ -253,6 +264,8 @@ class AdaptiveK:
         costs = self.shared.costs.round_s(self.cap)
         if costs is None or not all(math.isfinite(c) and c > 0 for c in costs):
             return self.start_k
+        t, d = self.rules_row_s["target"], self.rules_row_s["draft"]
+        costs = [c + (k + 1) * t + k * d for k, c in enumerate(costs)]
         if (self.shared.costs.active or 1.0) > 1.5 and not best_k(self.shared.prior_alpha(self.greedy), costs):
             # Others are calling and, at the acceptance of requests of this kind, drafting does not pay: they stay
             # at K = 0, and this one drafting, or exploring, would only split their batches (its drafted rounds
@@ -281,3 +294,9 @@ class AdaptiveK:
     def observe(self, drafted: int, accepted: int) -> None:
         """A round whose drafts came from the draft (prompt lookup's are another source)."""
         self.acceptance.observe(drafted, accepted)
+
+    def observe_rules(self, k: int, target: CallCost, draft: CallCost | None) -> None:
+        """A decoding round's rules: the target's over its k + 1 rows, the draft's over its steps (k of them)."""
+        self.rules_row_s["target"] = costs.ewma(self.rules_row_s["target"] or None, target.rules_s / (k + 1), COST_RATE)
+        if draft is not None and k:
+            self.rules_row_s["draft"] = costs.ewma(self.rules_row_s["draft"] or None, draft.rules_s / k, COST_RATE)

@@ -7,6 +7,8 @@ span of them, for a head draft's session rebuilt on another replica or after it 
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from specdec import features, logprobs
@@ -80,7 +82,9 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
             logprobs.fill(resp, logits, drafts, req.top_logprobs, len(s.tokens) - len(drafts)) if req.logprobs else None
         )
         if rules is not None:  # after the raw logprobs, before everything that samples or compares
+            t0 = time.perf_counter()
             logits = await core.rules.apply(rules, logits, s.tokens, len(s.tokens) - len(drafts), masks=masks)
+            resp.rules_seconds = time.perf_counter() - t0
         if req.return_features:
             resp.features, resp.features_start = features.encode(s.features.read(start, len(s.tokens))), start
         if params.greedy:

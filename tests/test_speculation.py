@@ -33,8 +33,8 @@ def test_best_k_takes_the_smaller_k_on_a_tie():
     assert sp.best_k(0.5, [2.0, 3.0]) == 0  # 1 token in 2 s against 1.5 tokens in 3 s
 
 
-def _call(wall_s=0.0, compute_s=0.0, queue_s=0.0, sessions=1, active=None) -> sp.CallCost:
-    return sp.CallCost(wall_s, compute_s, queue_s, sessions, active or sessions)
+def _call(wall_s=0.0, compute_s=0.0, queue_s=0.0, sessions=1, active=None, rules_s=0.0) -> sp.CallCost:
+    return sp.CallCost(wall_s, compute_s, queue_s, sessions, active or sessions, rules_s)
 
 
 # The embedded target's passes on a 2-core CPU (s by rows; docs/performance.md, 2026-11-25): a step reads the
@@ -169,6 +169,28 @@ def test_adaptive_k_drafts_more_for_a_request_the_draft_gets_right():
         easy.observe(4, 4)
         hard.observe(4, 1)
     assert easy.next_k() > hard.next_k() >= 1
+
+
+def test_a_requests_output_rules_are_priced_per_row_for_it_alone():
+    """A grammar's masks cost each verify row and each draft step of the request that has one: at the same alpha it
+    drafts less than a request without rules, down to the target alone when a masked step costs more than a drafted
+    token saves; the process's round costs leave the rules out, so other requests' K does not move."""
+    shared = _shared(round_s_per_k=0.0015)
+    plain, ruled, dear = (sp.AdaptiveK(shared, greedy=True, cap=8, start_k=3) for _ in range(3))
+    for ak in (plain, ruled, dear):
+        for _ in range(20):
+            ak.observe(4, 2)  # alpha about 0.67
+    ruled.observe_rules(4, _call(0.012, 0.010, rules_s=5 * 0.0003), _call(0.006, 0.005, rules_s=4 * 0.0008))
+    dear.observe_rules(4, _call(0.012, 0.010, rules_s=5 * 0.002), _call(0.006, 0.005, rules_s=4 * 0.004))
+    assert plain.next_k() > ruled.next_k() > dear.next_k() == 0
+    assert ruled.rules_row_s == pytest.approx({"target": 0.0003, "draft": 0.0008})
+    # a round's rules stay out of the process's costs: priced as the same round without them
+    with_rules, without, counted = _costs(), _costs(), _costs()
+    with_rules.observe(0.0205, _call(0.0122, 0.010, rules_s=0.002), _call(0.006, 0.005, rules_s=0.0003))
+    without.observe(0.0182, _call(0.0102, 0.010), _call(0.0057, 0.005))
+    counted.observe(0.0205, _call(0.0122, 0.010), _call(0.006, 0.005))  # the rules taken for the round's own time
+    assert with_rules.round_s(8) == pytest.approx(without.round_s(8))
+    assert counted.round_s(8)[0] > without.round_s(8)[0]
 
 
 def test_a_new_request_starts_from_the_alpha_of_its_kind():

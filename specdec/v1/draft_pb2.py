@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import model_server_pb2 as specdec_dot_v1_dot_model__server__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x1dspecdec/v1/model_server.proto\"\xd5\x01\n\x14ProposeTokensRequest\x12)\n\x06\x63ursor\x18\x01 \x01(\x0b\x32\x19.specdec.v1.SessionCursor\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x16\n\x0emin_confidence\x18\x04 \x01(\x02\x12\x10\n\x08\x66\x65\x61tures\x18\n \x01(\x0c\x12&\n\x05rules\x18\x32 \x01(\x0b\x32\x17.specdec.v1.OutputRules\"\xc5\x01\n\x15ProposeTokensResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0btoken_probs\x18\x02 \x03(\x02\x12\x35\n\rdistributions\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x0e\n\x06length\x18\x04 \x01(\r\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x02\x12$\n\x05\x62\x61tch\x18\x06 \x01(\x0b\x32\x15.specdec.v1.BatchInfo2\x88\x04\n\x0c\x44raftService\x12T\n\rProposeTokens\x12 .specdec.v1.ProposeTokensRequest\x1a!.specdec.v1.ProposeTokensResponse\x12^\n\x13ProposeTokensStream\x12 .specdec.v1.ProposeTokensRequest\x1a!.specdec.v1.ProposeTokensResponse(\x01\x30\x01\x12\x45\n\x08Truncate\x12\x1b.specdec.v1.TruncateRequest\x1a\x1c.specdec.v1.TruncateResponse\x12Z\n\x0fGetDistribution\x12\".specdec.v1.GetDistributionRequest\x1a#.specdec.v1.GetDistributionResponse\x12W\n\x0eReleaseSession\x12!.specdec.v1.ReleaseSessionRequest\x1a\".specdec.v1.ReleaseSessionResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.specdec.v1.GetModelInfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x1dspecdec/v1/model_server.proto\"\xd5\x01\n\x14ProposeTokensRequest\x12)\n\x06\x63ursor\x18\x01 \x01(\x0b\x32\x19.specdec.v1.SessionCursor\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x16\n\x0emin_confidence\x18\x04 \x01(\x02\x12\x10\n\x08\x66\x65\x61tures\x18\n \x01(\x0c\x12&\n\x05rules\x18\x32 \x01(\x0b\x32\x17.specdec.v1.OutputRules\"\xdc\x01\n\x15ProposeTokensResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0btoken_probs\x18\x02 \x03(\x02\x12\x35\n\rdistributions\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x0e\n\x06length\x18\x04 \x01(\r\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x02\x12$\n\x05\x62\x61tch\x18\x06 \x01(\x0b\x32\x15.specdec.v1.BatchInfo\x12\x15\n\rrules_seconds\x18\x07 \x01(\x02\x32\x88\x04\n\x0c\x44raftService\x12T\n\rProposeTokens\x12 .specdec.v1.ProposeTokensRequest\x1a!.specdec.v1.ProposeTokensResponse\x12^\n\x13ProposeTokensStream\x12 .specdec.v1.ProposeTokensRequest\x1a!.specdec.v1.ProposeTokensResponse(\x01\x30\x01\x12\x45\n\x08Truncate\x12\x1b.specdec.v1.TruncateRequest\x1a\x1c.specdec.v1.TruncateResponse\x12Z\n\x0fGetDistribution\x12\".specdec.v1.GetDistributionRequest\x1a#.specdec.v1.GetDistributionResponse\x12W\n\x0eReleaseSession\x12!.specdec.v1.ReleaseSessionRequest\x1a\".specdec.v1.ReleaseSessionResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.specdec.v1.GetModelInfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSETOKENSREQUEST']._serialized_start=70
   _globals['_PROPOSETOKENSREQUEST']._serialized_end=283
   _globals['_PROPOSETOKENSRESPONSE']._serialized_start=286
-  _globals['_PROPOSETOKENSRESPONSE']._serialized_end=483
-  _globals['_DRAFTSERVICE']._serialized_start=486
-  _globals['_DRAFTSERVICE']._serialized_end=1006
+  _globals['_PROPOSETOKENSRESPONSE']._serialized_end=506
+  _globals['_DRAFTSERVICE']._serialized_start=509
+  _globals['_DRAFTSERVICE']._serialized_end=1029
 # @@protoc_insertion_point(module_scope)

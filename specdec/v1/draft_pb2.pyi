@@ -24,17 +24,19 @@ class ProposeTokensRequest(_message.Message):
     def __init__(self, cursor: _Optional[_Union[_model_server_pb2.SessionCursor, _Mapping]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_model_server_pb2.SamplingParams, _Mapping]] = ..., min_confidence: _Optional[float] = ..., features: _Optional[bytes] = ..., rules: _Optional[_Union[_model_server_pb2.OutputRules, _Mapping]] = ...) -> None: ...
 
 class ProposeTokensResponse(_message.Message):
-    __slots__ = ("token_ids", "token_probs", "distributions", "length", "compute_seconds", "batch")
+    __slots__ = ("token_ids", "token_probs", "distributions", "length", "compute_seconds", "batch", "rules_seconds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    RULES_SECONDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_probs: _containers.RepeatedScalarFieldContainer[float]
     distributions: _containers.RepeatedCompositeFieldContainer[_model_server_pb2.SparseDistribution]
     length: int
     compute_seconds: float
     batch: _model_server_pb2.BatchInfo
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_model_server_pb2.SparseDistribution, _Mapping]]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., batch: _Optional[_Union[_model_server_pb2.BatchInfo, _Mapping]] = ...) -> None: ...
+    rules_seconds: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_model_server_pb2.SparseDistribution, _Mapping]]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., batch: _Optional[_Union[_model_server_pb2.BatchInfo, _Mapping]] = ..., rules_seconds: _Optional[float] = ...) -> None: ...

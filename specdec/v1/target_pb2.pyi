@@ -36,7 +36,7 @@ class RowLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("argmax_token_ids", "draft_token_probs", "distributions", "length", "compute_seconds", "bonus_token_id", "batch", "features", "features_start", "draft_token_logprobs", "top_logprobs", "bonus_token_logprob", "prompt_token_logprobs", "prompt_top_logprobs")
+    __slots__ = ("argmax_token_ids", "draft_token_probs", "distributions", "length", "compute_seconds", "bonus_token_id", "batch", "rules_seconds", "features", "features_start", "draft_token_logprobs", "top_logprobs", "bonus_token_logprob", "prompt_token_logprobs", "prompt_top_logprobs")
     ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class VerifyResponse(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    RULES_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     FEATURES_START_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +59,7 @@ class VerifyResponse(_message.Message):
     compute_seconds: float
     bonus_token_id: int
     batch: _model_server_pb2.BatchInfo
+    rules_seconds: float
     features: bytes
     features_start: int
     draft_token_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -65,7 +67,7 @@ class VerifyResponse(_message.Message):
     bonus_token_logprob: float
     prompt_token_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[RowLogprobs]
-    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_model_server_pb2.SparseDistribution, _Mapping]]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., bonus_token_id: _Optional[int] = ..., batch: _Optional[_Union[_model_server_pb2.BatchInfo, _Mapping]] = ..., features: _Optional[bytes] = ..., features_start: _Optional[int] = ..., draft_token_logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ..., bonus_token_logprob: _Optional[float] = ..., prompt_token_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ...) -> None: ...
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., distributions: _Optional[_Iterable[_Union[_model_server_pb2.SparseDistribution, _Mapping]]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., bonus_token_id: _Optional[int] = ..., batch: _Optional[_Union[_model_server_pb2.BatchInfo, _Mapping]] = ..., rules_seconds: _Optional[float] = ..., features: _Optional[bytes] = ..., features_start: _Optional[int] = ..., draft_token_logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ..., bonus_token_logprob: _Optional[float] = ..., prompt_token_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GetLogprobsRequest(_message.Message):
     __slots__ = ("session_id", "position", "token_ids")
