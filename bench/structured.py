@@ -4,7 +4,8 @@
 
 `specdec up` with the embedded pair; each JSON schema below is asked for by two prompts, greedy and at T = 0.7,
 in arms run one after the other within a rep: the schema as a grammar with speculation at --k, the same requests
-without a grammar at --k (alpha without), and the grammar at K = 0 (the target alone). Reported, with the spread
+without a grammar at --k (alpha without), the grammar at K = 0 (the target alone), and the grammar with adaptive K
+(a second orchestrator on the same model servers, bench/services.py). Reported, with the spread
 over reps:
   - valid: answers that end on the grammar's end (finish EOS) and parse as JSON valid against their schema, over
     those answers; finished: answers that end within --tokens; whitespace: answers holding a run of 2 or more
@@ -114,7 +115,9 @@ def sender(address: str, k: int, tokens: int, temperature: float, top_p: float, 
     def send(job) -> dict:
         i, (name, prompt) = job
         req = pb.GenerateRequest(max_tokens=tokens, temperature=temperature, top_p=top_p, seed=1 + i)
-        req.num_speculative_tokens, req.prompt_lookup_min = k, 0
+        req.prompt_lookup_min = 0
+        if k is not None:  # None: the adaptive orchestrator chooses K round by round
+            req.num_speculative_tokens = k
         req.messages.add(role="user", content=prompt)
         if grammar:
             req.grammar.CopyFrom(ms_pb.Grammar(json_schema=json.dumps(SCHEMAS[name])))
@@ -154,9 +157,9 @@ def arm(address: str, urls: dict, jobs, tokens: int, k: int, mode: str, grammar:
     accepted = sum(r["stats"].accepted_tokens for r in results)
     rejected = sum(r["stats"].rejected_rounds for r in results)
     return {
-        "answers": results if grammar and k and mode == "greedy" else None,
+        "answers": results if grammar and k and mode == "greedy" else None,  # the fixed-K arm's
         **(judge(results) if grammar else {}),
-        "alpha": leviathan_alpha(accepted, rejected) if k else None,
+        "alpha": leviathan_alpha(accepted, rejected) if k != 0 else None,
         "tokens_per_s": generated / wall,
         "rules_us_per_token": 1e6 * rules_s / generated,
         "rules_wait_us_per_token": 1e6 * wait_s / generated,
@@ -200,13 +203,14 @@ def same_text_agreement(draft: str, target: str, answers: list[dict]) -> dict:
     return {key: v / total for key, v in hits.items()} | {"tokens": total}
 
 
-def one_run(address: str, urls: dict, jobs, tokens: int, k: int) -> dict:
+def one_run(address: str, urls: dict, auto: tuple, jobs, tokens: int, k: int) -> dict:
     out = {}
     for mode in MODES:
         r = {
             "grammar_k": arm(address, urls, jobs, tokens, k, mode, True),
             "plain_k": arm(address, urls, jobs, tokens, k, mode, False),
             "grammar_k0": arm(address, urls, jobs, tokens, 0, mode, True),
+            "grammar_auto": arm(*auto, jobs, tokens, None, mode, True),
         }
         step_us = 1e3 * r["grammar_k0"]["target_step_ms"]
         r["rules_share_of_step_k"] = r["grammar_k"]["rules_us_per_token"] / step_us if step_us else None
@@ -248,12 +252,12 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jobs = list(enumerate((name, prompt) for name, prompts in PROMPTS.items() for prompt in prompts))
-    procs, address, urls, _, forwards = start_services(args.draft, args.target, out / "services.log")
+    procs, address, urls, auto, forwards = start_services(args.draft, args.target, out / "services.log")
     try:
-        one_run(address, urls, jobs[:2], 16, args.k)  # warm-up: kernels, caches
+        one_run(address, urls, auto, jobs[:2], 16, args.k)  # warm-up: kernels, caches
         runs = []
         for rep in range(args.reps):
-            runs.append(one_run(address, urls, jobs, args.tokens, args.k))
+            runs.append(one_run(address, urls, auto, jobs, args.tokens, args.k))
             answers = runs[-1]["greedy"]["grammar_k"].pop("answers")
             for mode in MODES:
                 for arm in runs[-1][mode].values():
