@@ -53,7 +53,7 @@ class Generation:
         self.metrics = metrics
         self.speculation = speculation  # shared across requests: what rounds cost, recent alpha; None: not learned
         self.adaptive = (
-            AdaptiveK(speculation, spec.sampling.greedy, spec.k, spec.adaptive_start)
+            AdaptiveK(speculation, spec.sampling.greedy, spec.k, spec.adaptive_start, ruled=spec.rules is not None)
             if speculation and spec.adaptive_start is not None
             else None
         )

@@ -217,6 +217,9 @@ class Speculation:
             False: Acceptance(prior_rounds=PROCESS_PRIOR_ROUNDS, decay=PROCESS_DECAY),
         }
         self._requests = {True: 0, False: 0}
+        # what a row of output rules cost the last requests that had them: a new one's prior, since its own rounds
+        # come only as it runs
+        self.rules_row_s = {"target": 0.0, "draft": 0.0}
 
     def observe_start(self, k: int, draft_wall_s: float) -> None:
         self.costs.observe_start(k, draft_wall_s)
@@ -245,8 +248,9 @@ class Speculation:
 class AdaptiveK:
     """One request's choice of K, up to cap; start_k until the process has measured a drafted round."""
 
-    def __init__(self, shared: Speculation, greedy: bool, cap: int, start_k: int):
+    def __init__(self, shared: Speculation, greedy: bool, cap: int, start_k: int, ruled: bool = False):
         self.shared = shared
+        self.ruled = ruled  # the request has output rules (a grammar, penalties): it prices their rows
         self.greedy = greedy
         self.cap = cap
         self.start_k = min(start_k, cap)
@@ -255,7 +259,7 @@ class AdaptiveK:
         self._idle = 0  # rounds in a row this request chose K = 0
         # seconds a row of this request's output rules costs on the target and the draft (0 without rules): a
         # grammar's masks cost each verify row and each draft step, this request's alone
-        self.rules_row_s = {"target": 0.0, "draft": 0.0}
+        self.rules_row_s = dict(shared.rules_row_s) if ruled else {"target": 0.0, "draft": 0.0}
 
     def next_k(self, remaining: int | None = None, draft_started: bool = True) -> int:
         """remaining: the most tokens the request may still produce; draft_started: whether the draft holds
@@ -296,7 +300,11 @@ class AdaptiveK:
         self.acceptance.observe(drafted, accepted)
 
     def observe_rules(self, k: int, target: CallCost, draft: CallCost | None) -> None:
-        """A decoding round's rules: the target's over its k + 1 rows, the draft's over its steps (k of them)."""
-        self.rules_row_s["target"] = costs.ewma(self.rules_row_s["target"] or None, target.rules_s / (k + 1), COST_RATE)
+        """A decoding round's rules: the target's over its k + 1 rows, the draft's over its steps (k of them); the
+        process keeps them too, as the next ruled request's prior."""
+        seen = {"target": target.rules_s / (k + 1)}
         if draft is not None and k:
-            self.rules_row_s["draft"] = costs.ewma(self.rules_row_s["draft"] or None, draft.rules_s / k, COST_RATE)
+            seen["draft"] = draft.rules_s / k
+        for side, x in seen.items():
+            self.rules_row_s[side] = costs.ewma(self.rules_row_s[side] or None, x, COST_RATE)
+            self.shared.rules_row_s[side] = costs.ewma(self.shared.rules_row_s[side] or None, x, COST_RATE)

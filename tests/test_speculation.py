@@ -184,6 +184,9 @@ def test_a_requests_output_rules_are_priced_per_row_for_it_alone():
     dear.observe_rules(4, _call(0.012, 0.010, rules_s=5 * 0.002), _call(0.006, 0.005, rules_s=4 * 0.004))
     assert plain.next_k() > ruled.next_k() > dear.next_k() == 0
     assert ruled.rules_row_s == pytest.approx({"target": 0.0003, "draft": 0.0008})
+    # the next request with rules starts from what the last ones' rows cost; one without starts from nothing
+    assert sp.AdaptiveK(shared, greedy=True, cap=8, start_k=3, ruled=True).rules_row_s["draft"] > 0.0008
+    assert sp.AdaptiveK(shared, greedy=True, cap=8, start_k=3).rules_row_s == {"target": 0.0, "draft": 0.0}
     # a round's rules stay out of the process's costs: priced as the same round without them
     with_rules, without, counted = _costs(), _costs(), _costs()
     with_rules.observe(0.0205, _call(0.0122, 0.010, rules_s=0.002), _call(0.006, 0.005, rules_s=0.0003))
