@@ -199,6 +199,7 @@ class Stack:
     servicers_draft: object = None
     servicers_target: object = None
     tasks: list = field(default_factory=list)  # the model servers' expiry loops, which hold them until cancelled
+    http_port: int = 0  # the OpenAI-compatible API's, where make_http_stack started it
 
     def stub(self):
         channel = grpc.insecure_channel(self.address)
@@ -290,6 +291,25 @@ def make_stack(
         )
 
     return lt.run(start())
+
+
+def make_http_stack(lt: _Loop, tokenizer, draft_model, target_model, **kw) -> Stack:
+    """make_stack with the OpenAI-compatible API on a free port (stack.http_port); orch_cfg adds to it."""
+    from specdec.server import free_ports
+
+    port = free_ports(1)[0]
+    stack = make_stack(
+        lt, tokenizer, draft_model, target_model, orch_cfg={"http_port": port, **kw.pop("orch_cfg", {})}, **kw
+    )
+    stack.http_port = port
+    return stack
+
+
+def openai_client(stack: Stack, api_key: str = "none", **kw):
+    """The openai SDK's client on the stack's HTTP API, without retries (a test sees every answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key=api_key, max_retries=0, **kw)
 
 
 def stop_stack(stack: Stack) -> None:

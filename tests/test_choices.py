@@ -12,8 +12,7 @@ import openai
 import pytest
 import torch
 
-from conftest import eventually, make_stack, stop_stack
-from specdec.server import free_ports
+from conftest import eventually, make_http_stack, make_stack, openai_client, stop_stack
 from specdec.v1 import generation_pb2 as gen_pb
 
 PROMPT = "The lighthouse keeper opened the logbook and wrote"
@@ -23,9 +22,7 @@ TOLERANCE = 1e-3  # the lean runner and transformers sum in different orders: fl
 
 @pytest.fixture(scope="module")
 def stack(event_loop_thread, tokenizer, tiny_draft, target_model):
-    port = free_ports(1)[0]
-    s = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model, orch_cfg=dict(http_port=port))
-    s.http_port = port
+    s = make_http_stack(event_loop_thread, tokenizer, tiny_draft, target_model)
     yield s
     stop_stack(s)
 
@@ -53,7 +50,7 @@ def choices(messages) -> dict[int, Choice]:
 
 
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key="none", max_retries=0)
+    return openai_client(stack)
 
 
 def pools_drain(stack) -> bool:

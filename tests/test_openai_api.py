@@ -10,8 +10,7 @@ import json
 import openai
 import pytest
 
-from conftest import eventually, make_stack, stop_stack
-from specdec.server import free_ports
+from conftest import eventually, make_http_stack, openai_client, stop_stack
 from specdec.v1 import generation_pb2 as gen_pb
 
 MESSAGES = [{"role": "user", "content": "Name three colors of the rainbow."}]
@@ -19,23 +18,19 @@ MESSAGES = [{"role": "user", "content": "Name three colors of the rainbow."}]
 
 @pytest.fixture(scope="module")
 def api(event_loop_thread, tokenizer, tiny_draft, target_model):
-    port = free_ports(1)[0]
-    stack = make_stack(
+    stack = make_http_stack(
         event_loop_thread,
         tokenizer,
         tiny_draft,
         target_model,
-        orch_cfg=dict(http_port=port, max_concurrent_requests=1, max_queued_requests=1),
+        orch_cfg=dict(max_concurrent_requests=1, max_queued_requests=1),
     )
-    stack.http_port = port
     yield stack
     stop_stack(stack)
 
 
 def client(stack, **kw) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw
-    )
+    return openai_client(stack, **kw)
 
 
 def model_id(stack) -> str:
@@ -180,11 +175,7 @@ def response_lines(response):
 def test_with_an_api_key_a_request_without_it_is_401_and_with_it_served(
     event_loop_thread, tokenizer, tiny_draft, target_model
 ):
-    port = free_ports(1)[0]
-    stack = make_stack(
-        event_loop_thread, tokenizer, tiny_draft, target_model, orch_cfg=dict(http_port=port, api_key="s3cret")
-    )
-    stack.http_port = port
+    stack = make_http_stack(event_loop_thread, tokenizer, tiny_draft, target_model, orch_cfg=dict(api_key="s3cret"))
     try:
         with pytest.raises(openai.AuthenticationError) as err:
             client(stack, api_key="wrong").models.list()
@@ -193,7 +184,7 @@ def test_with_an_api_key_a_request_without_it_is_401_and_with_it_served(
             model=model_id_with(stack, "s3cret"), messages=MESSAGES, max_tokens=4
         )
         assert ok.choices[0].message.content is not None
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=10)
         conn.request("GET", "/health")  # health answers without the key, for probes
         assert conn.getresponse().status == 200
     finally:
@@ -327,11 +318,10 @@ def test_tokenize_and_detokenize_take_vllms_shapes(api, tokenizer):
 
 
 def test_health_is_503_while_no_target_replica_is_up(event_loop_thread, tokenizer, tiny_draft, target_model):
-    port = free_ports(1)[0]
-    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model, orch_cfg=dict(http_port=port))
+    stack = make_http_stack(event_loop_thread, tokenizer, tiny_draft, target_model)
 
     def health() -> int:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=10)
         conn.request("GET", "/health")
         return conn.getresponse().status
 

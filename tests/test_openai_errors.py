@@ -11,8 +11,7 @@ import random
 
 import pytest
 
-from conftest import make_stack, stop_stack
-from specdec.server import free_ports
+from conftest import make_http_stack, stop_stack
 
 BAD_ANY = [None, "x", "", [], {}, [[[]]], {"a": {"b": [1, {"c": None}]}}, True, 1.5, -(10**30), 10**40, 2**64]
 BAD = {  # field -> values that are wrong for it whatever else the body says
@@ -105,9 +104,7 @@ def _bodies(chat: bool, rng: random.Random, count: int):
 
 @pytest.fixture(scope="module")
 def api(event_loop_thread, tokenizer, tiny_draft, target_model):
-    port = free_ports(1)[0]
-    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model, orch_cfg=dict(http_port=port))
-    stack.http_port = port
+    stack = make_http_stack(event_loop_thread, tokenizer, tiny_draft, target_model)
     yield stack
     stop_stack(stack)
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from conftest import make_stack, stop_stack
+from conftest import make_http_stack, openai_client, stop_stack
 from orchestrator.openai_compat.logprobs import TokenTexts
-from specdec.server import free_ports
 
 MESSAGES = [{"role": "user", "content": "Name three colors of the rainbow."}]
 COMMON = dict(max_tokens=16, temperature=0, extra_body={"num_speculative_tokens": 3})
@@ -17,15 +16,13 @@ COMMON = dict(max_tokens=16, temperature=0, extra_body={"num_speculative_tokens"
 
 @pytest.fixture(scope="module")
 def api(event_loop_thread, tokenizer, partial_draft, target_model):
-    port = free_ports(1)[0]
-    stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model, orch_cfg=dict(http_port=port))
-    stack.http_port = port
+    stack = make_http_stack(event_loop_thread, tokenizer, partial_draft, target_model)
     yield stack
     stop_stack(stack)
 
 
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key="none", max_retries=0)
+    return openai_client(stack)
 
 
 def model(stack) -> str:

@@ -13,10 +13,9 @@ import llguidance.hf
 import openai
 import pytest
 
-from conftest import make_stack, stop_stack
+from conftest import make_http_stack, openai_client, stop_stack
 from orchestrator.openai_compat.errors import ApiError
 from orchestrator.openai_compat.request import generate_request
-from specdec.server import free_ports
 
 MESSAGES = [{"role": "user", "content": "Describe a person: name and age."}]
 PERSON = {
@@ -156,15 +155,13 @@ def test_logit_bias_penalties_and_min_tokens_map_onto_the_request():
 
 @pytest.fixture(scope="module")
 def api(event_loop_thread, tokenizer, tiny_draft, target_model):
-    port = free_ports(1)[0]
-    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model, orch_cfg=dict(http_port=port))
-    stack.http_port = port
+    stack = make_http_stack(event_loop_thread, tokenizer, tiny_draft, target_model)
     yield stack
     stop_stack(stack)
 
 
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key="none", max_retries=0)
+    return openai_client(stack)
 
 
 def ask(stack, **fields):

@@ -9,12 +9,11 @@ import json
 import openai
 import pytest
 
-from conftest import make_stack, stop_stack
+from conftest import make_http_stack, openai_client, stop_stack
 from orchestrator import tools
 from orchestrator.openai_compat.errors import ApiError
 from orchestrator.openai_compat.request import generate_request
 from orchestrator.openai_compat.tool_calls import CallStream, parse
-from specdec.server import free_ports
 from specdec.v1 import generation_pb2 as gen_pb
 
 CITY = {
@@ -204,15 +203,13 @@ def test_a_stream_holds_back_no_text_that_cannot_start_a_call():
 
 @pytest.fixture(scope="module")
 def api(event_loop_thread, tokenizer, tiny_draft, target_model):
-    port = free_ports(1)[0]
-    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model, orch_cfg=dict(http_port=port))
-    stack.http_port = port
+    stack = make_http_stack(event_loop_thread, tokenizer, tiny_draft, target_model)
     yield stack
     stop_stack(stack)
 
 
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key="none", max_retries=0)
+    return openai_client(stack)
 
 
 def create(stack, **fields):
