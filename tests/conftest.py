@@ -328,6 +328,14 @@ def stop_stack(stack: Stack) -> None:
 
 
 @pytest.fixture(scope="module")
+def http_stack(event_loop_thread, tokenizer, tiny_draft, target_model):
+    """The services with the OpenAI-compatible API, the tiny draft: one per test module that asks for it."""
+    stack = make_http_stack(event_loop_thread, tokenizer, tiny_draft, target_model)
+    yield stack
+    stop_stack(stack)
+
+
+@pytest.fixture(scope="module")
 def partial_stack(event_loop_thread, tokenizer, partial_draft, target_model):
     stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model)
     yield stack

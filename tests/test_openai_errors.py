@@ -11,8 +11,6 @@ import random
 
 import pytest
 
-from conftest import make_http_stack, stop_stack
-
 BAD_ANY = [None, "x", "", [], {}, [[[]]], {"a": {"b": [1, {"c": None}]}}, True, 1.5, -(10**30), 10**40, 2**64]
 BAD = {  # field -> values that are wrong for it whatever else the body says
     "max_tokens": ["5", 0, -1, -(10**9), 2**32, 10**100, 1.5, True, [1], {"a": 1}],
@@ -103,10 +101,8 @@ def _bodies(chat: bool, rng: random.Random, count: int):
 
 
 @pytest.fixture(scope="module")
-def api(event_loop_thread, tokenizer, tiny_draft, target_model):
-    stack = make_http_stack(event_loop_thread, tokenizer, tiny_draft, target_model)
-    yield stack
-    stop_stack(stack)
+def api(http_stack):
+    return http_stack
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])

@@ -10,10 +10,9 @@ import re
 
 import llguidance
 import llguidance.hf
-import openai
 import pytest
 
-from conftest import make_http_stack, openai_client, stop_stack
+from conftest import openai_client
 from orchestrator.openai_compat.errors import ApiError
 from orchestrator.openai_compat.request import generate_request
 
@@ -154,19 +153,13 @@ def test_logit_bias_penalties_and_min_tokens_map_onto_the_request():
 
 
 @pytest.fixture(scope="module")
-def api(event_loop_thread, tokenizer, tiny_draft, target_model):
-    stack = make_http_stack(event_loop_thread, tokenizer, tiny_draft, target_model)
-    yield stack
-    stop_stack(stack)
-
-
-def client(stack) -> openai.OpenAI:
-    return openai_client(stack)
+def api(http_stack):
+    return http_stack
 
 
 def ask(stack, **fields):
     request = {"model": stack.target.cfg.model, "messages": MESSAGES, "max_tokens": 60, "temperature": 0, **fields}
-    return client(stack).chat.completions.create(**request).choices[0]
+    return openai_client(stack).chat.completions.create(**request).choices[0]
 
 
 def test_a_json_schema_answer_is_json_valid_against_the_schema(api):
@@ -198,7 +191,7 @@ def test_a_logit_bias_of_100_makes_the_token_the_greedy_answer(api, tokenizer):
 
 def test_min_tokens_holds_back_the_end_of_a_short_answer(api):
     def say_hi(**extra):
-        return client(api).chat.completions.create(
+        return openai_client(api).chat.completions.create(
             model=api.target.cfg.model,
             messages=[{"role": "user", "content": "Say hi."}],
             max_tokens=48,

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
-from conftest import make_http_stack, openai_client, stop_stack
+from conftest import openai_client
 from orchestrator import tools
 from orchestrator.openai_compat.errors import ApiError
 from orchestrator.openai_compat.request import generate_request
@@ -202,19 +201,13 @@ def test_a_stream_holds_back_no_text_that_cannot_start_a_call():
 
 
 @pytest.fixture(scope="module")
-def api(event_loop_thread, tokenizer, tiny_draft, target_model):
-    stack = make_http_stack(event_loop_thread, tokenizer, tiny_draft, target_model)
-    yield stack
-    stop_stack(stack)
-
-
-def client(stack) -> openai.OpenAI:
-    return openai_client(stack)
+def api(http_stack):
+    return http_stack
 
 
 def create(stack, **fields):
     request = {"model": stack.target.cfg.model, "messages": ASK, "max_tokens": 60, "temperature": 0, **fields}
-    return client(stack).chat.completions.create(**request)
+    return openai_client(stack).chat.completions.create(**request)
 
 
 def test_the_prompt_holds_the_tools_and_the_history_in_the_generic_format(api, tokenizer):
