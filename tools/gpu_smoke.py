@@ -15,6 +15,7 @@ passed, 1 when one failed, 2 when the services could not start.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -254,6 +255,7 @@ def run_requests(services: Services, args: argparse.Namespace, check: Checks) ->
         first[0] == second[0],
         "" if first[0] == second[0] else f"differ at token {first_divergence(first[0], second[0])}",
     )
+    check_structured(address, k, n, check)
     # at once: greedy and sampled alternate, each greedy one checked against K = 0 alone
     jobs = [
         (PROMPTS[i // 2 % len(PROMPTS)], speculative if i % 2 == 0 else dict(sampled, seed=100 + i))
@@ -275,6 +277,40 @@ def run_requests(services: Services, args: argparse.Namespace, check: Checks) ->
             compare_greedy(check, name, result[0], ref[p][0], (result[1], ref[p][1]))
         else:
             check(name, len(result[0]) > 0)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 40}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+def check_structured(address: str, k: int, n: int, check: Checks) -> None:
+    """A JSON schema as the grammar, with speculation, greedy and sampled: the output rules run on the device's rows
+    (masks on the host, the rows crossing once): greedy equals K = 0 under the same grammar, and both parse."""
+    import importlib.util
+
+    from specdec.v1 import generation_pb2 as pb, model_server_pb2 as ms_pb
+
+    if importlib.util.find_spec("llguidance") is None:  # requirements/gpu.txt has it; a bare machine may not
+        print("  skip structured output: llguidance is not installed (pip install llguidance==1.9.1)")
+        return
+    prompt = "The weather in Oslo for the next days, as JSON."
+    # room for the whole answer (about 15 tokens), whatever --tokens the other checks run
+    rules = dict(grammar=ms_pb.Grammar(json_schema=json.dumps(SCHEMA)), prompt_lookup_min=0, max_tokens=max(n, 48))
+    ref = generate(address, prompt, num_speculative_tokens=0, temperature=0.0, **rules)
+    got = generate(address, prompt, num_speculative_tokens=k, temperature=0.0, **rules)
+    sampled = generate(address, prompt, num_speculative_tokens=k, seed=3, **SAMPLED, **rules)
+    compare_greedy(check, f"K = {k} greedy under a JSON schema", got[0], ref[0], (got[1], ref[1]))
+    for name, (_, text, stats) in (("greedy", got), ("sampled", sampled)):
+        try:
+            valid = set(json.loads(text)) == {"city", "days"}
+        except ValueError:
+            valid = False
+        ended = stats.finish_reason == pb.FINISH_REASON_EOS_TOKEN  # the grammar ended it
+        check(f"the {name} answer under a JSON schema ends and parses", valid and ended, repr(text[:80]))
 
 
 # ---- 4) the costs -------------------------------------------------------------------------------------------------
