@@ -309,6 +309,18 @@ def unpack(bitmask: np.ndarray, vocab: int) -> np.ndarray:
     return np.unpackbits(bitmask.view(np.uint8), axis=-1, count=vocab, bitorder="little").view(bool)
 
 
+_MASKS: ThreadPoolExecutor | None = None
+
+
+def _masks_thread() -> ThreadPoolExecutor:
+    """The process's one thread for grammar masks computed beside forward passes: it lives with the process, as a
+    server does, and holds nothing of a server between calls."""
+    global _MASKS
+    if _MASKS is None:
+        _MASKS = ThreadPoolExecutor(1, thread_name_prefix="rules")
+    return _MASKS
+
+
 class RuleBook:
     """A model server's rules: the tokenizer its grammars mask over, built on first use, and each session's state."""
 
@@ -320,7 +332,6 @@ class RuleBook:
         self.metrics = metrics  # a server's ModelServerMetrics: the rules' seconds and rows
         self._tokenizer = None
         self._checked: dict[bytes, Rules | None] = {}
-        self._pool: ThreadPoolExecutor | None = None  # the thread the grammar's masks are computed on
 
     @property
     def tokenizer(self):
@@ -348,9 +359,7 @@ class RuleBook:
         once the pass has fed it."""
         if state is None or state.matcher is None or not self.beside:
             return None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="rules")
-        future = asyncio.get_running_loop().run_in_executor(self._pool, self._timed, state, tokens, first, n)
+        future = asyncio.get_running_loop().run_in_executor(_masks_thread(), self._timed, state, tokens, first, n)
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failed call may never await it
         return future
 
