@@ -99,6 +99,11 @@ class Rules:
     def counts_tokens(self) -> bool:
         return bool(self.presence or self.frequency or self.repetition != 1.0)
 
+    @property
+    def has_edits(self) -> bool:
+        """Whether any rule but the grammar changes a row (bias, penalties, min_tokens)."""
+        return bool(self.bias or self.counts_tokens or (self.min_tokens and self.blocked))
+
 
 def from_proto(msg, vocab_size: int) -> Rules | None:
     """The rules of a request's OutputRules, or None where they change nothing; INVALID_ARGUMENT when out of range."""
@@ -141,6 +146,7 @@ class RuleState:
         self.consumed: list[int] = []  # output tokens the matcher has taken
         self._columns = None  # (a draft's scored ids, token -> column)
         self._mask_buffer = None  # the grammar's bitmasks, [rows, words] int32
+        self._mask_tensor = None  # the same as a tensor
         if rules.grammar is not None:
             import llguidance
 
@@ -168,20 +174,29 @@ class RuleState:
         column = self._column_map(ids)
         out = logits.cpu()  # the rules run on the host: a device's few rows cross once, and are sampled there
         out = out if out.dtype == torch.float32 else out.float()  # [n, columns], edited in place
-        host = out.numpy()
-        for rows, cols, fn in self._sparse_edits(tokens, first, n, column):
-            host[rows, cols] = fn(host[rows, cols])
+        if self.rules.has_edits:
+            host = out.numpy()
+            for rows, cols, fn in self._sparse_edits(tokens, first, n, column):
+                host[rows, cols] = fn(host[rows, cols])
         if self.matcher is not None:
             packed = self.masks(tokens, first, n, vocab) if packed is None else packed  # [n, words] int32
             kernels = kernels_for(out)
             if kernels is not None:  # specdec's kernel: one pass over each row, in place
-                kernels.mask_rows(out, torch.from_numpy(packed), _NO_IDS if ids is None else self._id_tensor(ids))
-            elif ids is None:
+                kernels.mask_rows(out, self._as_tensor(packed), _NO_IDS if ids is None else self._id_tensor(ids))
+                return out
+            host = out.numpy()
+            if ids is None:
                 np.putmask(host, ~unpack(packed, vocab), -np.inf)
             else:  # only the draft's columns: a quarter of the row for the embedded draft
                 where = self._id_array(ids)
                 np.putmask(host, ((packed[:, where >> 5] >> (where & 31)) & 1) == 0, -np.inf)
         return out
+
+    def _as_tensor(self, packed: np.ndarray) -> torch.Tensor:
+        """packed as a tensor: a view of the session's buffer made once, when it is that buffer's rows."""
+        if self._mask_buffer is not None and packed.base is self._mask_buffer:
+            return self._mask_tensor[: packed.shape[0]]
+        return torch.from_numpy(packed)
 
     def _id_tensor(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self._id_array(ids))
@@ -245,11 +260,12 @@ class RuleState:
         walker = self.matcher.deep_copy() if drafts else self.matcher  # filling a mask leaves a matcher as it was
         valid = walker.validate_tokens(drafts) if drafts else 0
         bitmask = self._bitmask(n, vocab)  # [n, ceil(vocab / 32)] int32, kept between calls
+        row_bytes, at = bitmask.shape[1] * 4, bitmask.ctypes.data
         for i in range(n):
             if i > valid:  # after a draft the grammar rejects: a meaningless row, kept well defined
                 bitmask[i] = bitmask[i - 1]
                 continue
-            walker.unsafe_compute_mask_ptr(bitmask[i].ctypes.data, bitmask.shape[1] * 4)
+            walker.unsafe_compute_mask_ptr(at + i * row_bytes, row_bytes)
             if i < min(valid, n - 1):
                 walker.consume_token(drafts[i])
         return bitmask[:n]
@@ -257,6 +273,7 @@ class RuleState:
     def _bitmask(self, n: int, vocab: int) -> np.ndarray:
         if self._mask_buffer is None or self._mask_buffer.shape[0] < n:
             self._mask_buffer = np.empty((max(n, 9), (vocab + 31) // 32), dtype=np.int32)
+            self._mask_tensor = torch.from_numpy(self._mask_buffer)  # the same memory
         return self._mask_buffer
 
     def valid_prefix(self, tokens: list[int], drafts: list[int]) -> int:
