@@ -21,6 +21,7 @@ from cli.main import prometheus_config
 from conftest import make_stack, stop_stack
 from specdec.config import OrchestratorConfig
 from specdec.server import free_ports
+from specdec.v1 import model_server_pb2 as ms_pb
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "specdec.json"
@@ -134,6 +135,7 @@ def test_every_dashboard_and_alert_expression_returns_data(
             prompt="red green blue red green blue red green", max_tokens=12, temperature=0.0, prompt_lookup_min=2
         )
         assert stats.lookup_rounds > 0  # the pattern repeats, so prompt lookup proposed
+        stack.generate(prompt="A JSON object:", max_tokens=12, temperature=0.0, grammar=ms_pb.Grammar(json_object=True))
         with pytest.raises(grpc.RpcError):
             stack.generate(prompt="hi", top_p=3.0)
         time.sleep(4)
