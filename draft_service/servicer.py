@@ -54,8 +54,9 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
         if not feed:
             raise invalid("tokens is empty: send at least the last token of the sequence")
         rows = self._features(req.features, len(feed))  # [len(feed), hidden] for a head, else None
-        wanted = req.rules if req.HasField("rules") else None
-        core.rules.check(wanted)  # INVALID_ARGUMENT before the session moves
+        checked = core.rules.check(
+            req.rules if req.HasField("rules") else None
+        )  # INVALID_ARGUMENT before the session moves
         resp = draft_pb2.ProposeTokensResponse()
         stats = CallStats(core.engine)
         with core.session(req.cursor, len(feed) + max(k - 1, 0)) as s:
@@ -64,7 +65,7 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
                 await core.forward(s, feed, 1, stats, scored_only=True, features_in=rows)
                 s.keep_probs(None)
             else:
-                rules = core.rules.state_for(s, wanted)
+                rules = core.rules.state_for(s, checked)
                 probs = await self._draft(s, feed, rows, k, params, req.min_confidence, rules, resp, stats)
                 s.keep_probs(probs, first, self.ids)
             if rows is not None:

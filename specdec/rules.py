@@ -102,7 +102,7 @@ class Rules:
     @property
     def has_edits(self) -> bool:
         """Whether any rule but the grammar changes a row (bias, penalties, min_tokens)."""
-        return bool(self.bias or self.counts_tokens or (self.min_tokens and self.blocked))
+        return bool(self.bias or self.counts_tokens or self.blocked)
 
 
 def from_proto(msg, vocab_size: int) -> Rules | None:
@@ -144,7 +144,7 @@ class RuleState:
         self.eos_ids = frozenset(eos_ids)  # the grammar's end: after one, nothing is allowed
         self.matcher = None
         self.consumed: list[int] = []  # output tokens the matcher has taken
-        self._columns = None  # (a draft's scored ids, token -> column)
+        self._columns = None  # (a draft's scored ids, token -> column, the ids as int64 tensor)
         self._mask_buffer = None  # the grammar's bitmasks, [rows, words] int32
         self._mask_tensor = None  # the same as a tensor
         if rules.grammar is not None:
@@ -168,8 +168,9 @@ class RuleState:
         computed beforehand by ``masks`` (beside the forward pass), else computed here.
 
         Biases, penalties and min_tokens touch only the columns of the tokens they name or the history holds, a few
-        hundred at most; the grammar's mask is the one vocabulary-wide step, done in numpy. Vocabulary-wide torch ops
-        here would each wake a team of threads beside the engine's, which on a small CPU made them 5x slower."""
+        hundred at most; the grammar's mask is the one vocabulary-wide step, in specdec's kernel (numpy where it
+        cannot be built). Vocabulary-wide torch ops here would each wake a team of threads beside the engine's,
+        which on a small CPU made them 5x slower."""
         n = logits.shape[0]
         column = self._column_map(ids)
         out = logits.cpu()  # the rules run on the host: a device's few rows cross once, and are sampled there
@@ -188,7 +189,7 @@ class RuleState:
             if ids is None:
                 np.putmask(host, ~unpack(packed, vocab), -np.inf)
             else:  # only the draft's columns: a quarter of the row for the embedded draft
-                where = self._id_array(ids)
+                where = self._id_tensor(ids).numpy()
                 np.putmask(host, ((packed[:, where >> 5] >> (where & 31)) & 1) == 0, -np.inf)
         return out
 
@@ -199,13 +200,8 @@ class RuleState:
         return torch.from_numpy(packed)
 
     def _id_tensor(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self._id_array(ids))
-
-    def _id_array(self, ids: torch.Tensor) -> np.ndarray:
-        """A draft's scored ids as an int64 array, kept with its column map."""
+        """A draft's scored ids as an int64 CPU tensor, kept with its column map."""
         self._column_map(ids)
-        if len(self._columns) < 3:
-            self._columns = (*self._columns, ids.cpu().numpy().astype(np.int64))
         return self._columns[2]
 
     def _column_map(self, ids: torch.Tensor | None):
@@ -213,7 +209,8 @@ class RuleState:
         if ids is None:
             return lambda t: t
         if self._columns is None or self._columns[0] is not ids:
-            self._columns = (ids, {int(t): c for c, t in enumerate(ids.tolist())}.get)
+            as_list = ids.tolist()
+            self._columns = (ids, {t: c for c, t in enumerate(as_list)}.get, torch.tensor(as_list, dtype=torch.long))
         return self._columns[1]
 
     def _sparse_edits(self, tokens: list[int], first: int, n: int, column) -> list:
@@ -252,10 +249,8 @@ class RuleState:
     def masks(self, tokens: list[int], first: int, n: int, vocab: int) -> np.ndarray:
         """``allowed`` as llguidance's bitmask, [n, ceil(vocab / 32)] int32 (a buffer the next call reuses). It reads
         only the tokens, so a server computes it while the rows' forward pass runs (RuleBook.masks)."""
-        output = tokens[self.rules.output_start : first]
-        if self.eos_ids.intersection(output):  # a draft's own steps past the grammar's end: nothing more
-            return np.zeros((n, (vocab + 31) // 32), dtype=np.int32)
-        self._sync(output)
+        if not self._follow(tokens[self.rules.output_start : first]):
+            return np.zeros((n, (vocab + 31) // 32), dtype=np.int32)  # a draft's own steps past the end: nothing
         drafts = tokens[first : first + n - 1]
         walker = self.matcher.deep_copy() if drafts else self.matcher  # filling a mask leaves a matcher as it was
         valid = walker.validate_tokens(drafts) if drafts else 0
@@ -279,13 +274,19 @@ class RuleState:
     def valid_prefix(self, tokens: list[int], drafts: list[int]) -> int:
         """How many of the drafts after tokens the grammar accepts, in order: where proposals made without the
         grammar (prompt lookup) are cut before a Verify, which would give the rest p = 0."""
-        output = tokens[self.rules.output_start :]
         if self.matcher is None or not drafts:
             return len(drafts)
-        if self.eos_ids.intersection(output):
+        if not self._follow(tokens[self.rules.output_start :]):
             return 0
-        self._sync(output)
         return self.matcher.validate_tokens(drafts)
+
+    def _follow(self, output: list[int]) -> bool:
+        """Move the matcher to the output given, unless the output has passed the grammar's end (an end-of-sequence
+        token): then nothing more is allowed, and False."""
+        if self.eos_ids.intersection(output):
+            return False
+        self._sync(output)
+        return True
 
     def _sync(self, output: list[int]) -> None:
         """Move the matcher to the output tokens given: roll back what they no longer hold, take what they add."""
@@ -401,10 +402,9 @@ class RuleBook:
             self.metrics.rules_rows.inc(logits.shape[0])
         return out
 
-    def state_for(self, session, msg) -> RuleState | None:
-        """The session's RuleState for a request's rules (checked by ``check``), kept on the session and rebuilt when
-        the rules change."""
-        rules = self.check(msg)
+    def state_for(self, session, rules: Rules | None) -> RuleState | None:
+        """The session's RuleState for a request's rules (as ``check`` returned them), kept on the session and rebuilt
+        when the rules change."""
         if session.rules is not None and session.rules[0] == rules:
             return session.rules[1]
         state = RuleState(rules, self.tokenizer if rules.grammar else None, self.eos_ids) if rules is not None else None

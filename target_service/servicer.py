@@ -64,13 +64,14 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         if not unseen:
             raise invalid("tokens is empty: send at least the last token of the sequence")
         logprobs.check(req)
-        wanted = req.rules if req.HasField("rules") else None
-        core.rules.check(wanted)  # INVALID_ARGUMENT before the session moves
+        checked = core.rules.check(
+            req.rules if req.HasField("rules") else None
+        )  # INVALID_ARGUMENT before the session moves
         stats = CallStats(core.engine)
         scored = len(unseen) + len(drafts) if req.prompt_logprobs else len(drafts) + 1  # rows whose logits it needs
         with core.session(req.cursor, len(unseen) + len(drafts), req.return_features) as s:
             start = len(s.tokens)  # the cursor's keep_length
-            rules = core.rules.state_for(s, wanted)
+            rules = core.rules.state_for(s, checked)
             masks = core.rules.masks(rules, s.tokens + unseen + drafts, start + len(unseen), len(drafts) + 1)
             logits = await core.forward(s, unseen + drafts, scored, stats)  # [scored, vocab]
         resp = target_pb2.VerifyResponse(length=len(s.tokens))
