@@ -95,22 +95,31 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
         all forbids ends the round there (its mass is never renormalized onto tokens the grammar refuses)."""
         core, head = self.core, rows is not None
         dists = []
+        # greedy asks the grammar about its best tokens instead of masking the row (RuleState.argmax), unless the
+        # confidence is read, which needs the masked row's top probability
+        lazy = rules is not None and params.greedy and not min_confidence
         confidence = 1.0  # the draft's estimate that the target accepts every token so far
         for _ in range(k):  # each step a pass of the engine, beside the other sessions' steps
-            masks = core.rules.masks(rules, s.tokens + feed, len(s.tokens) + len(feed), 1)  # beside the pass
+            masks = None if lazy else core.rules.masks(rules, s.tokens + feed, len(s.tokens) + len(feed), 1)  # beside
             step = await core.feed(s, feed, 1, stats, scored_only=True, features_in=rows, norm_rows=int(head))
             logits = step.logits  # [1, scored tokens]
             position = len(s.tokens)  # absolute position of the token drafted now
+            pick = None
             if rules is not None:
                 t0 = time.perf_counter()
-                logits = await core.rules.apply(rules, logits, s.tokens, position, self.ids, masks)
+                if lazy:
+                    (pick,), logits = core.rules.argmax(rules, logits, s.tokens, position, self.ids)
+                    blocked = logits[0, pick].item() == float("-inf")  # the best allowed is -inf: nothing is
+                else:
+                    logits = await core.rules.apply(rules, logits, s.tokens, position, self.ids, masks)
+                    blocked = np.isneginf(logits.numpy()).all()
                 resp.rules_seconds += time.perf_counter() - t0
-                if np.isneginf(logits.numpy()).all():  # nothing allowed: the round ends at the token before this step
+                if blocked:  # nothing allowed: the round ends at the token before this step
                     if resp.token_ids:  # it was fed to reach this step: the session keeps the drafts but the last
                         core.pool.truncate(s, position - 1)
                     break
             if params.greedy:
-                x, qx = self._token(argmax_rows(logits)[0]), 1.0
+                x, qx = self._token(pick if pick is not None else argmax_rows(logits)[0]), 1.0
                 if min_confidence:
                     confidence *= top_probability(logits[0])
             else:

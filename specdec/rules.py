@@ -17,13 +17,14 @@ logits are the same in any batch or call. The grammar runs on llguidance (bench/
 the embedded tokenizer, against xgrammar's 96-152 us). A session keeps a matcher at its committed tokens; a call
 walks a copy of it through the drafts, so a rejected draft needs no rollback. A draft the grammar rejects makes
 the rows after it meaningless; they keep the last allowed row's mask (never all -inf), and the ratio test never
-reads them, since that draft has p = 0.
+reads them, since that draft has p = 0. Greedy rows need only their best allowed token: ``argmax`` asks the matcher
+about the row's best few tokens and fills a mask only where that cannot decide (specdec/grammar.py), with the same
+result as the masked row's argmax.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,53 +34,13 @@ import numpy as np
 import torch
 
 from specdec.errors import ServiceError, invalid
+from specdec.grammar import best_allowed, check_grammar, grammar_text, lltokenizer, unpack
 from specdec.runners.kernels import kernels_for
+from specdec.sampling import argmax_rows
 
 _NO_IDS = torch.empty(0, dtype=torch.long)  # mask_rows' columns for a full row
 
-# JSON from a schema: one compact form (", " and ": "), so no answer can run on in whitespace
-JSON_FORM = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_BIAS = 100.0
-
-
-def grammar_text(grammar) -> str | None:
-    """llguidance's grammar for a specdec.v1.Grammar message, or None when it is unset; INVALID_ARGUMENT when the
-    JSON schema is not JSON."""
-    import llguidance
-
-    kind = grammar.WhichOneof("kind")
-    if kind is None or (kind == "json_object" and not grammar.json_object):
-        return None
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(grammar.regex)
-    if kind == "lark":
-        return llguidance.LLMatcher.grammar_from_lark(grammar.lark)
-    if kind == "json_object":
-        schema = {"type": "object"}
-    else:
-        try:
-            schema = json.loads(grammar.json_schema)
-        except ValueError as e:
-            raise invalid(f"grammar.json_schema is not JSON: {e}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise invalid("grammar.json_schema must be a JSON schema: an object (or true)")
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORM)
-
-
-def check_grammar(text: str, tokenizer) -> None:
-    """INVALID_ARGUMENT naming llguidance's error when the grammar does not compile for this tokenizer."""
-    import llguidance
-
-    error = llguidance.LLMatcher.validate_grammar(text, tokenizer)
-    if error:
-        raise invalid(f"the grammar does not compile: {error.strip()}")
-
-
-def lltokenizer(hf_tokenizer, vocab_size: int, eos_ids: list[int]):
-    """The tokenizer llguidance masks over: the model's vocabulary, the grammar ending on any of its EOS tokens."""
-    import llguidance.hf
-
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
 
 
 @dataclass(frozen=True)
@@ -143,6 +104,7 @@ class RuleState:
         self.rules = rules
         self.eos_ids = frozenset(eos_ids)  # the grammar's end: after one, nothing is allowed
         self.matcher = None
+        self.ends = frozenset(tokenizer.eos_tokens) if tokenizer is not None else frozenset()  # where masks allow
         self.consumed: list[int] = []  # output tokens the matcher has taken
         self._columns = None  # (a draft's scored ids, token -> column, the ids as int64 tensor)
         self._mask_buffer = None  # the grammar's bitmasks, [rows, words] int32
@@ -171,26 +133,61 @@ class RuleState:
         hundred at most; the grammar's mask is the one vocabulary-wide step, in specdec's kernel (numpy where it
         cannot be built). Vocabulary-wide torch ops here would each wake a team of threads beside the engine's,
         which on a small CPU made them 5x slower."""
+        out = self._edited(logits, tokens, first, ids)
+        if self.matcher is not None:
+            packed = self.masks(tokens, first, logits.shape[0], vocab) if packed is None else packed  # [n, words]
+            self._mask(out, packed, vocab, ids)
+        return out
+
+    def argmax(self, logits, tokens: list[int], first: int, vocab: int, ids=None) -> tuple[list[int], torch.Tensor]:
+        """Each row's argmax column under the rules, the same as ``apply`` then argmax_rows, and the rows (float32 on
+        the host, edited; masked only where a mask decided): greedy needs only the best token the grammar allows,
+        which the matcher finds in most rows without filling the mask (grammar.best_allowed). Arguments as
+        ``apply``'s."""
         n = logits.shape[0]
-        column = self._column_map(ids)
+        out = self._edited(logits, tokens, first, ids)
+        if self.matcher is None:
+            return argmax_rows(out), out
+        if not self._follow(tokens[self.rules.output_start : first]):  # past the grammar's end: nothing allowed
+            return argmax_rows(self._mask(out, self.masks(tokens, first, n, vocab), vocab, ids)), out
+        drafts = tokens[first : first + n - 1]
+        walker = self.matcher.deep_copy() if drafts else self.matcher  # as in ``masks``
+        valid = walker.validate_tokens(drafts) if drafts else 0
+        host, columns = out.numpy(), None if ids is None else self._id_tensor(ids).numpy()
+        picks = []
+        for i in range(n):  # rows after a draft the grammar rejects keep the walker where it stopped, as ``masks``
+            pick = best_allowed(walker, host[i], columns, self.ends)
+            if pick is None:  # the mask decides, for this row alone
+                row = self._bitmask(1, vocab)[:1]
+                walker.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+                pick = argmax_rows(self._mask(out[i : i + 1], row, vocab, ids))[0]
+            picks.append(pick)
+            if i < min(valid, n - 1):
+                walker.consume_token(drafts[i])
+        return picks, out
+
+    def _edited(self, logits: torch.Tensor, tokens: list[int], first: int, ids) -> torch.Tensor:
+        """The rows with biases, penalties and min_tokens applied: float32 on the host, in place where they are."""
         out = logits.cpu()  # the rules run on the host: a device's few rows cross once, and are sampled there
         out = out if out.dtype == torch.float32 else out.float()  # [n, columns], edited in place
         if self.rules.has_edits:
             host = out.numpy()
-            for rows, cols, fn in self._sparse_edits(tokens, first, n, column):
+            for rows, cols, fn in self._sparse_edits(tokens, first, logits.shape[0], self._column_map(ids)):
                 host[rows, cols] = fn(host[rows, cols])
-        if self.matcher is not None:
-            packed = self.masks(tokens, first, n, vocab) if packed is None else packed  # [n, words] int32
-            kernels = kernels_for(out)
-            if kernels is not None:  # specdec's kernel: one pass over each row, in place
-                kernels.mask_rows(out, self._as_tensor(packed), _NO_IDS if ids is None else self._id_tensor(ids))
-                return out
-            host = out.numpy()
-            if ids is None:
-                np.putmask(host, ~unpack(packed, vocab), -np.inf)
-            else:  # only the draft's columns: a quarter of the row for the embedded draft
-                where = self._id_tensor(ids).numpy()
-                np.putmask(host, ((packed[:, where >> 5] >> (where & 31)) & 1) == 0, -np.inf)
+        return out
+
+    def _mask(self, out: torch.Tensor, packed: np.ndarray, vocab: int, ids) -> torch.Tensor:
+        """out with -inf where the bitmasks packed ([rows, words] int32) refuse the column's token, in place."""
+        kernels = kernels_for(out)
+        if kernels is not None:  # specdec's kernel: one pass over each row, in place
+            kernels.mask_rows(out, self._as_tensor(packed), _NO_IDS if ids is None else self._id_tensor(ids))
+            return out
+        host = out.numpy()
+        if ids is None:
+            np.putmask(host, ~unpack(packed, vocab), -np.inf)
+        else:  # only the draft's columns: a quarter of the row for the embedded draft
+            where = self._id_tensor(ids).numpy()
+            np.putmask(host, ((packed[:, where >> 5] >> (where & 31)) & 1) == 0, -np.inf)
         return out
 
     def _as_tensor(self, packed: np.ndarray) -> torch.Tensor:
@@ -322,11 +319,6 @@ def _counts(tokens: list[int], start: int, first: int, n: int) -> tuple[np.ndarr
     return cand, counts.astype(np.float32), seen
 
 
-def unpack(bitmask: np.ndarray, vocab: int) -> np.ndarray:
-    """llguidance's int32 bitmask ([n, words], bit j of word w is token 32 w + j) as [n, vocab] bool."""
-    return np.unpackbits(bitmask.view(np.uint8), axis=-1, count=vocab, bitorder="little").view(bool)
-
-
 _MASKS: ThreadPoolExecutor | None = None
 
 
@@ -401,6 +393,18 @@ class RuleBook:
             self.metrics.rules_wait_seconds.inc(time.perf_counter() - t0)
             self.metrics.rules_rows.inc(logits.shape[0])
         return out
+
+    def argmax(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids=None):
+        """state.argmax over this server's vocabulary (greedy's columns and the rows), timed into the server's
+        metrics; it needs no masks started beside the pass."""
+        t0 = time.perf_counter()
+        picks, out = state.argmax(logits, tokens, first, self.vocab_size, ids)
+        if self.metrics is not None:
+            spent = time.perf_counter() - t0
+            self.metrics.rules_seconds.inc(spent)
+            self.metrics.rules_wait_seconds.inc(spent)
+            self.metrics.rules_rows.inc(logits.shape[0])
+        return picks, out
 
     def state_for(self, session, rules: Rules | None) -> RuleState | None:
         """The session's RuleState for a request's rules (as ``check`` returned them), kept on the session and rebuilt

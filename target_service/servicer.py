@@ -72,7 +72,11 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         with core.session(req.cursor, len(unseen) + len(drafts), req.return_features) as s:
             start = len(s.tokens)  # the cursor's keep_length
             rules = core.rules.state_for(s, checked)
-            masks = core.rules.masks(rules, s.tokens + unseen + drafts, start + len(unseen), len(drafts) + 1)
+            masks = (
+                None
+                if params.greedy
+                else core.rules.masks(rules, s.tokens + unseen + drafts, start + len(unseen), len(drafts) + 1)
+            )
             logits = await core.forward(s, unseen + drafts, scored, stats)  # [scored, vocab]
         resp = target_pb2.VerifyResponse(length=len(s.tokens))
         stats.fill(resp)
@@ -82,15 +86,19 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         s.logprobs = (
             logprobs.fill(resp, logits, drafts, req.top_logprobs, len(s.tokens) - len(drafts)) if req.logprobs else None
         )
+        picks = None  # greedy's tokens under the rules: the best each row's grammar allows, found without its mask
         if rules is not None:  # after the raw logprobs, before everything that samples or compares
-            t0 = time.perf_counter()
-            logits = await core.rules.apply(rules, logits, s.tokens, len(s.tokens) - len(drafts), masks=masks)
+            t0, first = time.perf_counter(), len(s.tokens) - len(drafts)
+            if params.greedy:
+                picks, logits = core.rules.argmax(rules, logits, s.tokens, first)
+            else:
+                logits = await core.rules.apply(rules, logits, s.tokens, first, masks=masks)
             resp.rules_seconds = time.perf_counter() - t0
         if req.return_features:
             resp.features, resp.features_start = features.encode(s.features.read(start, len(s.tokens))), start
         if params.greedy:
             s.keep_probs(None)
-            resp.argmax_token_ids.extend(argmax_rows(logits))
+            resp.argmax_token_ids.extend(picks if picks is not None else argmax_rows(logits))
             return resp
         probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # [K+1, vocab]
         s.keep_probs(probs, len(s.tokens) - len(drafts))

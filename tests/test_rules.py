@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec import rules
+from specdec import grammar, rules
 from specdec.errors import ServiceError
 from specdec.v1 import model_server_pb2 as pb
 
@@ -228,5 +228,119 @@ def test_the_mask_kernel_refuses_exactly_what_the_bitmask_refuses(book, tokenize
     monkeypatch.setattr(rules, "kernels_for", lambda t: None)
     with_numpy = state.apply(logits.clone(), [], 0, vocab, ids, packed=packed)
     assert torch.equal(with_kernel, with_numpy)
-    allowed = rules.unpack(packed, vocab)[:, slice(None) if ids is None else ids.numpy()]
+    allowed = grammar.unpack(packed, vocab)[:, slice(None) if ids is None else ids.numpy()]
     assert torch.equal(torch.isneginf(with_kernel), torch.from_numpy(~allowed))
+
+
+S20 = {"type": "string", "maxLength": 20}
+WALK_GRAMMARS = [  # (grammar, an answer it accepts, which the walks follow in part)
+    (
+        pb.Grammar(
+            json_schema=json.dumps(
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": S20,
+                        "tags": {"type": "array", "items": S20, "maxItems": 3},
+                        "n": {"type": "number"},
+                        "ok": {"type": "boolean"},
+                        "geo": {"type": "object", "properties": {"lat": {"type": "integer"}}, "required": ["lat"]},
+                    },
+                    "required": ["name", "tags", "n", "ok", "geo"],
+                    "additionalProperties": False,
+                }
+            )
+        ),
+        '{"name": "Ada Lovelace", "tags": ["math", "poet"], "n": -12.5e3, "ok": false, "geo": {"lat": 51}}',
+    ),
+    (pb.Grammar(json_object=True), '{"a": [1, 2.5, {"b": null}], "c": "some text, here", "d": true}'),
+    (pb.Grammar(regex="(yes|no|maybe)[0-9]{1,3}!?"), "maybe123!"),
+    (pb.Grammar(lark='start: "x" NUM+ (" " WORD)?\nNUM: /[0-9]/\nWORD: /[a-z]+/'), "x0429 hello"),
+]
+
+
+@pytest.mark.parametrize("which", range(len(WALK_GRAMMARS)))
+@pytest.mark.parametrize("follow", [1.0, 0.7])
+def test_where_nothing_is_forced_asking_about_a_token_agrees_with_the_mask_over_the_vocabulary(
+    book, tokenizer, which, follow
+):
+    """grammar.best_allowed asks the matcher about single tokens instead of filling the mask; that is the mask's answer
+    wherever the grammar forces no bytes (there the mask keeps only canonical tokens, and best_allowed defers to it).
+    Checked for every token at every state of a walk through the grammar: along the answer to its end (follow 1), or
+    leaving it at random."""
+    vocab = len(tokenizer)
+    ends = frozenset(book.tokenizer.eos_tokens)
+    text, answer = grammar.grammar_text(WALK_GRAMMARS[which][0]), encode(tokenizer, WALK_GRAMMARS[which][1])
+    matcher = llguidance.LLMatcher(book.tokenizer, text)
+    bitmask = np.zeros((1, (vocab + 31) // 32), dtype=np.int32)
+    rng = np.random.default_rng(which)
+    free = 0
+    for step in range(len(answer) + 1 if follow == 1 else 24):
+        matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+        mask = grammar.unpack(bitmask, vocab)[0]
+        if not matcher.compute_ff_bytes():
+            free += 1
+            asked = np.array([grammar.allows(matcher, t, ends) for t in range(vocab)])
+            assert np.array_equal(asked, mask), f"step {step}: {np.flatnonzero(asked != mask)[:8]}"
+        if step == len(answer):  # the answer's end: only the end of sequence
+            assert follow < 1 or ends <= set(np.flatnonzero(mask).tolist())
+            break
+        choices = np.flatnonzero(mask)
+        choices = choices[~np.isin(choices, list(ends))]  # keep going past the places where the grammar could end
+        if not len(choices):
+            break
+        on_answer = mask[answer[step]] and rng.random() < follow
+        assert matcher.consume_token(answer[step] if on_answer else int(rng.choice(choices)))
+    assert free >= 2
+
+
+@pytest.mark.parametrize("restricted", [False, True])
+def test_greedy_without_the_mask_picks_what_the_masked_rows_pick(book, tokenizer, restricted, monkeypatch):
+    """RuleState.argmax equals apply then argmax, row by row: after valid drafts and after one the grammar refuses,
+    with biases and penalties, on ties, over a draft's columns, past the grammar's end; and it fills fewer masks."""
+    from specdec.sampling import argmax_rows
+
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    answer = encode(tokenizer, '{"name": "Ada Byron", "age": 36}') + [eos]
+    prompt = [5, 6, 7]
+    msg = schema_rules(len(prompt))
+    msg.logit_bias[answer[4]] = 1.5
+    msg.frequency_penalty, msg.repetition_penalty = 0.4, 1.2
+    g, rng = torch.Generator().manual_seed(4), np.random.default_rng(4)
+    ids = torch.unique(torch.cat([torch.randperm(vocab, generator=g)[:9000], torch.tensor(answer)]))
+    masked_rows = []
+    real_mask = rules.RuleState._mask
+    monkeypatch.setattr(
+        rules.RuleState, "_mask", lambda self, out, *a: masked_rows.append(len(out)) or real_mask(self, out, *a)
+    )
+    rows = 0
+    for trial in range(30):
+        cut = int(rng.integers(0, len(answer) + 1))
+        drafts = answer[cut : cut + int(rng.integers(0, 5))]
+        if drafts and trial % 3 == 0:
+            drafts[-1] = int(rng.integers(0, vocab))  # a draft the grammar (almost surely) refuses
+        tokens = prompt + answer[:cut] + drafts
+        first, n = len(tokens) - len(drafts), len(drafts) + 1
+        logits = torch.randn(n, vocab, generator=g) * 2
+        for i in range(n):  # the answer's token likely, as a model would make it
+            if cut + i < len(answer) and rng.random() < 0.7:
+                logits[i, answer[cut + i]] += 8
+            if cut + i < len(answer) and rng.random() < 0.5:  # or its first letter: where the grammar forces the
+                logits[i, encode(tokenizer, tokenizer.decode(answer[cut + i])[:1])[0]] += 9  # bytes, not canonical
+            if cut + i < len(answer) and rng.random() < 0.5:  # a tie with the answer's token: the first column wins
+                logits[i, int(rng.integers(0, vocab))] = logits[i, answer[cut + i]]
+        logits = logits[:, ids] if restricted else logits
+        columns = ids if restricted else None
+        checked = book.check(msg)
+        masked = rules.RuleState(checked, book.tokenizer, book.eos_ids).apply(
+            logits.clone(), tokens, first, vocab, columns
+        )
+        want = argmax_rows(masked)
+        masked_rows.clear()
+        got, _ = rules.RuleState(checked, book.tokenizer, book.eos_ids).argmax(
+            logits.clone(), tokens, first, vocab, columns
+        )
+        assert got == want, f"trial {trial}: cut {cut}, drafts {drafts}"
+        rows += n
+        assert sum(masked_rows) <= n
+    assert rows > 60

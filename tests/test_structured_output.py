@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import make_stack, stop_stack
-from specdec import rules
+from specdec import grammar, rules
 from specdec.v1 import generation_pb2 as gen_pb, model_server_pb2 as ms_pb
 
 SCHEMA = {
@@ -91,7 +91,7 @@ def test_penalties_bias_and_min_tokens_keep_greedy_exactness_and_change_the_outp
         assert core.registry.get_sample_value("specdec_rules_seconds_total") > 0
 
 
-def constrained_distribution(tokenizer, target_model, prompt: list[int], grammar: str) -> dict[str, float]:
+def constrained_distribution(tokenizer, target_model, prompt: list[int], text: str) -> dict[str, float]:
     """Each answer's probability under the target at temperature 1, restricted to what the grammar allows: the
     product over its tokens of the renormalized allowed mass, by walking every allowed path (a small grammar)."""
     book = rules.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
@@ -105,7 +105,7 @@ def constrained_distribution(tokenizer, target_model, prompt: list[int], grammar
             logits = target_model(torch.tensor([prompt + tokens])).logits[0, -1].float()
         bitmask = llguidance.torch.allocate_token_bitmask(1, len(tokenizer))
         llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
-        mask = torch.from_numpy(rules.unpack(bitmask.numpy(), len(tokenizer))[0])
+        mask = torch.from_numpy(grammar.unpack(bitmask.numpy(), len(tokenizer))[0])
         probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=0)
         for t in mask.nonzero().flatten().tolist():
             child = matcher.deep_copy()
@@ -115,7 +115,7 @@ def constrained_distribution(tokenizer, target_model, prompt: list[int], grammar
             else:
                 walk(child, tokens + [t], p * float(probs[t]))
 
-    walk(llguidance.LLMatcher(book.tokenizer, grammar), [], 1.0)
+    walk(llguidance.LLMatcher(book.tokenizer, text), [], 1.0)
     return out
 
 

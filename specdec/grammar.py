@@ -1,0 +1,98 @@
+"""The grammar engine, llguidance: a grammar's text from a request, its check against the model's tokenizer, its
+bitmasks, and greedy's best allowed token without the mask.
+
+specdec/rules.py applies a grammar with the other output rules; this module is what it asks llguidance.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from specdec.errors import invalid
+
+# JSON from a schema: one compact form (", " and ": "), so no answer can run on in whitespace
+JSON_FORM = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_text(grammar) -> str | None:
+    """llguidance's grammar for a specdec.v1.Grammar message, or None when it is unset; INVALID_ARGUMENT when the
+    JSON schema is not JSON."""
+    import llguidance
+
+    kind = grammar.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not grammar.json_object):
+        return None
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(grammar.regex)
+    if kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(grammar.lark)
+    if kind == "json_object":
+        schema = {"type": "object"}
+    else:
+        try:
+            schema = json.loads(grammar.json_schema)
+        except ValueError as e:
+            raise invalid(f"grammar.json_schema is not JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise invalid("grammar.json_schema must be a JSON schema: an object (or true)")
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORM)
+
+
+def check_grammar(text: str, tokenizer) -> None:
+    """INVALID_ARGUMENT naming llguidance's error when the grammar does not compile for this tokenizer."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(text, tokenizer)
+    if error:
+        raise invalid(f"the grammar does not compile: {error.strip()}")
+
+
+def lltokenizer(hf_tokenizer, vocab_size: int, eos_ids: list[int]):
+    """The tokenizer llguidance masks over: the model's vocabulary, the grammar ending on any of its EOS tokens."""
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
+
+
+def unpack(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """llguidance's int32 bitmask ([n, words], bit j of word w is token 32 w + j) as [n, vocab] bool."""
+    return np.unpackbits(bitmask.view(np.uint8), axis=-1, count=vocab, bitorder="little").view(bool)
+
+
+CANDIDATES = 16  # a row's best tokens asked one by one before its whole mask is filled
+
+
+def best_allowed(matcher, row: np.ndarray, tokens: np.ndarray | None, ends: frozenset[int]) -> int | None:
+    """The column the grammar's mask would leave as the row's argmax (the largest logit the grammar allows, the first
+    such column on ties), or None where the mask must decide. Greedy needs only this column, so it asks the matcher
+    about the row's best few tokens, about a microsecond each, instead of filling the mask over the vocabulary
+    (10-200 us, more with the caches cold after a forward pass). None when:
+      - the grammar forces the next bytes: its mask then keeps only their canonical tokens, fewer than the tokens
+        that merely fit. Where nothing is forced, a token check and the mask agree token for token (llguidance 1.9;
+        tests/test_rules.py checks it over the whole vocabulary), and forced rows' masks are the cheap ones;
+      - none of the best CANDIDATES is allowed, or the best allowed ties with a column outside them.
+    matcher: at the row's history; row: [columns] float32 logits; tokens: each column's token id (a draft's scored
+    tokens), None where column = token; ends: the tokenizer's end-of-sequence ids (LLTokenizer.eos_tokens)."""
+    if matcher.compute_ff_bytes():
+        return None
+    best = int(row.argmax())  # numpy's argmax: the first maximal column
+    if allows(matcher, best if tokens is None else int(tokens[best]), ends):
+        return best
+    m = min(CANDIDATES, row.shape[0])
+    few = np.argpartition(-row, m - 1)[:m]
+    few = few[np.lexsort((few, -row[few]))]  # logit descending, then column
+    floor = row[few[-1]]  # a column outside the few has at most this logit
+    for c in few[1:]:
+        if not row[c] > floor:
+            return None
+        if allows(matcher, int(c) if tokens is None else int(tokens[c]), ends):
+            return int(c)
+    return None
+
+
+def allows(matcher, token: int, ends: frozenset[int]) -> bool:
+    """Whether the grammar allows token next: an end-of-sequence token where the grammar may end, any other token
+    where its bytes fit."""
+    return matcher.is_accepting() if token in ends else matcher.validate_tokens([token]) == 1
