@@ -67,16 +67,23 @@ CANDIDATES = 16  # a row's best tokens asked one by one before its whole mask is
 def best_allowed(matcher, row: np.ndarray, tokens: np.ndarray | None, ends: frozenset[int]) -> int | None:
     """The column the grammar's mask would leave as the row's argmax (the largest logit the grammar allows, the first
     such column on ties), or None where the mask must decide. Greedy needs only this column, so it asks the matcher
-    about the row's best few tokens, about a microsecond each, instead of filling the mask over the vocabulary
-    (10-200 us, more with the caches cold after a forward pass). None when:
-      - the grammar forces the next bytes: its mask then keeps only their canonical tokens, fewer than the tokens
-        that merely fit. Where nothing is forced, a token check and the mask agree token for token (llguidance 1.9;
-        tests/test_rules.py checks it over the whole vocabulary), and forced rows' masks are the cheap ones;
-      - none of the best CANDIDATES is allowed, or the best allowed ties with a column outside them.
-    matcher: at the row's history; row: [columns] float32 logits; tokens: each column's token id (a draft's scored
-    tokens), None where column = token; ends: the tokenizer's end-of-sequence ids (LLTokenizer.eos_tokens)."""
+    about a few tokens, about a microsecond each, instead of filling the mask over the vocabulary (10-200 us, and
+    several times that with the caches cold after a forward pass). llguidance 1.9's masks, as tests/test_rules.py
+    checks them along walks through several grammars:
+      - where the grammar forces the next tokens (a strict schema's keys), the mask allows the first of them alone;
+      - where it forces bytes whose first token is open (a value's opening quote), the mask keeps their canonical
+        tokens, fewer than the tokens that fit: None;
+      - where nothing is forced, a token check gives the mask's answer token for token: the row's best tokens are
+        asked in order; None when none of the best CANDIDATES is allowed, or the best allowed ties with a column
+        outside them.
+    matcher: at the row's history; row: [columns] float32 logits; tokens: each column's token id, ascending (a draft's
+    scored tokens), None where column = token; ends: the tokenizer's end-of-sequence ids (LLTokenizer.eos_tokens)."""
     if matcher.compute_ff_bytes():
-        return None
+        forced = matcher.compute_ff_tokens()
+        if not forced:
+            return None
+        c = forced[0] if tokens is None else int(np.searchsorted(tokens, forced[0]))
+        return c if c < row.shape[0] and (tokens is None or tokens[c] == forced[0]) and row[c] > -np.inf else None
     best = int(row.argmax())  # numpy's argmax: the first maximal column
     if allows(matcher, best if tokens is None else int(tokens[best]), ends):
         return best

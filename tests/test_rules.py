@@ -261,11 +261,10 @@ WALK_GRAMMARS = [  # (grammar, an answer it accepts, which the walks follow in p
 
 @pytest.mark.parametrize("which", range(len(WALK_GRAMMARS)))
 @pytest.mark.parametrize("follow", [1.0, 0.7])
-def test_where_nothing_is_forced_asking_about_a_token_agrees_with_the_mask_over_the_vocabulary(
-    book, tokenizer, which, follow
-):
-    """grammar.best_allowed asks the matcher about single tokens instead of filling the mask; that is the mask's answer
-    wherever the grammar forces no bytes (there the mask keeps only canonical tokens, and best_allowed defers to it).
+def test_a_token_check_or_the_forced_tokens_give_the_masks_answer_over_the_vocabulary(book, tokenizer, which, follow):
+    """grammar.best_allowed asks the matcher about single tokens instead of filling the mask: where the grammar forces
+    no bytes a token check is the mask's answer, and where it forces tokens the mask allows the first alone (forced
+    bytes whose first token is open keep only canonical tokens, and best_allowed leaves those rows to the mask).
     Checked for every token at every state of a walk through the grammar: along the answer to its end (follow 1), or
     leaving it at random."""
     vocab = len(tokenizer)
@@ -282,6 +281,8 @@ def test_where_nothing_is_forced_asking_about_a_token_agrees_with_the_mask_over_
             free += 1
             asked = np.array([grammar.allows(matcher, t, ends) for t in range(vocab)])
             assert np.array_equal(asked, mask), f"step {step}: {np.flatnonzero(asked != mask)[:8]}"
+        elif forced := matcher.compute_ff_tokens():  # forced tokens: the mask allows the first alone
+            assert np.flatnonzero(mask).tolist() == forced[:1], f"step {step}"
         if step == len(answer):  # the answer's end: only the end of sequence
             assert follow < 1 or ends <= set(np.flatnonzero(mask).tolist())
             break
