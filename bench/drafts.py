@@ -2,11 +2,14 @@
 the target alone, greedy and sampled, each ratio taken within one rep.
 
     python -m bench.drafts --draft models/smollm2-draft --draft models/smollm2-head [--prompts 12] [--tokens 96]
+    python -m bench.drafts --draft models/smollm2-draft --draft-activations float32 --draft-activations int8
 
 Each draft gets its own services (`specdec up` and the adaptive orchestrator, bench/services.py), all running at
 once on the same target model; the arms run one after the other within a rep, every draft in turn, so the
 machine's drift hits them all. The prompts are the training generator's held-out ones (training/prompts.py), which
 no draft trained on. alpha = accepted / (accepted + rounds ending in a rejection), at --k with prompt lookup off.
+Each --draft-activations value runs every draft again with its server's activations set so (an arm is named
+"draft@activations" then).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ def spread(xs: list[float]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", action="append", required=True, help="a draft model (repeatable)")
+    p.add_argument("--draft-activations", action="append", help="the draft server's --activations (repeatable)")
     p.add_argument("--target", default=models.DEFAULT_TARGET)
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--tokens", type=int, default=96)
@@ -84,8 +88,14 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jobs = list(enumerate(make_prompts(args.prompts, seed=7, held_out=True)))
-    services = {d: start_services(d, args.target, out / f"services-{i}.log") for i, d in enumerate(args.draft)}
-    runs: dict[str, list[dict]] = {d: [] for d in args.draft}
+    arms = {d: (d, {}) for d in args.draft}  # name: (draft, the services' extra settings)
+    if args.draft_activations:
+        arms = {f"{d}@{a}": (d, {"SPECDEC_DRAFT_ACTIVATIONS": a}) for d in args.draft for a in args.draft_activations}
+    services = {
+        name: start_services(d, args.target, out / f"services-{i}.log", env=env)
+        for i, (name, (d, env)) in enumerate(arms.items())
+    }
+    runs: dict[str, list[dict]] = {name: [] for name in arms}
     try:
         for started in services.values():  # warm-up: kernels, caches, adaptive K's first costs
             one_run(started, jobs[:2], 16, args.k)

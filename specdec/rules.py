@@ -257,7 +257,12 @@ class RuleState:
             if i > valid:  # after a draft the grammar rejects: a meaningless row, kept well defined
                 bitmask[i] = bitmask[i - 1]
                 continue
-            walker.unsafe_compute_mask_ptr(at + i * row_bytes, row_bytes)
+            forced = walker.compute_ff_bytes() and walker.compute_ff_tokens()
+            if forced:  # the grammar forces tokens: its mask allows the first alone (grammar.best_allowed)
+                bitmask[i] = 0
+                bitmask.view(np.uint32)[i, forced[0] >> 5] = 1 << (forced[0] & 31)
+            else:
+                walker.unsafe_compute_mask_ptr(at + i * row_bytes, row_bytes)
             if i < min(valid, n - 1):
                 walker.consume_token(drafts[i])
         return bitmask[:n]

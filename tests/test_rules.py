@@ -345,3 +345,20 @@ def test_greedy_without_the_mask_picks_what_the_masked_rows_pick(book, tokenizer
         rows += n
         assert sum(masked_rows) <= n
     assert rows > 60
+
+
+@pytest.mark.parametrize("which", range(len(WALK_GRAMMARS)))
+def test_a_calls_masks_are_the_grammar_engines_own_row_by_row(book, tokenizer, which):
+    """RuleState.masks over an answer sent as one call's drafts (forced rows written from the forced tokens, the rest
+    filled by llguidance) equals llguidance's mask at each position, from a matcher stepped through the answer."""
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    answer = encode(tokenizer, WALK_GRAMMARS[which][1]) + [eos]
+    msg = pb.OutputRules(output_start=2, grammar=WALK_GRAMMARS[which][0])
+    state = rules.RuleState(book.check(msg), book.tokenizer, book.eos_ids)
+    got = state.masks([5, 6] + answer, 2, len(answer), vocab).copy()
+    matcher = llguidance.LLMatcher(book.tokenizer, grammar.grammar_text(WALK_GRAMMARS[which][0]))
+    want = np.zeros_like(got)
+    for i, t in enumerate(answer):
+        matcher.unsafe_compute_mask_ptr(want[i].ctypes.data, want[i].nbytes)
+        assert matcher.consume_token(t)
+    assert np.array_equal(got, want)
