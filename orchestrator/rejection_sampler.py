@@ -48,7 +48,7 @@ def point_mass(token_id: int) -> Dist:
 def greedy_accept(draft_tokens: list[int], target_argmax: list[int]) -> tuple[int, int]:
     """Accepted count and the next token: the target's at the first mismatch, else the bonus.
 
-    draft_tokens: [K]; target_argmax: [K+1].
+    draft_tokens: [K]; target_argmax: up to the first mismatch, [K+1] where every draft matches.
     """
     n = 0
     while n < len(draft_tokens) and draft_tokens[n] == target_argmax[n]:

@@ -139,11 +139,14 @@ class RuleState:
             self._mask(out, packed, vocab, ids)
         return out
 
-    def argmax(self, logits, tokens: list[int], first: int, vocab: int, ids=None) -> tuple[list[int], torch.Tensor]:
+    def argmax(
+        self, logits, tokens: list[int], first: int, vocab: int, ids=None, to_mismatch: bool = False
+    ) -> tuple[list[int], torch.Tensor]:
         """Each row's argmax column under the rules, the same as ``apply`` then argmax_rows, and the rows (float32 on
         the host, edited; masked only where a mask decided): greedy needs only the best token the grammar allows,
         which the matcher finds in most rows without filling the mask (grammar.best_allowed). Arguments as
-        ``apply``'s."""
+        ``apply``'s; to_mismatch: a verify's rows (columns are tokens), which stop after the first whose token differs
+        from the draft after it, since greedy's verdict reads no row past that."""
         n = logits.shape[0]
         out = self._edited(logits, tokens, first, ids)
         if self.matcher is None:
@@ -162,6 +165,8 @@ class RuleState:
                 walker.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
                 pick = argmax_rows(self._mask(out[i : i + 1], row, vocab, ids))[0]
             picks.append(pick)
+            if to_mismatch and (i == n - 1 or pick != drafts[i]):
+                break
             if i < min(valid, n - 1):
                 walker.consume_token(drafts[i])
         return picks, out
@@ -399,11 +404,11 @@ class RuleBook:
             self.metrics.rules_rows.inc(logits.shape[0])
         return out
 
-    def argmax(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids=None):
+    def argmax(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids=None, **how):
         """state.argmax over this server's vocabulary (greedy's columns and the rows), timed into the server's
         metrics; it needs no masks started beside the pass."""
         t0 = time.perf_counter()
-        picks, out = state.argmax(logits, tokens, first, self.vocab_size, ids)
+        picks, out = state.argmax(logits, tokens, first, self.vocab_size, ids, **how)
         if self.metrics is not None:
             spent = time.perf_counter() - t0
             self.metrics.rules_seconds.inc(spent)

@@ -90,7 +90,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         if rules is not None:  # after the raw logprobs, before everything that samples or compares
             t0, first = time.perf_counter(), len(s.tokens) - len(drafts)
             if params.greedy:
-                picks, logits = core.rules.argmax(rules, logits, s.tokens, first)
+                picks, logits = core.rules.argmax(rules, logits, s.tokens, first, to_mismatch=True)
             else:
                 logits = await core.rules.apply(rules, logits, s.tokens, first, masks=masks)
             resp.rules_seconds = time.perf_counter() - t0
@@ -98,7 +98,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
             resp.features, resp.features_start = features.encode(s.features.read(start, len(s.tokens))), start
         if params.greedy:
             s.keep_probs(None)
-            resp.argmax_token_ids.extend(picks if picks is not None else argmax_rows(logits))
+            resp.argmax_token_ids.extend(to_first_mismatch(picks if picks is not None else argmax_rows(logits), drafts))
             return resp
         probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # [K+1, vocab]
         s.keep_probs(probs, len(s.tokens) - len(drafts))
@@ -112,3 +112,10 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
 
     def _logprobs(self, req: target_pb2.GetLogprobsRequest) -> target_pb2.GetLogprobsResponse:
         return logprobs.answer(self.core.pool.lookup(req.session_id).logprobs, req, self.core.vocab_size)
+
+
+def to_first_mismatch(argmax: list[int], drafts: list[int]) -> list[int]:
+    """Greedy's verdict: the target's token at each position up to the first that differs from its draft, all K + 1
+    where every draft matches; the orchestrator reads no row past it."""
+    n = next((i for i, d in enumerate(drafts) if argmax[i] != d), len(drafts))
+    return argmax[: n + 1]

@@ -13,6 +13,7 @@ import torch
 from specdec import grammar, rules
 from specdec.errors import ServiceError
 from specdec.v1 import model_server_pb2 as pb
+from target_service.servicer import to_first_mismatch
 
 VOCAB = 40
 SCHEMA = {
@@ -342,8 +343,13 @@ def test_greedy_without_the_mask_picks_what_the_masked_rows_pick(book, tokenizer
             logits.clone(), tokens, first, vocab, columns
         )
         assert got == want, f"trial {trial}: cut {cut}, drafts {drafts}"
-        rows += n
         assert sum(masked_rows) <= n
+        if not restricted:  # a verify's rows stop after the first that differs from its draft
+            verdict, _ = rules.RuleState(checked, book.tokenizer, book.eos_ids).argmax(
+                logits.clone(), tokens, first, vocab, to_mismatch=True
+            )
+            assert verdict == to_first_mismatch(want, drafts)
+        rows += n
     assert rows > 60
 
 
@@ -362,3 +368,10 @@ def test_a_calls_masks_are_the_grammar_engines_own_row_by_row(book, tokenizer, w
         matcher.unsafe_compute_mask_ptr(want[i].ctypes.data, want[i].nbytes)
         assert matcher.consume_token(t)
     assert np.array_equal(got, want)
+
+
+def test_greedys_verdict_keeps_the_rows_up_to_the_first_mismatch():
+    assert to_first_mismatch([4, 5, 9, 7, 1], [4, 5, 6, 7]) == [4, 5, 9]
+    assert to_first_mismatch([4, 5, 6, 7, 1], [4, 5, 6, 7]) == [4, 5, 6, 7, 1]
+    assert to_first_mismatch([3], []) == [3]
+    assert to_first_mismatch([3, 8], [2]) == [3]
