@@ -169,7 +169,19 @@ class RuleState:
                 break
             if i < min(valid, n - 1):
                 walker.consume_token(drafts[i])
+        if n == 1 or to_mismatch:  # the walker is at the picked row: the next call's history is this one's and its pick
+            self._take_ahead(walker, drafts[: len(picks) - 1], pick if columns is None else int(columns[pick]))
         return picks, out
+
+    def _take_ahead(self, walker, drafts: list[int], token: int) -> None:
+        """Make the session's matcher the walker with the picked token taken, as greedy's next call will hold it
+        (the drafts before it and the token), while the engine's tables are warm from the row: after the next forward
+        pass, taking it costs several times as much. A next call that holds other tokens rolls back (``_sync``). An
+        end of sequence is not taken ahead: after it the matcher has stopped."""
+        if token in self.ends or walker.try_consume_tokens([token]) != 1:
+            return
+        self.matcher = walker
+        self.consumed = self.consumed + drafts + [token]
 
     def _edited(self, logits: torch.Tensor, tokens: list[int], first: int, ids) -> torch.Tensor:
         """The rows with biases, penalties and min_tokens applied: float32 on the host, in place where they are."""
@@ -262,12 +274,7 @@ class RuleState:
             if i > valid:  # after a draft the grammar rejects: a meaningless row, kept well defined
                 bitmask[i] = bitmask[i - 1]
                 continue
-            forced = walker.compute_ff_bytes() and walker.compute_ff_tokens()
-            if forced:  # the grammar forces tokens: its mask allows the first alone (grammar.best_allowed)
-                bitmask[i] = 0
-                bitmask.view(np.uint32)[i, forced[0] >> 5] = 1 << (forced[0] & 31)
-            else:
-                walker.unsafe_compute_mask_ptr(at + i * row_bytes, row_bytes)
+            walker.unsafe_compute_mask_ptr(at + i * row_bytes, row_bytes)
             if i < min(valid, n - 1):
                 walker.consume_token(drafts[i])
         return bitmask[:n]

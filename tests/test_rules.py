@@ -375,3 +375,24 @@ def test_greedys_verdict_keeps_the_rows_up_to_the_first_mismatch():
     assert to_first_mismatch([4, 5, 6, 7, 1], [4, 5, 6, 7]) == [4, 5, 6, 7, 1]
     assert to_first_mismatch([3], []) == [3]
     assert to_first_mismatch([3, 8], [2]) == [3]
+
+
+def test_a_greedy_pick_taken_ahead_leaves_the_next_call_as_a_fresh_matcher_would(book, tokenizer):
+    """After a greedy call the session's matcher has taken the verdict's tokens ahead; the next call, whether it holds
+    them (the usual round) or other tokens (a rejected draft, a rebuilt history), sees what a fresh matcher sees."""
+    vocab = len(tokenizer)
+    answer = encode(tokenizer, '{"name": "Ada Byron", "age": 36}')
+    prompt = [5, 6, 7]
+    checked = book.check(schema_rules(len(prompt)))
+    g = torch.Generator().manual_seed(5)
+    for cut in range(2, len(answer) - 3):
+        history, drafts = prompt + answer[:cut], answer[cut : cut + 3]
+        logits = torch.randn(len(drafts) + 1, vocab, generator=g)
+        logits[0, drafts[0]] += 20  # the first draft matches, the second most likely not
+        kept = rules.RuleState(checked, book.tokenizer, book.eos_ids)
+        picks, _ = kept.argmax(logits, history + drafts, len(history), vocab, to_mismatch=True)
+        verdict = history + drafts[: len(picks) - 1] + [picks[-1]]
+        for following in (verdict, history + drafts[:1], history + answer[cut : cut + 4], history):
+            fresh = rules.RuleState(checked, book.tokenizer, book.eos_ids)
+            n = len(following)
+            assert np.array_equal(kept.masks(following, n, 1, vocab), fresh.masks(following, n, 1, vocab)), cut
