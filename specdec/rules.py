@@ -25,6 +25,7 @@ result as the masked row's argmax.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -106,7 +107,6 @@ class RuleState:
         self.matcher = None
         self.ends = frozenset(tokenizer.eos_tokens) if tokenizer is not None else frozenset()  # where masks allow
         self.consumed: list[int] = []  # output tokens the matcher has taken
-        self._columns = None  # (a draft's scored ids, token -> column, the ids as int64 tensor)
         self._mask_buffer = None  # the grammar's bitmasks, [rows, words] int32
         self._mask_tensor = None  # the same as a tensor
         if rules.grammar is not None:
@@ -153,35 +153,34 @@ class RuleState:
             return argmax_rows(out), out
         if not self._follow(tokens[self.rules.output_start : first]):  # past the grammar's end: nothing allowed
             return argmax_rows(self._mask(out, self.masks(tokens, first, n, vocab), vocab, ids)), out
-        drafts = tokens[first : first + n - 1]
-        walker = self.matcher.deep_copy() if drafts else self.matcher  # as in ``masks``
-        valid = walker.validate_tokens(drafts) if drafts else 0
+        drafts, matcher = tokens[first : first + n - 1], self.matcher
+        valid = matcher.validate_tokens(drafts) if drafts else 0
         host, columns = out.numpy(), None if ids is None else self._id_tensor(ids).numpy()
         picks = []
-        for i in range(n):  # rows after a draft the grammar rejects keep the walker where it stopped, as ``masks``
-            pick = best_allowed(walker, host[i], columns, self.ends)
-            if pick is None:  # the mask decides, for this row alone
-                row = self._bitmask(1, vocab)[:1]
-                walker.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-                pick = argmax_rows(self._mask(out[i : i + 1], row, vocab, ids))[0]
-            picks.append(pick)
-            if to_mismatch and (i == n - 1 or pick != drafts[i]):
-                break
-            if i < min(valid, n - 1):
-                walker.consume_token(drafts[i])
-        if n == 1 or to_mismatch:  # the walker is at the picked row: the next call's history is this one's and its pick
-            self._take_ahead(walker, drafts[: len(picks) - 1], pick if columns is None else int(columns[pick]))
+        try:  # the session's matcher walks the drafts itself (a copy costs more than a rollback, cold after a pass)
+            for i in range(n):  # rows after a draft the grammar rejects keep the matcher where it stopped
+                pick = best_allowed(matcher, host[i], columns, self.ends)
+                if pick is None:  # the mask decides, for this row alone
+                    row = self._bitmask(1, vocab)[:1]
+                    matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+                    pick = argmax_rows(self._mask(out[i : i + 1], row, vocab, ids))[0]
+                picks.append(pick)
+                if to_mismatch and (i == n - 1 or pick != drafts[i]):
+                    break
+                if i < min(valid, n - 1):
+                    matcher.consume_token(drafts[i])
+                    self.consumed = self.consumed + [drafts[i]]
+        finally:  # the next call rolls back what it does not hold (``_sync``)
+            if picks and (n == 1 or to_mismatch):  # the matcher is at the picked row: greedy's next history
+                self._take_ahead(pick if columns is None else int(columns[pick]))
         return picks, out
 
-    def _take_ahead(self, walker, drafts: list[int], token: int) -> None:
-        """Make the session's matcher the walker with the picked token taken, as greedy's next call will hold it
-        (the drafts before it and the token), while the engine's tables are warm from the row: after the next forward
-        pass, taking it costs several times as much. A next call that holds other tokens rolls back (``_sync``). An
-        end of sequence is not taken ahead: after it the matcher has stopped."""
-        if token in self.ends or walker.try_consume_tokens([token]) != 1:
-            return
-        self.matcher = walker
-        self.consumed = self.consumed + drafts + [token]
+    def _take_ahead(self, token: int) -> None:
+        """Let the session's matcher take the picked token, as greedy's next call will hold it after the drafts
+        before it, while the grammar engine's tables are warm from the row: after the next forward pass the same
+        costs several times as much. An end of sequence is not taken: after it the matcher has stopped."""
+        if token not in self.ends and self.matcher.try_consume_tokens([token]) == 1:
+            self.consumed = self.consumed + [token]
 
     def _edited(self, logits: torch.Tensor, tokens: list[int], first: int, ids) -> torch.Tensor:
         """The rows with biases, penalties and min_tokens applied: float32 on the host, in place where they are."""
@@ -215,17 +214,11 @@ class RuleState:
 
     def _id_tensor(self, ids: torch.Tensor) -> torch.Tensor:
         """A draft's scored ids as an int64 CPU tensor, kept with its column map."""
-        self._column_map(ids)
-        return self._columns[2]
+        return _columns_of(ids)[1]
 
     def _column_map(self, ids: torch.Tensor | None):
-        """token id -> its column in the logits (None where a draft does not score it); a draft's is kept."""
-        if ids is None:
-            return lambda t: t
-        if self._columns is None or self._columns[0] is not ids:
-            as_list = ids.tolist()
-            self._columns = (ids, {t: c for c, t in enumerate(as_list)}.get, torch.tensor(as_list, dtype=torch.long))
-        return self._columns[1]
+        """token id -> its column in the logits (None where a draft does not score it)."""
+        return (lambda t: t) if ids is None else _columns_of(ids)[0]
 
     def _sparse_edits(self, tokens: list[int], first: int, n: int, column) -> list:
         """(row index, column index, function of those logits) for the bias, the penalties and min_tokens, in that
@@ -322,6 +315,14 @@ class RuleState:
                 f"the session's output breaks its grammar (it was not generated under these rules): {error}",
             )
         self.consumed = done + fresh
+
+
+@functools.lru_cache(maxsize=4)
+def _columns_of(ids: torch.Tensor):
+    """A draft's scored ids (its server's one tensor, hashed by identity): token -> column, and the ids as an int64
+    CPU tensor; built once for the server, not for each session (13,146 entries for the embedded draft)."""
+    as_list = ids.tolist()
+    return {t: c for c, t in enumerate(as_list)}.get, torch.tensor(as_list, dtype=torch.long)
 
 
 def _counts(tokens: list[int], start: int, first: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
