@@ -396,3 +396,20 @@ def test_a_greedy_pick_taken_ahead_leaves_the_next_call_as_a_fresh_matcher_would
             fresh = rules.RuleState(checked, book.tokenizer, book.eos_ids)
             n = len(following)
             assert np.array_equal(kept.masks(following, n, 1, vocab), fresh.masks(following, n, 1, vocab)), cut
+
+
+def test_sessions_of_one_grammar_each_get_a_matcher_of_their_own(book, tokenizer):
+    """Each session's matcher is a copy of the book's pristine one: moving one session moves no other."""
+
+    class Session:
+        rules = None
+
+    vocab = len(tokenizer)
+    checked = book.check(schema_rules())
+    a, b = book.state_for(Session(), checked), book.state_for(Session(), checked)
+    history = encode(tokenizer, '{"name": "Ad')
+    a.masks(history, len(history), 1, vocab)
+    start = rules.RuleState(checked, book.tokenizer, book.eos_ids)
+    assert np.array_equal(b.masks([], 0, 1, vocab), start.masks([], 0, 1, vocab))
+    assert not np.array_equal(a.masks(history, len(history), 1, vocab), start.masks([], 0, 1, vocab))
+    assert a.matcher is not b.matcher
