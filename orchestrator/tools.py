@@ -40,10 +40,12 @@ class ToolFormat:
 
     native: bool
     style: str  # HERMES or JSON
+    parallel: bool = True  # whether the template renders an answer of several calls (Llama 3.2's refuses one)
 
 
 def format_of(tokenizer) -> ToolFormat:
-    """The tool format of a tokenizer's chat template: native where rendering tools changes its prompt."""
+    """The tool format of a tokenizer's chat template: native where rendering tools changes its prompt; parallel
+    where it renders an assistant turn of two calls (a history holding such a turn could not be sent back to it)."""
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str):
         return ToolFormat(False, HERMES)
@@ -55,7 +57,15 @@ def format_of(tokenizer) -> ToolFormat:
         return ToolFormat(False, HERMES)
     if bare == with_tools:
         return ToolFormat(False, HERMES)
-    return ToolFormat(True, HERMES if CALL_OPEN in template else JSON)
+    calls = [{"type": "function", "function": {"name": "probe", "arguments": {}}}] * 2
+    try:
+        tokenizer.apply_chat_template(
+            [*chat, {"role": "assistant", "content": "", "tool_calls": calls}], tokenize=False
+        )
+        parallel = True
+    except Exception:  # "This model only supports single tool-calls at once!"
+        parallel = False
+    return ToolFormat(True, HERMES if CALL_OPEN in template else JSON, parallel)
 
 
 def schema(tool: gen_pb.Tool) -> dict:
@@ -102,8 +112,8 @@ def enforce(req: gen_pb.GenerateRequest, fmt: ToolFormat) -> None:
     check(req)
     if req.tool_choice == gen_pb.TOOL_CHOICE_FUNCTION:
         req.grammar.CopyFrom(call_grammar([t for t in req.tools if t.name == req.tool_choice_function], False, fmt))
-    elif req.tool_choice == gen_pb.TOOL_CHOICE_REQUIRED:
-        parallel = not req.HasField("parallel_tool_calls") or req.parallel_tool_calls
+    elif req.tool_choice == gen_pb.TOOL_CHOICE_REQUIRED:  # one call where the template takes no more back
+        parallel = fmt.parallel and (not req.HasField("parallel_tool_calls") or req.parallel_tool_calls)
         req.grammar.CopyFrom(call_grammar(list(req.tools), parallel, fmt))
 
 

@@ -4,11 +4,14 @@ client (and langchain-openai), a required call comes back as parsed tool_calls v
 
 from __future__ import annotations
 
+import copy
 import json
+from pathlib import Path
 
+import openai
 import pytest
 
-from conftest import openai_client
+from conftest import make_http_stack, openai_client, stop_stack
 from orchestrator import tools
 from orchestrator.openai_compat.errors import ApiError
 from orchestrator.openai_compat.request import generate_request
@@ -305,3 +308,30 @@ def test_langchains_bound_tools_and_structured_output_parse(api):
     assert isinstance(message.tool_calls[0]["args"]["city"], str)
     person = llm.with_structured_output(Person, method="json_schema").invoke("Describe a person.")
     assert isinstance(person, Person)
+
+
+@pytest.fixture(scope="module")
+def llama_api(event_loop_thread, tokenizer, tiny_draft, target_model):
+    """The services with Llama 3.2 Instruct's own chat template on the orchestrator (the users' 1B/3B pair's)."""
+    llama = copy.copy(tokenizer)
+    llama.chat_template = (Path(__file__).parent / "data" / "llama-3.2-instruct.jinja").read_text()
+    stack = make_http_stack(event_loop_thread, llama, tiny_draft, target_model)
+    yield stack
+    stop_stack(stack)
+
+
+def test_with_llama_32s_template_a_required_call_is_one_call_that_goes_back_as_history(llama_api):
+    """Llama 3.2's template takes one call an assistant turn: a required call writes one (parallel_tool_calls left
+    to its default), in the template's JSON style, and the answer sent back with the tool's result is a turn it
+    renders; a history with two calls in one turn is a 400 saying why."""
+    answer = create(llama_api, tools=TOOLS, tool_choice="required", temperature=1, seed=3, max_tokens=200).choices[0]
+    assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1
+    check_calls(answer.message.tool_calls)
+    call = answer.message.tool_calls[0]
+    turn = {"role": "assistant", "content": None, "tool_calls": [call.model_dump(include={"id", "type", "function"})]}
+    result = {"role": "tool", "tool_call_id": call.id, "content": "22 C and sunny"}
+    follow = create(llama_api, messages=[*ASK, turn, result], tools=TOOLS, max_tokens=8)
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    twice = {**turn, "tool_calls": turn["tool_calls"] * 2}
+    with pytest.raises(openai.BadRequestError, match="single tool-calls"):
+        create(llama_api, messages=[*ASK, twice, result], tools=TOOLS, max_tokens=8)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import llguidance
 import llguidance.hf
@@ -163,3 +164,46 @@ def test_tool_fields_that_do_not_hold_together_are_invalid_argument(fields, word
     with pytest.raises(ServiceError, match=words) as err:
         tools.enforce(gen_pb.GenerateRequest(**fields), GENERIC)
     assert err.value.code.name == "INVALID_ARGUMENT"
+
+
+# Llama 3.2 Instruct's own chat template (the users' 1B/3B pair), as meta-llama's tokenizer_config.json has it
+LLAMA_32_TEMPLATE = (Path(__file__).parent / "data" / "llama-3.2-instruct.jinja").read_text()
+
+
+@pytest.fixture(scope="module")
+def llama_32(tokenizer):
+    """The embedded tokenizer with Llama 3.2's chat template: the text it renders is the template's own."""
+    native = copy.copy(tokenizer)
+    native.chat_template = LLAMA_32_TEMPLATE
+    return native
+
+
+def test_llama_32s_template_gets_its_own_json_format_one_call_an_answer(llama_32):
+    assert tools.format_of(llama_32) == tools.ToolFormat(True, tools.JSON, parallel=False)
+
+
+def test_llama_32s_template_renders_the_tools_the_call_and_its_result_as_the_model_was_taught(llama_32):
+    req = gen_pb.GenerateRequest(tools=[WEATHER])
+    chat, keywords = tools.template_input(HISTORY, tools.openai_tools(req), tools.format_of(llama_32))
+    text = llama_32.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **keywords)
+    first_user = text.split("<|start_header_id|>user<|end_header_id|>")[1].split("<|eot_id|>")[0]
+    assert '"name": "get_weather"' in first_user and first_user.rstrip().endswith("Weather in Paris?")
+    call = '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert call in text  # the arguments as an object, not as the JSON string OpenAI sends
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n"22 C, sunny"<|eot_id|>' in text
+    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_a_required_call_for_llama_32_is_one_call_in_its_format(tokenizer, matcher_tokenizer, llama_32):
+    """Its template refuses an assistant turn of two calls, so a required call is one call even where
+    parallel_tool_calls allows more: the answer can be sent back as history."""
+    fmt = tools.format_of(llama_32)
+    req = gen_pb.GenerateRequest(tools=[WEATHER, ADD], tool_choice=gen_pb.TOOL_CHOICE_REQUIRED)
+    tools.enforce(req, fmt)
+    one = '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}'
+    assert accepts(tokenizer, matcher_tokenizer, req.grammar, one)
+    assert not accepts(tokenizer, matcher_tokenizer, req.grammar, one + '; {"name": "add", "parameters": {"x": 1}}')
+    two = [HISTORY[0], gen_pb.ChatMessage(role="assistant", tool_calls=[HISTORY[1].tool_calls[0]] * 2)]
+    chat, keywords = tools.template_input(two, tools.openai_tools(req), fmt)
+    with pytest.raises(Exception, match="single tool-calls"):
+        llama_32.apply_chat_template(chat, tokenize=False, **keywords)
