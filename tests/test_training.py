@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from training.train import split
 
 
@@ -79,6 +81,32 @@ def test_batched_generation_with_finished_rows_dropped_matches_one_prompt_at_a_t
         assert top_i.shape == top_v.shape == (len(ids), 20)
         assert top_i[:, 0].tolist() == ids  # greedy: the label's top token is the answer's token
         assert bool((top_v[:, :-1] >= top_v[:, 1:]).all())
+        assert torch.isfinite(top_v.float()).all()
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_generation_in_the_served_forms_answers_each_prompt_as_the_server_alone_bit_for_bit(
+    target_model, tokenizer, activations
+):
+    """training.batched.generate_served runs the rows of a step in one pass of the runner's own product form, whose
+    rows are batch-invariant: each answer and its labels are the same runner's alone, token for token."""
+    import torch
+
+    from specdec import models
+    from specdec.runners.lean_llama import LeanLlamaRunner
+    from training.batched import generate_served
+
+    gguf = models.gguf_file(models.DEFAULT_TARGET)
+    runner = LeanLlamaRunner(target_model, len(tokenizer), 512, gguf=gguf, activations=activations)
+    prompts = _chat_prompts(tokenizer)
+    free = _greedy_alone(runner, prompts[1], set(), 3)
+    eos = {free[2]}  # the second prompt stops after 3 tokens: the pass's rows shrink while the others go on
+    expected = [_greedy_alone(runner, p, eos, 10) for p in prompts]
+    assert len(expected[1]) == 3 and max(map(len, expected)) > 3
+    got = generate_served(runner, prompts, 10, 0.0, 1.0, eos, seed=0)
+    assert [ids for ids, _, _ in got] == expected
+    for ids, top_i, top_v in got:
+        assert top_i.shape == top_v.shape == (len(ids), 20) and top_i[:, 0].tolist() == ids
         assert torch.isfinite(top_v.float()).all()
 
 

@@ -162,6 +162,48 @@ def generate(
 
 
 @torch.inference_mode()
+def generate_served(
+    r: LeanLlamaRunner,
+    prompts: list[list[int]],
+    max_new: int,
+    temperature: float,
+    top_p: float,
+    eos_ids: set[int],
+    seed: int,
+    top_k_labels: int = 20,
+):
+    """``generate`` on the runner's own forward, as a model server runs it: each row a session of its own (no
+    padding), the step's rows in one pass of the runner's product form (its float32 kernels, or 8-bit activations
+    with ``activations="int8"``) and its C++ layer loop. Same results; no features. The data then comes from the
+    numbers the target is served in, at the cost of the served form's rows."""
+    g = torch.Generator().manual_seed(seed)
+    caches = [r.new_cache() for _ in prompts]
+    token_of = r.scored_ids
+    logits = torch.cat([r.forward(c, p, 1, scored_only=True) for c, p in zip(caches, prompts)])  # [B, columns]
+    out, labels_i, labels_v = ([[] for _ in prompts] for _ in range(3))
+    live = list(range(len(prompts)))  # the rows still answering, in logits' order
+    eos = set(eos_ids)
+    for t in range(max_new):
+        if top_k_labels:
+            top = torch.topk(torch.log_softmax(logits, dim=-1), top_k_labels, dim=-1)
+            top_i, top_v = top.indices.int(), top.values.half()
+        tokens = _choose(logits, temperature, top_p, g, token_of).tolist()
+        for j, b in enumerate(live):
+            out[b].append(tokens[j])
+            if top_k_labels:
+                labels_i[b].append(top_i[j])
+                labels_v[b].append(top_v[j])
+        live = [b for b in live if out[b][-1] not in eos]
+        if not live or t == max_new - 1:
+            break
+        step = r.forward_batch([caches[b] for b in live], [out[b][-1:] for b in live], [1] * len(live), True)
+        logits = torch.cat(step)
+    if not top_k_labels:
+        return [(o, None, None) for o in out]
+    return [(out[b], torch.stack(labels_i[b]), torch.stack(labels_v[b])) for b in range(len(prompts))]
+
+
+@torch.inference_mode()
 def score(r: LeanLlamaRunner, pairs: list[tuple[list[int], list[int]]], top_k_labels: int = 20):
     """Teacher-forced labels: one batched pass over each (prompt, completion), and at every completion
     position the model's top-k ids [m, k] int32 and log-probs [m, k] fp16, as generate() records them for
@@ -191,10 +233,24 @@ def budget_order(lengths: list[int], batch_size: int, seed: int, blocks_of: int 
 
 
 def generate_all(
-    r, prompts, max_new, temperature, top_p, eos_ids, seed, batch_size, deadline=None, log=print, features=False
+    r,
+    prompts,
+    max_new,
+    temperature,
+    top_p,
+    eos_ids,
+    seed,
+    batch_size,
+    deadline=None,
+    log=print,
+    features=False,
+    served=False,
 ):
     """Batches of similar length in budget_order; stops starting batches after the deadline (monotonic seconds).
-    With `features`, each result carries the row's features as a fourth item (generate's `features`)."""
+    With `features`, each result carries the row's features as a fourth item (generate's `features`); served:
+    each batch through generate_served (no features) instead of the padded forward."""
+    if served and features:
+        raise ValueError("generate_served records no features: use the padded forward for them")
     order = budget_order([len(p) for p in prompts], batch_size, seed)
     results, t0, tokens = {}, time.monotonic(), 0
     for s in range(0, len(order), batch_size):
@@ -203,7 +259,11 @@ def generate_all(
             break
         idx = order[s : s + batch_size]
         fed = [] if features else None
-        got = generate(r, [prompts[i] for i in idx], max_new, temperature, top_p, eos_ids, seed + s, features=fed)
+        batch = [prompts[i] for i in idx]
+        if served:
+            got = generate_served(r, batch, max_new, temperature, top_p, eos_ids, seed + s)
+        else:
+            got = generate(r, batch, max_new, temperature, top_p, eos_ids, seed + s, features=fed)
         for j, (i, res) in enumerate(zip(idx, got)):
             results[i] = (*res, fed[j]) if features else res
             tokens += len(res[0])

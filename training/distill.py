@@ -81,16 +81,23 @@ def _data_part(args, tokenizer, part: int) -> Path:
     seed = SEED + part
     features = getattr(args, "features", False)  # training/head.py: the target's features at every position too
     spec = getattr(args, "target", models.DEFAULT_TARGET)  # training/head.py --target: another target's answers
+    # on a CPU the target answers in the forms it is served in (its GGUF blocks and specdec's kernels, the step's
+    # rows in one pass: 2.9x the padded float32 forward, 5.0x with 8-bit activations, bench/datagen.py); the
+    # padded forward serves a GPU, and the features a head trains on
+    served = args.device == "cpu" and not features
+    activations = getattr(args, "activations", "float32") if served else "float32"
     tags = ["distinct", "features"] if features else ["distinct"]
     tags += [spec] if spec != models.DEFAULT_TARGET else []
+    tags += [f"served-{activations}"] if served else []
     key = hashlib.sha256(json.dumps([args.num_prompts, args.max_new, seed, PROMPTS_VERSION, *tags]).encode())
     key = key.hexdigest()[:10]
     path = work_dir() / f"data-{key}.pt"
     if path.exists():
         log(f"data: cached {path}")
         return path
-    target = models.load_model(spec, dtype=compute_dtype(args.device), device=args.device)
-    runner = LeanLlamaRunner(target, len(tokenizer), 4096)
+    target = models.load_model(spec, dtype="float32" if served else compute_dtype(args.device), device=args.device)
+    gguf = models.gguf_file(spec) if served else None
+    runner = LeanLlamaRunner(target, len(tokenizer), 4096, gguf=gguf, activations=activations)
     prompts = chat_prompts(tokenizer, args.num_prompts, seed)
     eos = set(models.eos_token_ids(target, tokenizer))
     deadline = time.monotonic() + 60 * args.gen_minutes
@@ -112,6 +119,7 @@ def _data_part(args, tokenizer, part: int) -> Path:
             deadline=share,
             log=log,
             features=features,
+            served=served,
         )
         for i, (ids, top_i, top_v, *feats) in got.items():
             rec = {"prompt": prompts[lo + i], "completion": ids, "top_ids": top_i, "top_logp": top_v, "mode": mode}
@@ -211,6 +219,13 @@ def main(argv=None) -> None:
         choices=["target", "draft"],
         help="who answers the prompts: the target (its own samples, labelled as it generates) or "
         "the --init draft (on-policy: its answers, labelled by the target in one pass each)",
+    )
+    ap.add_argument(
+        "--activations",
+        default="float32",
+        choices=["float32", "int8"],
+        help="the target's numbers for the data on a CPU: float32, as it is served by default; int8, 1.7x faster, "
+        "its answers agreeing with float32's on about 97%% of tokens (docs/performance.md, item 16)",
     )
     ap.add_argument("--gen-minutes", type=float, default=50, help="time budget of one data part")
     ap.add_argument("--train-minutes", type=float, default=45)
