@@ -158,22 +158,22 @@ class RuleState:
         valid = matcher.validate_tokens(drafts) if drafts else 0
         host, columns = out.numpy(), None if ids is None else self._id_tensor(ids).numpy()
         picks = []
-        try:  # the session's matcher walks the drafts itself (a copy costs more than a rollback, cold after a pass)
-            for i in range(n):  # rows after a draft the grammar rejects keep the matcher where it stopped
-                pick = best_allowed(matcher, host[i], columns, self.ends)
-                if pick is None:  # the mask decides, for this row alone
-                    row = self._bitmask(1, vocab)[:1]
-                    matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-                    pick = argmax_rows(self._mask(out[i : i + 1], row, vocab, ids))[0]
-                picks.append(pick)
-                if to_mismatch and (i == n - 1 or pick != drafts[i]):
-                    break
-                if i < min(valid, n - 1):
-                    matcher.consume_token(drafts[i])
-                    self.consumed = self.consumed + [drafts[i]]
-        finally:  # the next call rolls back what it does not hold (``_sync``)
-            if picks and (n == 1 or to_mismatch):  # the matcher is at the picked row: greedy's next history
-                self._take_ahead(pick if columns is None else int(columns[pick]))
+        # the session's matcher walks the drafts itself (a copy costs more, cold after a pass, than the rollback of
+        # what the next call does not hold, ``_sync``); rows after a draft the grammar rejects keep it where it stopped
+        for i in range(n):
+            pick = best_allowed(matcher, host[i], columns, self.ends)
+            if pick is None:  # the mask decides, for this row alone
+                row = self._bitmask(1, vocab)[:1]
+                matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+                pick = argmax_rows(self._mask(out[i : i + 1], row, vocab, ids))[0]
+            picks.append(pick)
+            if to_mismatch and (i == n - 1 or pick != drafts[i]):
+                break
+            if i < min(valid, n - 1):
+                matcher.consume_token(drafts[i])
+                self.consumed.append(drafts[i])
+        if n == 1 or to_mismatch:  # the matcher is at the picked row: greedy's next history holds its token
+            self._take_ahead(pick if columns is None else int(columns[pick]))
         return picks, out
 
     def _take_ahead(self, token: int) -> None:
@@ -181,7 +181,7 @@ class RuleState:
         before it, while the grammar engine's tables are warm from the row: after the next forward pass the same
         costs several times as much. An end of sequence is not taken: after it the matcher has stopped."""
         if token not in self.ends and self.matcher.try_consume_tokens([token]) == 1:
-            self.consumed = self.consumed + [token]
+            self.consumed.append(token)
 
     def _edited(self, logits: torch.Tensor, tokens: list[int], first: int, ids) -> torch.Tensor:
         """The rows with biases, penalties and min_tokens applied: float32 on the host, in place where they are."""
