@@ -14,12 +14,11 @@ Reported: tokens/s per arm (median [min, max] over reps) and each arm's ratio to
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
-from bench.services import machine
+from bench.services import machine, save
 from specdec import models
 from specdec.runners import LeanLlamaRunner
 from training import batched
@@ -75,11 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens_per_s": {name: spread(xs) for name, xs in rates.items()},
         "over_padded_float32": {name: spread([x / b for x, b in zip(xs, base)]) for name, xs in rates.items()},
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "datagen.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-    return report
+    return save(report, Path(args.out), "datagen")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import grpc
 
 from bench.load import run_jobs
 from bench.metrics import leviathan_alpha
-from bench.services import machine, start_services, stop_services
+from bench.services import machine, save, start_services, stop_services
 from specdec import models
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 from training.prompts import make_prompts
@@ -109,9 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"machine": machine(), "prompts": len(jobs), "tokens": args.tokens, "k": args.k, "drafts": {}}
     for d, rs in runs.items():
         report["drafts"][d] = {mode: {key: spread([r[mode][key] for r in rs]) for key in rs[0][mode]} for mode in MODES}
-    (out / "drafts.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-    return report
+    return save(report, out, "drafts")
 
 
 if __name__ == "__main__":

@@ -11,12 +11,11 @@ the two best tokens can break the other way. This measures the rate, through the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 from bench.load import grpc_sender, run_jobs
-from bench.services import load_prompts, machine, start_services, stop_services
+from bench.services import load_prompts, machine, save, start_services, stop_services
 from specdec import models
 
 
@@ -80,9 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
         "concurrency": args.concurrency,
         **report,
     }
-    (out / "exactness.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-    return report
+    return save(report, out, "exactness")
 
 
 if __name__ == "__main__":

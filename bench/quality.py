@@ -12,13 +12,12 @@ next token, from which each perplexity and its change.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
 import torch
 
-from bench.services import machine
+from bench.services import machine, save
 from specdec import models
 from specdec.runners import LeanLlamaRunner
 
@@ -95,11 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
         "answers": compare(r32, r8, answers(r32, tokenizer, args.prompts, args.answer_tokens)),
         "passages": compare(r32, r8, passages(tokenizer, args.passages)),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quality.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-    return report
+    return save(report, Path(args.out), "quality")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,14 @@ def load_prompts(n: int | None) -> list[dict]:
     return picked
 
 
+def save(report: dict, out: Path, name: str) -> dict:
+    """A bench's report written to out/NAME.json (the folder made if need be) and printed; the report."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    return report
+
+
 def machine() -> dict:
     import torch
     import transformers

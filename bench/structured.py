@@ -33,7 +33,7 @@ import jsonschema
 
 from bench.load import run_jobs
 from bench.metrics import delta, leviathan_alpha, mean_step_s, scrape_all, value
-from bench.services import machine, start_services, stop_services
+from bench.services import machine, save, start_services, stop_services
 from specdec import models
 from specdec.config import DEFAULT_DRAFT
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc, model_server_pb2 as ms_pb
@@ -269,9 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
     agreement = same_text_agreement(args.draft, args.target, answers)
     report = {"machine": machine(), "forwards": forwards, "schemas": len(SCHEMAS), "requests": len(jobs)}
     report.update(tokens=args.tokens, k=args.k, reps=args.reps, results=summarize(runs), same_text=agreement)
-    (out / "structured.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-    return report
+    return save(report, out, "structured")
 
 
 if __name__ == "__main__":
