@@ -37,12 +37,6 @@ PROCESS_DECAY = 0.99  # the process's alpha, its last ~100 rounds
 PROCESS_PRIOR_ROUNDS = 20.0
 COST_RATE = 0.05  # the costs, their last ~20 observations
 PROBE_EVERY = 8
-# While others call, drafting must promise this much over K = 0 before a request leaves it: a drafted round's pass
-# is wider than the ones K = 0 runs, its cost read off the curve where passes rarely go, and the draft's steps
-# take cores the target's passes share (2-core CPU, 16 streams at once: drafting on a predicted gain of a few
-# percent lost 5-30% of K = 0's tokens/s, docs/performance.md item 22). Where rows are nearly free (a GPU's
-# memory-bound pass) a draft right 80% of the time predicts 1.3x.
-LOAD_MARGIN = 1.15
 OVERHEAD_WINDOW = 64  # rounds whose least time outside the passes prices a round's RPC
 START_WINDOW = 9
 
@@ -54,11 +48,10 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def best_k(alpha: float, round_s: list[float], margin: float = 1.0) -> int:
-    """The K, 0..len(round_s) - 1, with the most expected tokens per second; the smallest on a tie. A K > 0 only
-    where its rate is at least `margin` times K = 0's (else 0). round_s[k]: the seconds of a round with k drafts."""
-    k = max(range(len(round_s)), key=lambda k: (expected_tokens(alpha, k) / round_s[k], -k))
-    return k if expected_tokens(alpha, k) / round_s[k] >= margin / round_s[0] else 0
+def best_k(alpha: float, round_s: list[float]) -> int:
+    """The K, 0..len(round_s) - 1, with the most expected tokens per second; the smallest on a tie.
+    round_s[k]: the seconds of a round with k drafts."""
+    return max(range(len(round_s)), key=lambda k: (expected_tokens(alpha, k) / round_s[k], -k))
 
 
 @dataclass(frozen=True)
@@ -277,15 +270,14 @@ class AdaptiveK:
             return self.start_k
         t, d = self.rules_row_s["target"], self.rules_row_s["draft"]
         costs = [c + (k + 1) * t + k * d for k, c in enumerate(costs)]
-        margin = LOAD_MARGIN if (self.shared.costs.active or 1.0) > 1.5 else 1.0
-        if margin > 1.0 and not best_k(self.shared.prior_alpha(self.greedy), costs, margin):
+        if (self.shared.costs.active or 1.0) > 1.5 and not best_k(self.shared.prior_alpha(self.greedy), costs):
             # Others are calling and, at the acceptance of requests of this kind, drafting does not pay: they stay
             # at K = 0, and this one drafting, or exploring, would only split their batches (its drafted rounds
             # would meet them in other passes than its own, each paying a pass's fixed part). So it stays with them.
             self._idle = 0
             return 0
         alpha = self.acceptance.alpha
-        k = best_k(alpha, costs, margin)
+        k = best_k(alpha, costs)
         if not draft_started and self.explorer:
             return min(max(k, 1), self.cap)
         if k and not draft_started and remaining is not None:

@@ -294,22 +294,3 @@ def test_while_others_call_and_drafting_does_not_pay_no_request_explores_or_prob
     )
     shared.costs.observe(0.0100, _call(0.0079, 0.0069), _call(0.0021, 0.0011))  # alone again
     assert explorer.next_k(remaining=100, draft_started=False) >= 1
-
-
-def test_under_load_drafting_needs_a_clear_predicted_gain_over_k_0():
-    """While others call, a K whose predicted rate is within LOAD_MARGIN of K = 0's stays at 0 (the wide passes
-    drafting makes are priced where the curve is least sure); alone the smallest gain drafts; where rows are
-    nearly free (a GPU) and the draft is good, the gain under load is above the margin."""
-    round_s = [1.0, 1.9]  # K = 1: 1.9x the time for 1 + alpha tokens
-    assert sp.best_k(0.99, round_s) == 1 and sp.LOAD_MARGIN > 1.99 / 1.9
-    assert sp.best_k(0.99, round_s, sp.LOAD_MARGIN) == 0
-    assert sp.best_k(0.99, [1.0, 1.5], sp.LOAD_MARGIN) == 1
-
-    flat = [(1, 0.0040), (4, 0.0041), (16, 0.0043), (64, 0.0050)]  # a GPU's memory-bound pass
-    shared = sp.Speculation()
-    shared.costs = _costs(flat, [(1, 0.0018), (16, 0.0019)])
-    shared.costs.observe(0.0070, _call(0.0050, 0.0040), _call(0.0020, 0.0018))
-    shared.costs.observe(0.030, _call(0.025, 0.0042, sessions=16), _call(0.004, 0.0019, sessions=16))
-    shared.alpha[True] = sp.Acceptance(prior_alpha=0.8)  # the process's drafts: 0.8 (1.32x predicted at K = 2)
-    assert shared.costs.active == 16
-    assert sp.AdaptiveK(shared, greedy=True, cap=8, start_k=3).next_k() > 0
