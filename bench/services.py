@@ -68,19 +68,20 @@ def machine() -> dict:
 
 def start_services(draft: str, target: str, log_path: Path, tree: Path | None = None, env: dict | None = None):
     """`specdec up` and a second orchestrator (adaptive speculation) on free ports; tree: another checkout of specdec
-    to run them from (bench/versions.py), else this one; env: more settings for them (SPECDEC_...)."""
+    to run them from (bench/versions.py), else this one; env: more settings for them (SPECDEC_...), which win over
+    the ones set here."""
     ports = free_ports(8)
     o, d, t, om, dm, tm, _, oh2 = ports
-    env = dict(
-        os.environ,
+    env = {
+        **os.environ,
         **({"PYTHONPATH": str(tree)} if tree is not None else {}),
         **up_environment(ports[:7]),
-        SPECDEC_DRAFT_MODEL=draft,
-        SPECDEC_TARGET_MODEL=target,
-        SPECDEC_ORCHESTRATOR_TOKENIZER=target,
-        SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS="8",
+        "SPECDEC_DRAFT_MODEL": draft,
+        "SPECDEC_TARGET_MODEL": target,
+        "SPECDEC_ORCHESTRATOR_TOKENIZER": target,
+        "SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS": "8",
         **(env or {}),
-    )
+    }
     log = open(log_path, "w")  # noqa: SIM115 - the services write to it while they run
     procs = [
         subprocess.Popen(
