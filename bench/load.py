@@ -9,8 +9,8 @@ the largest N), greedy, N at a time: each of N clients sends its next request as
 is one by one. Aggregate tokens/s is the tokens of the whole run over its wall time, per request tokens/s
 each request's tokens over its own time; time to first token and inter-token latency come from the
 streamed messages (a message of n tokens counts n gaps of its wait / n, so a speculative round's tokens
-share its wait). Each N runs `reps` times per arm, the arms alternating so that the machine's drift hits
-all of them; the report gives medians and the spread (min, max) over the runs, and the scaling over the
+share its wait). Each N runs `reps` times per arm after one uncounted run of each, the arms alternating so that
+the machine's drift hits all of them; the report gives medians and the spread (min, max) over the runs, and the scaling over the
 same arm's N = 1 in the same run.
 
 Arms: K = 0 (the target alone) and `auto` (K left unset on the adaptive orchestrator: the K the system
@@ -224,12 +224,15 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 def run_load(arms: dict, prompts: list[str], concurrency: list[int], reps: int, progress=print) -> dict:
     """arms: name -> (send, job for a prompt). Every run sends the same jobs (the prompts in turn, at least as
     many as the largest N) through N workers at a time; N = 1 is one by one. `reps` runs per N and arm, the
-    arms alternating. Outputs are compared with the same prompt's at N = 1."""
+    arms alternating, after one uncounted run of each arm at that N (an arm's first run at a new N ran up to 16%
+    slower than its next, 2026-11-26). Outputs are compared with the same prompt's at N = 1."""
     jobs = [prompts[i % len(prompts)] for i in range(max(len(prompts), max(concurrency)))]
     out = {name: {} for name in arms}
     alone: dict[str, dict] = {name: {} for name in arms}
     for n in sorted(concurrency):
         runs = {name: [] for name in arms}
+        for send, job in arms.values():
+            run_jobs(send, [job(p) for p in jobs], n)
         for _ in range(reps):
             for name, (send, job) in arms.items():
                 results, wall = run_jobs(send, [job(p) for p in jobs], n)
