@@ -14,8 +14,9 @@ ratio test keeps the output exact (Leviathan et al. hold for any p and q). Row b
 
 Every rule reads only the tokens before its row, so a Verify's row i counts the drafts before it, and a row's
 logits are the same in any batch or call. The grammar runs on llguidance (bench/grammar.py: 43-57 us a token on
-the embedded tokenizer, against xgrammar's 96-152 us). A session keeps a matcher at its committed tokens; a call
-walks a copy of it through the drafts, so a rejected draft needs no rollback. A draft the grammar rejects makes
+the embedded tokenizer, against xgrammar's 96-152 us). A session keeps a matcher at its committed tokens; a call's
+masks walk a copy of it through the drafts, so a rejected draft needs no rollback (greedy's ``argmax`` walks the
+matcher itself, and the next call rolls back what it does not hold). A draft the grammar rejects makes
 the rows after it meaningless; they keep the last allowed row's mask (never all -inf), and the ratio test never
 reads them, since that draft has p = 0. Greedy rows need only their best allowed token: ``argmax`` asks the matcher
 about the row's best few tokens and fills a mask only where that cannot decide (specdec/grammar.py), with the same
@@ -172,16 +173,7 @@ class RuleState:
             if i < min(valid, n - 1):
                 matcher.consume_token(drafts[i])
                 self.consumed.append(drafts[i])
-        if n == 1 or to_mismatch:  # the matcher is at the picked row: greedy's next history holds its token
-            self._take_ahead(pick if columns is None else int(columns[pick]))
         return picks, out
-
-    def _take_ahead(self, token: int) -> None:
-        """Let the session's matcher take the picked token, as greedy's next call will hold it after the drafts
-        before it, while the grammar engine's tables are warm from the row: after the next forward pass the same
-        costs several times as much. An end of sequence is not taken: after it the matcher has stopped."""
-        if token not in self.ends and self.matcher.try_consume_tokens([token]) == 1:
-            self.consumed.append(token)
 
     def _edited(self, logits: torch.Tensor, tokens: list[int], first: int, ids) -> torch.Tensor:
         """The rows with biases, penalties and min_tokens applied: float32 on the host, in place where they are."""
@@ -408,10 +400,7 @@ class RuleBook:
         packed = await masks if masks is not None else None
         t1 = time.perf_counter()
         out = state.apply(logits, tokens, first, self.vocab_size, ids, packed)
-        if self.metrics is not None:
-            self.metrics.rules_seconds.inc(time.perf_counter() - t1)
-            self.metrics.rules_wait_seconds.inc(time.perf_counter() - t0)
-            self.metrics.rules_rows.inc(logits.shape[0])
+        self._count(time.perf_counter() - t1, time.perf_counter() - t0, logits.shape[0])
         return out
 
     def argmax(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids=None, **how):
@@ -419,12 +408,16 @@ class RuleBook:
         metrics; it needs no masks started beside the pass."""
         t0 = time.perf_counter()
         picks, out = state.argmax(logits, tokens, first, self.vocab_size, ids, **how)
-        if self.metrics is not None:
-            spent = time.perf_counter() - t0
-            self.metrics.rules_seconds.inc(spent)
-            self.metrics.rules_wait_seconds.inc(spent)
-            self.metrics.rules_rows.inc(logits.shape[0])
+        spent = time.perf_counter() - t0
+        self._count(spent, spent, logits.shape[0])
         return picks, out
+
+    def _count(self, work_s: float, wait_s: float, rows: int) -> None:
+        """A call's rules into the server's metrics: their work, what the call waited for them, its rows."""
+        if self.metrics is not None:
+            self.metrics.rules_seconds.inc(work_s)
+            self.metrics.rules_wait_seconds.inc(wait_s)
+            self.metrics.rules_rows.inc(rows)
 
     def state_for(self, session, rules: Rules | None) -> RuleState | None:
         """The session's RuleState for a request's rules (as ``check`` returned them), kept on the session and rebuilt

@@ -377,9 +377,10 @@ def test_greedys_verdict_keeps_the_rows_up_to_the_first_mismatch():
     assert to_first_mismatch([3, 8], [2]) == [3]
 
 
-def test_a_greedy_pick_taken_ahead_leaves_the_next_call_as_a_fresh_matcher_would(book, tokenizer):
-    """After a greedy call the session's matcher has taken the verdict's tokens ahead; the next call, whether it holds
-    them (the usual round) or other tokens (a rejected draft, a rebuilt history), sees what a fresh matcher sees."""
+def test_after_a_greedy_call_walked_its_drafts_the_next_call_sees_what_a_fresh_matcher_sees(book, tokenizer):
+    """A greedy call walks the session's matcher itself through its drafts; the next call, whether it holds the
+    verdict's tokens (the usual round) or other tokens (a rejected draft, a rebuilt history), rolls back to what a
+    fresh matcher sees."""
     vocab = len(tokenizer)
     answer = encode(tokenizer, '{"name": "Ada Byron", "age": 36}')
     prompt = [5, 6, 7]
