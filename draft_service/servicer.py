@@ -92,14 +92,25 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
     async def _draft(self, s: Session, feed, rows, k: int, params, min_confidence: float, rules, resp, stats):
         """Draft up to k tokens into resp, a pass of the engine each; the sampled rows' distributions, or None.
         With output rules (specdec/rules.py) each step's row follows them; a step whose scored tokens the grammar
-        all forbids ends the round there (its mass is never renormalized onto tokens the grammar refuses)."""
+        all forbids ends the round there (its mass is never renormalized onto tokens the grammar refuses). Tokens
+        a grammar forces (a strict schema's keys) are drafted without a pass of their own (jump-forward, as SGLang
+        decodes them): they are fed with the next step, and a round that ends on them leaves them unfed."""
         core, head = self.core, rows is not None
         dists = []
         # greedy asks the grammar about its best tokens instead of masking the row (RuleState.argmax), unless the
         # confidence is read, which needs the masked row's top probability
         lazy = rules is not None and params.greedy and not min_confidence
         confidence = 1.0  # the draft's estimate that the target accepts every token so far
-        for _ in range(k):  # each step a pass of the engine, beside the other sessions' steps
+        jump = rules is not None and rules.matcher is not None and not head
+        while len(resp.token_ids) < k:  # each step a pass of the engine, beside the other sessions' steps
+            if jump:  # jump forward: what the grammar forces is drafted without a pass, and fed with the next step
+                t0 = time.perf_counter()
+                forced = core.rules.forced(rules, s.tokens + feed)[: k - len(resp.token_ids)]
+                resp.rules_seconds += time.perf_counter() - t0
+                if forced:
+                    self._take_forced(forced, params, resp, dists)
+                    feed = feed + forced
+                    continue
             masks = None if lazy else core.rules.masks(rules, s.tokens + feed, len(s.tokens) + len(feed), 1)  # beside
             step = await core.feed(s, feed, 1, stats, scored_only=True, features_in=rows, norm_rows=int(head))
             logits = step.logits  # [1, scored tokens]
@@ -137,7 +148,18 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
                 break
             feed = [x]
             rows = step.normed if head else None  # [1, hidden]: g at the last position, read beside x
-        return torch.stack(dists) if dists else None
+        return dists or None  # a row per draft: its probabilities, or a forced token
+
+    def _take_forced(self, forced: list[int], params, resp, dists: list) -> None:
+        """Draft the tokens a grammar forces, each with q = 1: the target's row there allows that token alone, so
+        its p is 1 as well and the ratio test keeps it. A sampled row is the point mass, on the wire and among the
+        distributions GetDistribution serves (there as the token itself)."""
+        for x in forced:
+            resp.token_ids.append(x)
+            resp.token_probs.append(1.0)
+            if not params.greedy:
+                resp.distributions.append(self.core.sparse((np.array([x]), np.array([1.0]))))
+                dists.append(x)
 
     def _token(self, column: int) -> int:
         return column if self.ids is None else int(self.column_tokens[column])

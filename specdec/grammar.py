@@ -99,6 +99,12 @@ def best_allowed(matcher, row: np.ndarray, tokens: np.ndarray | None, ends: froz
     return None
 
 
+def forced_tokens(matcher) -> list[int]:
+    """The tokens the grammar forces next, in order (a strict schema's keys and punctuation; where the mask allows
+    the first alone, tests/test_rules.py), [] where it forces none or their first token is open."""
+    return matcher.compute_ff_tokens() if matcher.compute_ff_bytes() else []
+
+
 def allows(matcher, token: int, ends: frozenset[int]) -> bool:
     """Whether the grammar allows token next: an end-of-sequence token where the grammar may end, any other token
     where its bytes fit."""

@@ -13,14 +13,12 @@ ratio test keeps the output exact (Leviathan et al. hold for any p and q). Row b
   5. the grammar: a token the grammar does not allow after the output before the row gets -inf.
 
 Every rule reads only the tokens before its row, so a Verify's row i counts the drafts before it, and a row's
-logits are the same in any batch or call. The grammar runs on llguidance (bench/grammar.py: 43-57 us a token on
-the embedded tokenizer, against xgrammar's 96-152 us). A session keeps a matcher at its committed tokens; a call's
-masks walk a copy of it through the drafts, so a rejected draft needs no rollback (greedy's ``argmax`` walks the
-matcher itself, and the next call rolls back what it does not hold). A draft the grammar rejects makes
-the rows after it meaningless; they keep the last allowed row's mask (never all -inf), and the ratio test never
-reads them, since that draft has p = 0. Greedy rows need only their best allowed token: ``argmax`` asks the matcher
-about the row's best few tokens and fills a mask only where that cannot decide (specdec/grammar.py), with the same
-result as the masked row's argmax.
+logits are the same in any batch or call. The grammar runs on llguidance (bench/grammar.py: 43-57 us a token, against
+xgrammar's 96-152 us). A session keeps a matcher at its committed tokens; a call's masks walk a copy of it through
+the drafts (greedy's ``argmax`` walks the matcher itself; the next call rolls back what it does not hold). Rows after
+a draft the grammar rejects keep the last allowed row's mask (never all -inf); the ratio test never reads them, since
+that draft has p = 0. Greedy rows need only their best allowed token, which ``argmax`` finds by asking the matcher
+about the row's best few tokens, filling a mask only where that cannot decide (specdec/grammar.py).
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ import numpy as np
 import torch
 
 from specdec.errors import ServiceError, invalid
-from specdec.grammar import best_allowed, check_grammar, grammar_text, lltokenizer, unpack
+from specdec.grammar import best_allowed, check_grammar, forced_tokens, grammar_text, lltokenizer, unpack
 from specdec.runners.kernels import kernels_for
 from specdec.sampling import argmax_rows
 
@@ -131,10 +129,8 @@ class RuleState:
         draft that scores the tokens ids only (column c is token ids[c]). packed: the grammar's masks of these rows,
         computed beforehand by ``masks`` (beside the forward pass), else computed here.
 
-        Biases, penalties and min_tokens touch only the columns of the tokens they name or the history holds, a few
-        hundred at most; the grammar's mask is the one vocabulary-wide step, in specdec's kernel (numpy where it
-        cannot be built). Vocabulary-wide torch ops here would each wake a team of threads beside the engine's,
-        which on a small CPU made them 5x slower."""
+        Only the grammar's mask is vocabulary-wide (specdec's kernel, else numpy); the other rules touch the columns
+        they name or the history holds. Torch ops would wake a thread team beside the engine's (5x slower)."""
         out = self._edited(logits, tokens, first, ids)
         if self.matcher is not None:
             packed = self.masks(tokens, first, logits.shape[0], vocab) if packed is None else packed  # [n, words]
@@ -270,6 +266,11 @@ class RuleState:
             self._mask_buffer = np.empty((max(n, 9), (vocab + 31) // 32), dtype=np.int32)
             self._mask_tensor = torch.from_numpy(self._mask_buffer)  # the same memory
         return self._mask_buffer
+
+    def forced(self, tokens: list[int]) -> list[int]:
+        """The tokens the grammar forces after tokens (grammar.forced_tokens); [] past its end or without one."""
+        ok = self.matcher is not None and self._follow(tokens[self.rules.output_start :])
+        return forced_tokens(self.matcher) if ok else []
 
     def valid_prefix(self, tokens: list[int], drafts: list[int]) -> int:
         """How many of the drafts after tokens the grammar accepts, in order: where proposals made without the
@@ -411,6 +412,12 @@ class RuleBook:
         spent = time.perf_counter() - t0
         self._count(spent, spent, logits.shape[0])
         return picks, out
+
+    def forced(self, state: RuleState, tokens: list[int]) -> list[int]:
+        """state.forced, timed into the server's metrics (no row: nothing is masked)."""
+        t0, out = time.perf_counter(), state.forced(tokens)
+        self._count(time.perf_counter() - t0, time.perf_counter() - t0, 0)
+        return out
 
     def _count(self, work_s: float, wait_s: float, rows: int) -> None:
         """A call's rules into the server's metrics: their work, what the call waited for them, its rows."""

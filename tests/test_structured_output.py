@@ -20,7 +20,7 @@ import torch
 
 from conftest import make_stack, stop_stack
 from specdec import grammar, rules
-from specdec.v1 import generation_pb2 as gen_pb, model_server_pb2 as ms_pb
+from specdec.v1 import draft_pb2, draft_pb2_grpc, generation_pb2 as gen_pb, model_server_pb2 as ms_pb
 
 SCHEMA = {
     "type": "object",
@@ -65,6 +65,47 @@ def test_greedy_json_with_speculation_equals_the_target_alone_and_is_valid(stack
         assert stats0.finish_reason == gen_pb.FINISH_REASON_EOS_TOKEN, answer  # the grammar ended it
         jsonschema.validate(json.loads(answer), SCHEMA)
         assert stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tokens_the_grammar_forces_are_drafted_with_certainty_and_fed_with_the_next_step(stack, tokenizer, temperature):
+    """Jump-forward: where the grammar forces tokens (a strict schema's opening key), the draft proposes exactly
+    them with q = 1 and runs no pass for them; they are fed with the next step's pass."""
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    text = grammar.grammar_text(ms_pb.Grammar(json_schema=json.dumps(SCHEMA)))
+    book = rules.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    forced = llguidance.LLMatcher(book.tokenizer, text).compute_ff_tokens()
+    assert len(forced) >= 3  # '{"name": "' in a few tokens
+    draft = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(stack.draft_address))
+    sampling = ms_pb.SamplingParams(temperature=temperature, top_p=1.0, seed=3)
+    output_rules = ms_pb.OutputRules(output_start=len(prompt), **grammar_fields())
+
+    def propose(sid: str, k: int):
+        cursor = ms_pb.SessionCursor(session_id=sid, tokens=prompt)
+        req = draft_pb2.ProposeTokensRequest(cursor=cursor, num_tokens=k, sampling=sampling, rules=output_rules)
+        return draft.ProposeTokens(req, timeout=60)
+
+    only = propose(f"forced-{temperature}", len(forced))  # every draft forced: not one pass
+    assert list(only.token_ids) == forced and list(only.token_probs) == [1.0] * len(forced)
+    assert only.length == 0 and only.compute_seconds == 0
+    more = propose(f"more-{temperature}", len(forced) + 2)
+    assert list(more.token_ids[: len(forced)]) == forced and list(more.token_probs[: len(forced)]) == [1.0] * len(
+        forced
+    )
+    assert more.length == len(prompt) + len(forced) + 1  # one pass fed the prompt and the forced tokens, one more x1
+    if temperature:
+        for i, x in enumerate(forced):
+            d = more.distributions[i]
+            assert d.complete and list(d.token_ids) == [x] and list(d.probs) == [1.0]
+        dense = draft.GetDistribution(
+            ms_pb.GetDistributionRequest(session_id=f"more-{temperature}", position=len(prompt))
+        )
+        row = np.frombuffer(dense.probs_f32, dtype="<f4")
+        assert row[forced[0]] == 1.0 and row.sum() == 1.0
+    for sid in (f"forced-{temperature}", f"more-{temperature}"):
+        draft.ReleaseSession(ms_pb.ReleaseSessionRequest(session_id=sid))
 
 
 def test_penalties_bias_and_min_tokens_keep_greedy_exactness_and_change_the_output(stack, tokenizer):
