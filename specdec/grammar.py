@@ -74,8 +74,8 @@ def best_allowed(matcher, row: np.ndarray, tokens: np.ndarray | None, ends: froz
       - where it forces bytes whose first token is open (a value's opening quote), the mask keeps their canonical
         tokens, fewer than the tokens that fit: None;
       - where nothing is forced, a token check gives the mask's answer token for token: the row's best tokens are
-        asked in order; None when none of the best CANDIDATES is allowed, or the best allowed ties with a column
-        outside them.
+        asked in order; None when none of the best CANDIDATES is allowed.
+    The row is the caller's: columns asked are set aside in it and restored before this returns.
     matcher: at the row's history; row: [columns] float32 logits; tokens: each column's token id, ascending (a draft's
     scored tokens), None where column = token; ends: the tokenizer's end-of-sequence ids (LLTokenizer.eos_tokens)."""
     if matcher.compute_ff_bytes():
@@ -87,16 +87,23 @@ def best_allowed(matcher, row: np.ndarray, tokens: np.ndarray | None, ends: froz
     best = int(row.argmax())  # numpy's argmax: the first maximal column
     if allows(matcher, best if tokens is None else int(tokens[best]), ends):
         return best
-    m = min(CANDIDATES, row.shape[0])
-    few = np.argpartition(-row, m - 1)[:m]
-    few = few[np.lexsort((few, -row[few]))]  # logit descending, then column
-    floor = row[few[-1]]  # a column outside the few has at most this logit
-    for c in few[1:]:
-        if not row[c] > floor:
-            return None
-        if allows(matcher, int(c) if tokens is None else int(tokens[c]), ends):
-            return int(c)
-    return None
+    # the next best columns in the mask's order (logit descending, then column), each found by an argmax with the
+    # ones before it set aside: a few passes over the row, where partitioning it cost 70 us for 49,152 columns
+    aside, kept = [best], [row[best]]
+    try:
+        row[best] = -np.inf
+        for _ in range(CANDIDATES - 1):
+            c = int(row.argmax())
+            if not row[c] > -np.inf:
+                return None
+            if allows(matcher, c if tokens is None else int(tokens[c]), ends):
+                return c
+            aside.append(c)
+            kept.append(row[c])
+            row[c] = -np.inf
+        return None
+    finally:
+        row[aside] = kept
 
 
 def forced_tokens(matcher) -> list[int]:

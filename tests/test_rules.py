@@ -339,10 +339,13 @@ def test_greedy_without_the_mask_picks_what_the_masked_rows_pick(book, tokenizer
         )
         want = argmax_rows(masked)
         masked_rows.clear()
-        got, _ = rules.RuleState(checked, book.tokenizer, book.eos_ids).argmax(
+        got, out = rules.RuleState(checked, book.tokenizer, book.eos_ids).argmax(
             logits.clone(), tokens, first, vocab, columns
         )
         assert got == want, f"trial {trial}: cut {cut}, drafts {drafts}"
+        edited = rules.RuleState(checked, book.tokenizer, book.eos_ids)._edited(logits.clone(), tokens, first, columns)
+        for i in range(n):  # each row as edited, or masked where a mask decided: the tokens asked are put back
+            assert torch.equal(out[i], edited[i]) or torch.equal(out[i], masked[i]), f"trial {trial}, row {i}"
         assert sum(masked_rows) <= n
         if not restricted:  # a verify's rows stop after the first that differs from its draft
             verdict, _ = rules.RuleState(checked, book.tokenizer, book.eos_ids).argmax(
