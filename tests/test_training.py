@@ -89,7 +89,7 @@ def test_generation_in_the_served_forms_answers_each_prompt_as_the_server_alone_
     target_model, tokenizer, activations
 ):
     """training.batched.generate_served runs the rows of a step in one pass of the runner's own product form, whose
-    rows are batch-invariant: each answer and its labels are the same runner's alone, token for token."""
+    rows are batch-invariant: each answer, its labels and its features are the same runner's alone, bit for bit."""
     import torch
 
     from specdec import models
@@ -103,11 +103,15 @@ def test_generation_in_the_served_forms_answers_each_prompt_as_the_server_alone_
     eos = {free[2]}  # the second prompt stops after 3 tokens: the pass's rows shrink while the others go on
     expected = [_greedy_alone(runner, p, eos, 10) for p in prompts]
     assert len(expected[1]) == 3 and max(map(len, expected)) > 3
-    got = generate_served(runner, prompts, 10, 0.0, 1.0, eos, seed=0)
+    feats = []
+    got = generate_served(runner, prompts, 10, 0.0, 1.0, eos, seed=0, features=feats)
     assert [ids for ids, _, _ in got] == expected
-    for ids, top_i, top_v in got:
+    for prompt, (ids, top_i, top_v), f in zip(prompts, got, feats):
         assert top_i.shape == top_v.shape == (len(ids), 20) and top_i[:, 0].tolist() == ids
         assert torch.isfinite(top_v.float()).all()
+        fed = prompt + ids[:-1]  # the head's data: the features of every position fed, as one pass alone gives them
+        _, (alone,) = runner.forward_batch([runner.new_cache()], [fed], [1], True, norm_rows=[len(fed)])
+        assert f.dtype == torch.bfloat16 and torch.equal(f, alone.to(torch.bfloat16))
 
 
 def test_teacher_forced_labels_equal_the_labels_recorded_while_generating(target_model, tokenizer):

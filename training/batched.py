@@ -171,15 +171,20 @@ def generate_served(
     eos_ids: set[int],
     seed: int,
     top_k_labels: int = 20,
+    features: list | None = None,
 ):
     """``generate`` on the runner's own forward, as a model server runs it: each row a session of its own (no
     padding), the step's rows in one pass of the runner's product form (its float32 kernels, or 8-bit activations
-    with ``activations="int8"``) and its C++ layer loop. Same results; no features. The data then comes from the
-    numbers the target is served in, at the cost of the served form's rows."""
+    with ``activations="int8"``) and its C++ layer loop. Same results, and a list ``features`` gets the same rows
+    (bf16, every position fed). The data then comes from the numbers the target is served in, at the cost of the
+    served form's rows."""
     g = torch.Generator().manual_seed(seed)
     caches = [r.new_cache() for _ in prompts]
     token_of = r.scored_ids
-    logits = torch.cat([r.forward(c, p, 1, scored_only=True) for c, p in zip(caches, prompts)])  # [B, columns]
+    norm_rows = (lambda rows: rows) if features is not None else (lambda rows: None)  # the features of every row fed
+    fed = [r.forward_batch([c], [p], [1], True, norm_rows=norm_rows([len(p)])) for c, p in zip(caches, prompts)]
+    logits = torch.cat([f[0][0] if features is not None else f[0] for f in fed])  # [B, columns]
+    parts = [[f[1][0].to(torch.bfloat16)] for f in fed] if features is not None else None
     out, labels_i, labels_v = ([[] for _ in prompts] for _ in range(3))
     live = list(range(len(prompts)))  # the rows still answering, in logits' order
     eos = set(eos_ids)
@@ -196,8 +201,20 @@ def generate_served(
         live = [b for b in live if out[b][-1] not in eos]
         if not live or t == max_new - 1:
             break
-        step = r.forward_batch([caches[b] for b in live], [out[b][-1:] for b in live], [1] * len(live), True)
+        step = r.forward_batch(
+            [caches[b] for b in live],
+            [out[b][-1:] for b in live],
+            [1] * len(live),
+            True,
+            norm_rows=norm_rows([1] * len(live)),
+        )
+        if features is not None:
+            step, norms = step
+            for b, rows in zip(live, norms):
+                parts[b].append(rows.to(torch.bfloat16))
         logits = torch.cat(step)
+    if features is not None:
+        features.extend(torch.cat(p) for p in parts)
     if not top_k_labels:
         return [(o, None, None) for o in out]
     return [(out[b], torch.stack(labels_i[b]), torch.stack(labels_v[b])) for b in range(len(prompts))]
@@ -248,9 +265,7 @@ def generate_all(
 ):
     """Batches of similar length in budget_order; stops starting batches after the deadline (monotonic seconds).
     With `features`, each result carries the row's features as a fourth item (generate's `features`); served:
-    each batch through generate_served (no features) instead of the padded forward."""
-    if served and features:
-        raise ValueError("generate_served records no features: use the padded forward for them")
+    each batch through generate_served instead of the padded forward."""
     order = budget_order([len(p) for p in prompts], batch_size, seed)
     results, t0, tokens = {}, time.monotonic(), 0
     for s in range(0, len(order), batch_size):
@@ -261,7 +276,7 @@ def generate_all(
         fed = [] if features else None
         batch = [prompts[i] for i in idx]
         if served:
-            got = generate_served(r, batch, max_new, temperature, top_p, eos_ids, seed + s)
+            got = generate_served(r, batch, max_new, temperature, top_p, eos_ids, seed + s, features=fed)
         else:
             got = generate(r, batch, max_new, temperature, top_p, eos_ids, seed + s, features=fed)
         for j, (i, res) in enumerate(zip(idx, got)):

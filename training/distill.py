@@ -82,9 +82,9 @@ def _data_part(args, tokenizer, part: int) -> Path:
     features = getattr(args, "features", False)  # training/head.py: the target's features at every position too
     spec = getattr(args, "target", models.DEFAULT_TARGET)  # training/head.py --target: another target's answers
     # on a CPU the target answers in the forms it is served in (its GGUF blocks and specdec's kernels, the step's
-    # rows in one pass: 2.9x the padded float32 forward, 5.0x with 8-bit activations, bench/datagen.py); the
-    # padded forward serves a GPU, and the features a head trains on
-    served = args.device == "cpu" and not features
+    # rows in one pass: 2.9x the padded float32 forward, 5.0x with 8-bit activations, bench/datagen.py), and a
+    # head reads the features it is served; the padded forward serves a GPU
+    served = args.device == "cpu"
     activations = getattr(args, "activations", "float32") if served else "float32"
     tags = ["distinct", "features"] if features else ["distinct"]
     tags += [spec] if spec != models.DEFAULT_TARGET else []

@@ -1,6 +1,6 @@
 """Train an EAGLE-style head for the embedded target: a draft that reads the target's own features.
 
-    python -m training.head [--data-minutes 40] [--train-minutes 30] [--out models/smollm2-head]
+    python -m training.head [--gen-minutes 40] [--data-parts 1] [--train-minutes 30] [--out models/smollm2-head]
 
 The head's entry at position p reads the token t_p and the target's feature f_{p-1} (its final-norm output at
 p - 1, the vector its output layer multiplies; zeros at p = 0): x = W_fc [E t_p ; f_{p-1}], then one Llama
@@ -9,8 +9,9 @@ and the head's logits are the target's output rows over the scored tokens times 
 j > 1 feeds the head's own g of the step before in place of the target's feature (EAGLE, Li et al. 2024).
 
 Stages, each cached under ~/.cache/specdec/head:
-1. data: the target's answers to the training prompts (training.distill's data part, generated the same way),
-   with its features at every position it fed, recorded as it generated them.
+1. data: the target's answers to the training prompts (training.distill's data parts, generated the same way:
+   on a CPU in the forms the target is served in), with its features at every position it fed, recorded as it
+   generated them.
 2. train: cross-entropy to the target's distribution over the scored tokens (softmax of its output rows times
    f_p) plus a regression of f_p (smooth L1), at every answer position. A second pass per batch feeds the head
    its own g_{p-1} where serving does (training-time test, EAGLE-3): its queries see the first pass's keys
@@ -242,8 +243,8 @@ def stage_data(args, tokenizer) -> tuple[list[dict], list[int]]:
     """The target's answers with their features (training.distill's data part, cached there), and the tokens the
     head scores: the embedded draft's list for the embedded target (chosen on 7.9 M answer tokens), else the most
     frequent tokens of these answers."""
-    args.data_parts, args.data_from, args.features = 1, "target", True
-    data = torch.load(distill.stage_data(args, tokenizer)[0], weights_only=False)
+    args.data_from, args.features = "target", True
+    data = [r for part in distill.stage_data(args, tokenizer) for r in torch.load(part, weights_only=False)]
     if args.target == models.DEFAULT_TARGET:
         draft_config = models.REPO_MODELS["smollm2-135m-draft"] / "config.json"
         kept = json.loads(draft_config.read_text())["specdec_output_token_ids"]
@@ -258,7 +259,8 @@ def main(argv=None) -> None:
     ap.add_argument("--num-prompts", type=int, default=12000)
     ap.add_argument("--max-new", type=int, default=192)
     ap.add_argument("--batch-size", type=int, default=128)
-    ap.add_argument("--gen-minutes", type=float, default=40, help="time budget of the target's answers")
+    ap.add_argument("--gen-minutes", type=float, default=40, help="time budget of each part of the target's answers")
+    ap.add_argument("--data-parts", type=int, default=1, help="parts of answers, each to its own prompts")
     ap.add_argument("--train-minutes", type=float, default=30)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch-tokens", type=int, default=4096)
