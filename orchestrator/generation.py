@@ -156,7 +156,8 @@ class Generation:
             return None
         req, resp, wall = answered
         trace.draft_wall_s = wall
-        trace.draft_built = req.cursor.expected_length == 0 or bool(self.head and self.head.built)
+        # a call from an empty session built it, unless it fed nothing (every draft forced by a grammar)
+        trace.draft_built = (req.cursor.expected_length == 0 and resp.length > 0) or bool(self.head and self.head.built)
         trace.draft_cost = CallCost.of(wall, resp)
         trace.add_call(req, resp, wall, "draft_s")
         # what the session holds: the drafts but the last (not fed); a head keeps none of them (head_draft.py)
