@@ -339,7 +339,7 @@ class ModelServer:
             )
         row = s.probs[i]
         if isinstance(row, int):  # a token the draft's grammar forced: its point mass
-            row = torch.zeros(self.vocab_size).index_fill_(0, torch.tensor([row]), 1.0)
+            row = torch.zeros(self.vocab_size).index_fill_(0, torch.tensor(row), 1.0)
         elif s.probs_ids is not None:  # a restricted draft's row: probability 0 for the tokens it does not score
             row = torch.zeros(self.vocab_size, dtype=row.dtype).index_copy_(0, s.probs_ids, row)
         return pb.GetDistributionResponse(probs_f32=row.numpy().astype("<f4").tobytes())

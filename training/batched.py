@@ -181,10 +181,18 @@ def generate_served(
     g = torch.Generator().manual_seed(seed)
     caches = [r.new_cache() for _ in prompts]
     token_of = r.scored_ids
-    norm_rows = (lambda rows: rows) if features is not None else (lambda rows: None)  # the features of every row fed
-    fed = [r.forward_batch([c], [p], [1], True, norm_rows=norm_rows([len(p)])) for c, p in zip(caches, prompts)]
-    logits = torch.cat([f[0][0] if features is not None else f[0] for f in fed])  # [B, columns]
-    parts = [[f[1][0].to(torch.bfloat16)] for f in fed] if features is not None else None
+    want = features is not None
+
+    def feed(rows: list[int], ids: list[list[int]]):
+        """One pass of the rows' sessions: their last logits, and with ``features`` every fed row's features."""
+        got = r.forward_batch(
+            [caches[b] for b in rows], ids, [1] * len(rows), True, norm_rows=[len(t) for t in ids] if want else None
+        )
+        return got if want else (got, [None] * len(rows))
+
+    fed = [feed([b], [p]) for b, p in enumerate(prompts)]
+    logits = torch.cat([lg[0] for lg, _ in fed])  # [B, columns]
+    parts = [[norms[0]] for _, norms in fed]
     out, labels_i, labels_v = ([[] for _ in prompts] for _ in range(3))
     live = list(range(len(prompts)))  # the rows still answering, in logits' order
     eos = set(eos_ids)
@@ -201,20 +209,12 @@ def generate_served(
         live = [b for b in live if out[b][-1] not in eos]
         if not live or t == max_new - 1:
             break
-        step = r.forward_batch(
-            [caches[b] for b in live],
-            [out[b][-1:] for b in live],
-            [1] * len(live),
-            True,
-            norm_rows=norm_rows([1] * len(live)),
-        )
-        if features is not None:
-            step, norms = step
-            for b, rows in zip(live, norms):
-                parts[b].append(rows.to(torch.bfloat16))
+        step, norms = feed(live, [out[b][-1:] for b in live])
+        for b, rows in zip(live, norms) if want else ():
+            parts[b].append(rows)
         logits = torch.cat(step)
-    if features is not None:
-        features.extend(torch.cat(p) for p in parts)
+    if want:
+        features.extend(torch.cat(p).to(torch.bfloat16) for p in parts)
     if not top_k_labels:
         return [(o, None, None) for o in out]
     return [(out[b], torch.stack(labels_i[b]), torch.stack(labels_v[b])) for b in range(len(prompts))]
