@@ -7,7 +7,7 @@ arm in each rep one after the other:
   - padded: training.batched.generate, the left-padded torch forward (F.linear), in float32 and in bfloat16 (what
     training.distill takes where the CPU multiplies bf16 in hardware);
   - served: training.batched.generate_served, the runner's own forward as the model server runs it (each row a
-    session, the step's rows in one pass of specdec's kernels), with float32 and with 8-bit activations.
+    session, the step's rows in one pass of specdec's kernels), with float32 and with 8- and 16-bit activations.
 Reported: tokens/s per arm (median [min, max] over reps) and each arm's ratio to padded float32 rep by rep.
 """
 
@@ -32,10 +32,13 @@ def arms(tokenizer, spec: str) -> dict:
     out = {
         "padded float32": (LeanLlamaRunner(f32, len(tokenizer), 4096), batched.generate),
         "served float32": (LeanLlamaRunner(f32, len(tokenizer), 4096, gguf=gguf), batched.generate_served),
-        "served int8": (
-            LeanLlamaRunner(f32, len(tokenizer), 4096, gguf=gguf, activations="int8"),
-            batched.generate_served,
-        ),
+        **{
+            f"served {a}": (
+                LeanLlamaRunner(f32, len(tokenizer), 4096, gguf=gguf, activations=a),
+                batched.generate_served,
+            )
+            for a in ("int8", "int16")
+        },
     }
     if models.cpu_has_native_bf16():
         bf16 = models.load_model(spec, dtype="bfloat16")

@@ -1,17 +1,21 @@
-"""How close 8-bit activations keep the target to its float32 products, teacher-forced on held-out text.
+"""How close quantized activations (8 and 16 bits) keep the target to its float32 products, teacher-forced on
+held-out text.
 
-    python -m bench.quality [--prompts 24] [--answer-tokens 96] [--passages 24]
+    python -m bench.quality [--model SPEC] [--prompts 24] [--answer-tokens 96] [--passages 24]
+                            [--activations int8 int16] [--record]
+    specdec gate [the same flags]: --record, the verdicts written to the gate (specdec/runners/gate.py)
 
 Two texts, neither seen in training: the target's own greedy answers (float32) to held-out prompts
 (training.prompts, held_out=True), and plain English from a corpus Python ships (the standard library's
-documentation topics, pydoc_data). Each text runs through both runners in one pass; at every position of the
-answer or passage the report takes top-1 agreement, KL(p_float32 || p_int8) and the log-likelihood of the actual
-next token, from which each perplexity and its change.
+documentation topics, pydoc_data). Each text runs through each runner in one pass; at every position of the
+answer or passage the report takes top-1 agreement, KL(p_float32 || p_quantized) and the log-likelihood of the
+actual next token, from which each perplexity and its change.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 from pathlib import Path
 
@@ -19,7 +23,7 @@ import torch
 
 from bench.services import machine, save
 from specdec import models
-from specdec.runners import LeanLlamaRunner
+from specdec.runners import LeanLlamaRunner, gate
 
 
 def answers(runner, tokenizer, n: int, tokens: int) -> list[tuple[list[int], int]]:
@@ -51,6 +55,7 @@ def passages(tokenizer, n: int, tokens: int = 256) -> list[tuple[list[int], int]
 
 
 def compare(r32, r8, texts: list[tuple[list[int], int]]) -> dict:
+    """Teacher-forced agreement of runner r8 with runner r32 over texts (ids, where scoring starts)."""
     agree, kl, nll32, nll8, count = 0, 0.0, 0.0, 0.0, 0
     for ids, start in texts:
         n = len(ids) - start  # positions start - 1 .. len - 2 predict ids[start:]
@@ -70,30 +75,37 @@ def compare(r32, r8, texts: list[tuple[list[int], int]]) -> dict:
         "top1_agreement": agree / count,
         "mean_kl": kl / count,
         "perplexity_float32": ppl32,
-        "perplexity_int8": ppl8,
+        "perplexity_quantized": ppl8,
         "perplexity_change": ppl8 / ppl32 - 1,
     }
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="specdec gate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=models.DEFAULT_TARGET, help="a target whose weights come from a GGUF file")
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--answer-tokens", type=int, default=96)
     p.add_argument("--passages", type=int, default=24)
+    p.add_argument("--activations", nargs="+", default=["int8", "int16"], choices=["int8", "int16"])
+    p.add_argument("--record", action="store_true", help="write the verdicts to the gate, keyed by the file's sha256")
     p.add_argument("--out", default="results/quality")
     args = p.parse_args(argv)
-    spec = models.DEFAULT_TARGET
-    tokenizer, model = models.load_tokenizer(spec), models.load_model(spec)
-    gguf = models.gguf_file(spec)
+    gguf = models.gguf_file(args.model)
+    if gguf is None:
+        p.error(f"{args.model} has no GGUF file: quantized activations multiply a GGUF file's blocks")
+    tokenizer, model = models.load_tokenizer(args.model), models.load_model(args.model)
     r32 = LeanLlamaRunner(model, len(tokenizer), 4096, gguf=gguf)
-    r8 = LeanLlamaRunner(model, len(tokenizer), 4096, gguf=gguf, activations="int8")
-    report = {
-        "machine": machine(),
-        "float32": r32.describe(),
-        "int8": r8.describe(),
-        "answers": compare(r32, r8, answers(r32, tokenizer, args.prompts, args.answer_tokens)),
-        "passages": compare(r32, r8, passages(tokenizer, args.passages)),
+    texts = {
+        "answers": answers(r32, tokenizer, args.prompts, args.answer_tokens),
+        "passages": passages(tokenizer, args.passages),
     }
+    report = {"date": datetime.date.today().isoformat(), "machine": machine(), "float32": r32.describe()}
+    for activations in args.activations:
+        rq = LeanLlamaRunner(model, len(tokenizer), 4096, gguf=gguf, activations=activations)
+        report[activations] = {"runner": rq.describe(), **{name: compare(r32, rq, t) for name, t in texts.items()}}
+        report[activations]["passed"] = gate.verdict(report[activations])
+    if args.record:
+        gate.record(gguf, report)
     return save(report, Path(args.out), "quality")
 
 

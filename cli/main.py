@@ -366,6 +366,9 @@ def parser() -> argparse.ArgumentParser:
     add_arguments(o, OrchestratorConfig)
     _generate_arguments(sub.add_parser("generate", help="stream a completion from a running orchestrator"))
     sub.add_parser("bench", help="measure the speedup side by side (specdec bench --help)", add_help=False)
+    sub.add_parser(
+        "gate", help="measure a target's quantized activations against float32, record the verdict", add_help=False
+    )
     _health_arguments(sub.add_parser("health", help="check a server's gRPC health service"))
     _fetch_arguments(sub.add_parser("fetch", help="download hub models into the Hugging Face cache"))
     return p
@@ -377,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench.run import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["gate"]:  # bench.quality's flags, and its verdicts recorded
+        from bench.quality import main as quality_main
+
+        quality_main([*argv[1:], "--record"])
+        return 0
     if argv[:1] and argv[0] in _LIGHT:  # without the services' configuration, which imports torch
         arguments, run = _LIGHT[argv[0]]
         return run(arguments(argparse.ArgumentParser(prog=f"specdec {argv[0]}")).parse_args(argv[1:]))

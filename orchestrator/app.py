@@ -114,6 +114,7 @@ async def _connect(
     )
     check_compatible(cfg, tokenizer, draft_info, target_info)
     draft.fingerprint = target.fingerprint = target_info.tokenizer_fingerprint
+    target.numerics = target_info.numerics
     if draft_info.reads_features:
         draft.reads_features, draft.feature_size = True, draft_info.feature_size
         draft.feature_fingerprint = target.feature_fingerprint = draft_info.feature_fingerprint

@@ -128,6 +128,9 @@ class ReplicaSet:
         self.reads_features = False
         self.feature_size = 0
         self.feature_fingerprint: str | None = None
+        # Targets: the numerics every replica must report (set by the orchestrator from the first target's report), so
+        # that a failover or a rebuild never changes a greedy answer.
+        self.numerics: str | None = None
         for e in self.endpoints:
             if not e.dns:
                 self._add(e.address)
@@ -193,14 +196,19 @@ class ReplicaSet:
             ok = False  # another target's features, or a head of another target
         if self.role is Role.DRAFT and self.fingerprint is not None and info.reads_features != self.reads_features:
             ok = False  # a standalone draft among heads, or the reverse
+        if self.numerics is not None and info.numerics != self.numerics:
+            ok = False  # another target's numbers: its greedy answers may differ
         if r.compatible and not ok:
             log.error(
-                "%s replica %s serves %r with tokenizer %s, not the pair's %s: it takes no generations",
+                "%s replica %s serves %r with tokenizer %s and numerics %r, not the pair's %s and %r: it takes no "
+                "generations",
                 self.role,
                 r.address,
                 info.model,
                 info.tokenizer_fingerprint,
+                info.numerics,
                 self.fingerprint,
+                self.numerics,
             )
         r.compatible = ok
 

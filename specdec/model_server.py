@@ -57,7 +57,7 @@ class ModelServer:
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         quantize = resolve_quantize(cfg.quantize, cfg.role, model, cfg.device, cfg.runner)
         gguf = models.gguf_file(cfg.model)
-        activations = resolve_activations(cfg.activations, cfg.role, model, cfg.device, cfg.runner, quantize, gguf)
+        activations = resolve_activations(cfg.activations, cfg.role, model, cfg.device, cfg.runner, gguf, cfg.matmul)
         self.runner = make_runner(
             model,
             self.vocab_size,
@@ -144,6 +144,7 @@ class ModelServer:
                 else ""
             ),
             reads_features=self.reads_features,
+            numerics=runner.numerics,
         )
 
     def _feature_size(self) -> int:

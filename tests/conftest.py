@@ -151,6 +151,8 @@ KERNEL_FORMS = {
     "int8": (False, dict(quantize="int8")),
     "gguf-q8": (True, dict(activations="int8")),
     "int8-q8": (False, dict(quantize="int8", activations="int8")),
+    "gguf-q16": (True, dict(activations="int16")),
+    "int8-q16": (False, dict(quantize="int8", activations="int16")),
 }
 
 

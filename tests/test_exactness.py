@@ -148,6 +148,35 @@ def test_greedy_output_equals_target_alone_with_every_product_form(
         stop_stack(stack)
 
 
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+def test_greedy_output_equals_the_same_servers_target_alone_with_quantized_activations(
+    event_loop_thread, tokenizer, partial_draft, target_model, activations
+):
+    """Quantized activations change the target's numbers, and speculation must not: its verify rows are the steps'
+    rows bit for bit, so K = 4 gives what K = 0 gives on the same server."""
+    can_run("gguf")
+    stack = make_stack(
+        event_loop_thread,
+        tokenizer,
+        partial_draft,
+        target_model,
+        target_cfg={"model": models.DEFAULT_TARGET, "activations": activations},
+    )
+    try:
+        bits = activations.removeprefix("int")
+        assert stack.target.info.numerics == f"float32, {bits}-bit activations"
+        for text in PROMPTS:
+            alone, together = (
+                stack.generate(
+                    messages=[("user", text)], max_tokens=MAX_TOKENS, temperature=0.0, num_speculative_tokens=k
+                )[0]
+                for k in (0, 4)
+            )
+            assert together == alone
+    finally:
+        stop_stack(stack)
+
+
 @pytest.fixture(scope="module")
 def adaptive_stack(event_loop_thread, tokenizer, partial_draft, target_model):
     stack = make_stack(

@@ -1,8 +1,10 @@
-"""Products with 8-bit activations (kernels/q8_products.cpp, runners/q8_blocks.py): every instruction-set form
-this CPU runs is forced in turn and held to the others bit for bit, and to a torch reference of the same
-quantized numbers."""
+"""Products with quantized activations, 8 and 16 bits (kernels/q8_products.cpp, runners/q8_blocks.py): every
+instruction-set form this CPU runs is forced in turn and held to the others bit for bit, and to a torch reference
+of the same quantized numbers."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -37,26 +39,40 @@ def _q8_0(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(torch.uint8), (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
 
 
-def _weights(kind: str, n: int, k: int) -> qb.Q8Weights:
+def _weights(kind: str, n: int, k: int, bits: int = 8) -> qb.Q8Weights:
     if kind == "Q4_1":
-        return qb.pack_q4_1(*_q4_1(n, k))
-    if kind == "Q8_0":
-        return qb.pack_q8_0(*_q8_0(n, k))
-    g = torch.Generator().manual_seed(1)
-    q = torch.randint(-127, 128, (n, -(-k // 16) * 16), dtype=torch.int8, generator=g)
-    return qb.pack_int8_rows(q, torch.rand(n, generator=g) * 0.01, k)
+        w = qb.pack_q4_1(*_q4_1(n, k))
+    elif kind == "Q8_0":
+        w = qb.pack_q8_0(*_q8_0(n, k))
+    else:
+        g = torch.Generator().manual_seed(1)
+        q = torch.randint(-127, 128, (n, -(-k // 16) * 16), dtype=torch.int8, generator=g)
+        w = qb.pack_int8_rows(q, torch.rand(n, generator=g) * 0.01, k)
+    return w.with_isa(w.isa, bits)
 
 
-def test_the_quantizer_rounds_each_block_of_a_row_on_its_own_ties_to_even(kernels):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_the_quantizer_rounds_each_block_of_a_row_on_its_own_ties_to_even(kernels, bits):
+    levels = qb.LEVELS[bits]  # amax = levels: q = x, and the halves are ties
     x = torch.randn(3, 64)
-    x[1, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5] + [0.0] * 26)  # amax 127: q = x, ties exact
+    x[1, :32] = torch.tensor([levels, 0.5, 1.5, 2.5, -0.5, -1.5, -levels] + [0.0] * 25)
     x[2, 32:] = 0.0  # an all-zero block: d 0, q 0
-    q, d, s = kernels.quantize_q8(x)
-    rq, rd, rs = qb.quantize_reference(x)
+    q, d, s = kernels.quantize_q8(x, bits)
+    rq, rd, rs = qb.quantize_reference(x, bits)
+    assert q.dtype == (torch.int8 if bits == 8 else torch.int16)
     assert torch.equal(q, rq) and torch.equal(d, rd) and torch.equal(s, rs)
-    assert q[1, :6].tolist() == [127, 0, 2, 2, 0, -2]
+    assert q[1, :7].tolist() == [levels, 0, 2, 2, 0, -2, -levels]
     assert d[2, 1] == 0 and not q[2, 32:].any() and s[2, 1] == 0
     assert torch.equal(s, q.reshape(3, 2, 32).sum(-1, dtype=torch.int32))
+
+
+def test_16_bit_activations_follow_x_128_times_closer_than_8_bit_ones(kernels):
+    x = torch.randn(4, 256)
+    err = {}
+    for bits in (8, 16):
+        q, d, _ = kernels.quantize_q8(x, bits)
+        err[bits] = float((q.float().reshape(4, 8, 32) * d[..., None] - x.reshape(4, 8, 32)).abs().max())
+    assert err[16] < err[8] / 100
 
 
 @pytest.mark.parametrize(
@@ -66,9 +82,10 @@ def test_the_quantizer_rounds_each_block_of_a_row_on_its_own_ties_to_even(kernel
         ("int8 rows", 20, 84),  # 37, 8 and 20: a last tile partly filled; 84 inputs: a last block padded
     ],
 )
-def test_every_instruction_set_form_gives_the_same_products_bit_for_bit(kernels, isas, kind, n, k):
-    w = _weights(kind, n, k)
-    x = torch.randn(11, k)  # 11 rows: a tile of 8 rows and one of 3
+@pytest.mark.parametrize("bits", [8, 16])
+def test_every_instruction_set_form_gives_the_same_products_bit_for_bit(kernels, isas, kind, n, k, bits):
+    w = _weights(kind, n, k, bits)
+    x = torch.randn(11, k)  # 11 rows: a tile of 8 rows and one of 3 (each block's largest |x| takes q = +-levels)
     ys = {isa: w.product(kernels, x, isa) for isa in isas}
     first = ys[isas[0]]
     assert first.shape == (11, n)
@@ -78,8 +95,9 @@ def test_every_instruction_set_form_gives_the_same_products_bit_for_bit(kernels,
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_a_rows_product_is_the_one_it_gets_alone_whatever_the_rows_beside_it(kernels, isas, kind):
-    w = _weights(kind, 40, 128)
+@pytest.mark.parametrize("bits", [8, 16])
+def test_a_rows_product_is_the_one_it_gets_alone_whatever_the_rows_beside_it(kernels, isas, kind, bits):
+    w = _weights(kind, 40, 128, bits)
     x = torch.randn(20, 128)
     for isa in isas:
         together = w.product(kernels, x, isa)
@@ -88,49 +106,97 @@ def test_a_rows_product_is_the_one_it_gets_alone_whatever_the_rows_beside_it(ker
             assert torch.equal(w.product(kernels, x[m:], isa)[0], together[m])
 
 
-def test_the_products_approximate_the_float_ones_of_the_dequantized_weights(kernels, isas):
-    # 8-bit activations lose about 1/254 of a block's largest value per input: the product stays within a
-    # few per cent of the float product's scale.
+@pytest.mark.parametrize("bits, within", [(8, 0.02), (16, 0.0002)])
+def test_the_products_approximate_the_float_ones_of_the_dequantized_weights(kernels, isas, bits, within):
+    # 8-bit activations lose about 1/254 of a block's largest value per input, 16-bit ones 1/32512: the product
+    # stays within a few per cent, or a few hundredths of one, of the float product's scale.
     q, scales = _q4_1(64, 256)
     b, s = q.reshape(64, 8, 16), scales.reshape(64, 8, 2)
     w = (torch.cat([b & 15, b >> 4], 2).float() * s[..., :1] + s[..., 1:]).reshape(64, 256)
     x = torch.randn(4, 256)
     exact = x @ w.T
-    got = qb.pack_q4_1(q, scales).product(kernels, x, isas[0])
-    assert float((got - exact).abs().max()) < 0.02 * float(exact.abs().max())
+    got = qb.pack_q4_1(q, scales).with_isa(isas[0], bits).product(kernels, x)
+    assert float((got - exact).abs().max()) < within * float(exact.abs().max())
 
 
-def test_q4_1s_minimum_term_takes_the_blocks_integer_sum(kernels, isas):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_q4_1s_minimum_term_takes_the_blocks_integer_sum(kernels, isas, bits):
     # weights all equal to their block's minimum (q = 0, d = 1, m = 0.25): y = 0.25 * dx * sum(qx) exactly.
     n, k = 16, 64
     q = torch.zeros(n, k // 32 * 16, dtype=torch.uint8)
     scales = torch.tensor([1.0, 0.25]).repeat(n, k // 32)
     x = torch.randn(2, k)
-    _, dx, sx = qb.quantize_reference(x)
+    _, dx, sx = qb.quantize_reference(x, bits)
     want = (0.25 * (dx * sx.float())).sum(-1)
     for isa in isas:
-        got = qb.pack_q4_1(q, scales).product(kernels, x, isa)
+        got = qb.pack_q4_1(q, scales).with_isa(isa, bits).product(kernels, x)
         torch.testing.assert_close(got, want[:, None].expand(2, n), rtol=1e-6, atol=0)
 
 
-def test_auto_takes_8_bit_activations_only_where_the_cpu_the_model_and_its_weights_allow_it(
-    tiny_draft, isas, monkeypatch
-):
-    import specdec.runners
-    from specdec.runners import make_runner, resolve_activations
+def _gate_report(int8_top1: float, int16_top1: float) -> dict:
+    texts = lambda top1: {
+        text: {"positions": 10, "top1_agreement": top1, "mean_kl": 0.0, "perplexity_change": 0.001}
+        for text in ("answers", "passages")
+    }
+    return {"machine": {"cpu": "test"}, "int8": texts(int8_top1), "int16": texts(int16_top1)}
 
-    gguf = "model.gguf"
-    assert resolve_activations("auto", "target", tiny_draft, "cpu", "auto", "none", gguf) == "float32"  # by default
-    monkeypatch.setattr(specdec.runners, "AUTO_INT8_ROLES", ("draft", "target"))
-    assert resolve_activations("auto", "target", tiny_draft, "cpu", "auto", "none", gguf) == "int8"
-    assert resolve_activations("auto", "draft", tiny_draft, "cpu", "auto", "int8", None) == "int8"
-    assert resolve_activations("auto", "target", tiny_draft, "cpu", "auto", "none", None) == "float32"  # no blocks
-    assert resolve_activations("auto", "target", tiny_draft, "cuda", "auto", "none", gguf) == "float32"
-    assert resolve_activations("auto", "target", tiny_draft, "cpu", "hf", "none", gguf) == "float32"
-    assert resolve_activations("float32", "target", tiny_draft, "cpu", "auto", "none", gguf) == "float32"
-    assert resolve_activations("int8", "target", tiny_draft, "cuda", "auto", "none", None) == "int8"  # as asked
+
+def test_the_gate_records_a_verdict_for_the_files_exact_bytes(tmp_path, monkeypatch):
+    from specdec.runners import gate
+
+    monkeypatch.setattr(gate, "RECORDS", tmp_path / "gates.json")
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"weights")
+    assert gate.passed(str(model)) == () and gate.passed(None) == ()  # no record: no quantized activations
+    entry = gate.record(str(model), _gate_report(0.97, 0.999))
+    assert entry["activations"]["int8"]["passed"] is False and entry["activations"]["int16"]["passed"] is True
+    assert gate.passed(str(model)) == ("int16",)
+    report = _gate_report(0.995, 0.999)
+    report["int16"]["passages"]["perplexity_change"] = -0.006  # perplexity moved too far, the other way
+    gate.record(str(model), report)
+    assert gate.passed(str(model)) == ("int8",)
+    model.write_bytes(b"other weights")  # a record holds for those bytes alone
+    assert gate.passed(str(model)) == ()
+
+
+def test_auto_gives_a_target_the_activations_its_file_passed_the_gate_with(tiny_draft, isas, tmp_path, monkeypatch):
+    import specdec.runners
+    from specdec.runners import gate, make_runner, resolve_activations
+
+    monkeypatch.setattr(gate, "RECORDS", tmp_path / "gates.json")
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"weights")
+    gguf = str(model)
+    resolve = lambda *args, role="target", matmul="auto": resolve_activations(
+        "auto", role, tiny_draft, *args, matmul=matmul
+    )
+    assert resolve("cpu", "auto", gguf) == "float32"  # no record yet
+    gate.record(gguf, _gate_report(0.97, 0.999))
+    wide = "int16" if "avx512-vnni" in isas else "float32"  # auto's instruction set (AUTO_ISA)
+    assert resolve("cpu", "auto", gguf) == wide
+    gate.record(gguf, _gate_report(0.995, 0.999))
+    assert resolve("cpu", "auto", gguf) == ("int8" if wide != "float32" else "float32")  # the faster first
+    assert resolve("cpu", "auto", gguf, role="draft") == "float32"  # a draft's stay float32
+    assert resolve("cpu", "auto", gguf, matmul="gguf") == "float32"  # a float form asked for
+    assert resolve("cpu", "auto", None) == "float32"  # no blocks
+    assert resolve("cuda", "auto", gguf) == "float32"
+    assert resolve("cpu", "hf", gguf) == "float32"
+    monkeypatch.setattr(specdec.runners, "AUTO_ISA", "no-such-isa")
+    assert resolve("cpu", "auto", gguf) == "float32"  # only where the quantized forms were measured faster
+    assert resolve_activations("float32", "target", tiny_draft, "cpu", "auto", gguf) == "float32"
+    assert resolve_activations("int8", "target", tiny_draft, "cuda", "auto", None) == "int8"  # as asked
     with pytest.raises(ValueError, match="lean runner"):
-        make_runner(tiny_draft, 49152, 64, "hf", activations="int8")
+        make_runner(tiny_draft, 49152, 64, "hf", activations="int16")
+
+
+def test_the_repositorys_gate_record_is_for_the_embedded_targets_file():
+    # The record is keyed by the file's sha256: a new release of the package's GGUF file needs `specdec gate` again.
+    from specdec import models
+    from specdec.runners import gate
+
+    gguf = models.gguf_file(models.DEFAULT_TARGET)
+    assert gate.file_sha256(gguf) in json.loads(gate.RECORDS.read_text())
+    assert "int16" in gate.passed(gguf)
 
 
 def test_int8_activations_without_blocks_to_multiply_are_refused_saying_why(tiny_draft, tokenizer, isas):

@@ -72,6 +72,22 @@ def test_a_new_generation_goes_to_the_least_loaded_replica_that_is_up(event_loop
     event_loop_thread.run(placement())
 
 
+def test_a_generation_goes_only_to_target_replicas_with_the_first_targets_numerics(event_loop_thread):
+    # A failover to a replica that computes in other numbers could change a greedy answer mid-stream.
+    async def placement():
+        s = _set("a:1,b:2")
+        s.numerics = "float32, 16-bit activations"
+        a, b = s.replicas["a:1"], s.replicas["b:2"]
+        for r, numerics, in_use in ((a, "float32, 16-bit activations", 3), (b, "float32", 0)):
+            info = ms_pb.ModelInfo(max_sessions=4, max_tokens=1000, sessions_in_use=in_use, numerics=numerics)
+            s.check(r, info)
+            r.report(info)
+        assert s.placeable() == [a] and s.place() is a and s.place(exclude=a) is None
+        await s.close()
+
+    event_loop_thread.run(placement())
+
+
 def test_dns_names_are_resolved_again_and_replicas_come_and_go(event_loop_thread):
     answers = {"svc": ["10.0.0.1:50053", "10.0.0.2:50053"]}
 

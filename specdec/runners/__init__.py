@@ -75,28 +75,32 @@ def resolve_quantize(quantize: str, role: str, model, device=None, kind: str = "
 
 
 def resolve_activations(
-    activations: str, role: str, model, device=None, kind: str = "auto", quantize: str = "none", gguf: str | None = None
+    activations: str, role: str, model, device=None, kind: str = "auto", gguf: str | None = None, matmul: str = "auto"
 ) -> str:
-    """auto: int8 where the lean runner serves the model on CPU in float32, specdec's kernels have a form of the
-    8-bit products for this CPU, and there are weights in blocks for them (a GGUF file's, or a draft's int8 rows);
-    else float32. Any other value stays as asked (an impossible int8 fails at load, saying why)."""
+    """auto: for a target, the quantized activations its GGUF file passed the quality gate with (specdec.runners.gate;
+    int8 before int16, the faster), where the lean runner serves it on CPU in float32 under --matmul auto and the CPU
+    has AVX-512 VNNI; else float32. A draft stays float32 (below). Any other value stays as asked (an impossible
+    one fails at load, saying why)."""
     if activations != "auto":
         return activations
+    from specdec.runners import gate
     from specdec.runners.kernels import cpu_kernels
 
     weight = next(model.parameters())
     on_cpu = torch.device(device if device is not None else weight.device).type == "cpu"
     lean = kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama")
-    blocks = quantize == "int8" or gguf is not None
-    if not (lean and on_cpu and weight.dtype == torch.float32 and blocks and role in AUTO_INT8_ROLES):
+    if not (role == "target" and lean and on_cpu and weight.dtype == torch.float32 and matmul == "auto" and gguf):
         return "float32"
     kernels = cpu_kernels()
-    return "int8" if kernels is not None and list(kernels.q8_isas()) else "float32"
+    if kernels is None or list(kernels.q8_isas())[:1] != [AUTO_ISA]:
+        return "float32"
+    passed = gate.passed(gguf)
+    return next((form for form in ("int8", "int16") if form in passed), "float32")
 
 
-# The roles whose servers take 8-bit activations under auto. None yet: a target's numbers are its output, and 8-bit
-# activations become its default only where top-1 agreement with float32 reaches 99% (and perplexity moves under
-# 0.5%), teacher-forced on held-out text (bench/quality.py; docs/performance.md has the figures); a draft's only
-# change q, and would become its default where they pay: measured through the services (2026-11-26), the embedded
-# draft's step, bound by reading its int8 weights, gained nothing, and its greedy alpha was 0.005 lower.
-AUTO_INT8_ROLES: tuple[str, ...] = ()
+# auto's rules beyond the gate, measured (docs/performance.md):
+# - the instruction set: with AVX-512 VNNI a verify row of the embedded target costs 0.43-0.44 ms with 8- or 16-bit
+#   activations against 0.74 with float32 ones; the 256-bit forms (AVX-VNNI, AVX2) run at or below float32's speed.
+# - a draft: its numbers only change q; through the services (2026-11-26) the embedded draft's step, bound by
+#   reading its int8 weights, gained nothing from 8-bit activations, and its greedy alpha was 0.005 lower.
+AUTO_ISA = "avx512-vnni"

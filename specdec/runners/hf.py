@@ -38,6 +38,11 @@ class CausalLMRunner:
     def describe(self) -> str:
         return "transformers forward"
 
+    @property
+    def numerics(self) -> str:
+        """What a pass's numbers are (ModelInfo.numerics): the weights' dtype."""
+        return str(self.dtype).removeprefix("torch.")
+
     @staticmethod
     def crop(cache, length: int) -> None:
         drop = cache.get_seq_length() - length

@@ -161,6 +161,7 @@ class LeanLlamaRunner:
         self.mix, self._mix_product = _input_mix(model, move)
         self.cos, self.sin = _rotary_tables(model, max_len, self.dtype, move)
         self.quantize = quantize
+        self.activations = activations
         self.matmul = matmul
         self.layer_ops = kernels_for(self.embed) or TorchLayerOps
         self.plan: Plan = make_plan(
@@ -205,6 +206,17 @@ class LeanLlamaRunner:
         if stacks := self.plan.stacks:
             layer += f" (the layers' loop in C++ for {', '.join(sorted(stacks))})"
         return f"lean forward{layer}; {self.plan.description}"
+
+    @property
+    def numerics(self) -> str:
+        """What a pass's numbers are (ModelInfo.numerics): the weights' dtype and what quantizes the products'
+        operands. The product forms of one setting give the same values up to float rounding."""
+        parts = [str(self.dtype).removeprefix("torch.")]
+        if self.quantize == "int8":
+            parts.append("int8 weights")
+        if self.activations != "float32":
+            parts.append(f"{self.activations.removeprefix('int')}-bit activations")
+        return ", ".join(parts)
 
     @property
     def batch_invariant(self) -> bool:

@@ -53,11 +53,12 @@ TIMED_ROWS = (1, 2, 3, 4, 6, 9, 16, SMALL_PASS_ROWS)  # row counts `auto` times;
 QUANTIZE = ("none", "int8")
 # Product forms in specdec's kernel: each output row is summed on its own, in an order that depends on nothing
 # but the row (products.cpp), so a row's result is the one it gets alone, whatever the pass's width.
-ROW_INDEPENDENT = ("fewrow", "gguf", "int8", "gguf-q8", "int8-q8")
+ROW_INDEPENDENT = ("fewrow", "gguf", "int8", "gguf-q8", "int8-q8", "gguf-q16", "int8-q16")
 INT8_FORMS = {"int8": "specdec's kernel", "fbgemm": "fbgemm"}  # the forms on int8 weights, by what runs them
-# The activations of the products: float32, or quantized to 8 bits per row in blocks of 32 (kernels/q8_products.cpp)
-# on the GGUF file's blocks ("gguf-q8") or on int8 weights ("int8-q8").
-ACTIVATIONS = ("float32", "int8")
+# The activations of the products: float32, or quantized per row in blocks of 32 (kernels/q8_products.cpp) to 8 bits
+# or to 16, on the GGUF file's blocks ("gguf-q8", "gguf-q16") or on int8 weights ("int8-q8", "int8-q16").
+ACTIVATIONS = ("float32", "int8", "int16")
+ACTIVATION_BITS = {"int8": 8, "int16": 16}
 # A form this many times slower than the best at a row count after two sweeps is not timed again there.
 OUT_OF_THE_RACE = 2.0
 
@@ -136,8 +137,8 @@ class Plan:
         """ "products: 1-32 rows: onednn, longer passes: linear" and the like, for ModelInfo.forward."""
         if self.long.name in INT8_FORMS:
             return f"products on int8 weights in {INT8_FORMS[self.long.name]}"
-        if self.long.name in ("gguf-q8", "int8-q8"):
-            return f"products with 8-bit activations: every pass {self.long.name} ({self.long.products.head.isa})"
+        if (head := self.long.products.head) is not None and isinstance(head, q8_blocks.Q8Weights):
+            return f"products with {head.bits}-bit activations: every pass {self.long.name} ({head.isa})"
         blocks = f" (gguf: the file's {self.gguf_blocks})" if "gguf" in self.forms else ""
         if self.batch_invariant:
             return f"products: every pass {self.long.name}{blocks}"
@@ -158,8 +159,7 @@ _STACKED = {
     "fewrow": lambda w: ([w], "fewrow"),
     "int8": lambda w: (list(w), "int8"),  # (q, scale)
     "gguf": lambda w: (list(w[:2]), w[2]),  # (q, scales, format)
-    "gguf-q8": lambda w: w.stacked,  # q8_blocks.Q8Weights
-    "int8-q8": lambda w: w.stacked,
+    **{f"{weights}-q{bits}": lambda w: w.stacked for weights in ("gguf", "int8") for bits in (8, 16)},  # Q8Weights
 }
 
 
@@ -256,13 +256,14 @@ def make_plan(
     layer_kernels: specdec's kernels where they run the work between the products, else None; gguf: the GGUF file
     the model was loaded from, whose blocks give the gguf form; restricted: the head scores a subset of the
     vocabulary (no gguf form then); run_pass(plan, n): one whole pass of n rows under a plan, on a scratch
-    session, for `auto`'s timing of timed_rows; activations: float32, or int8 (every pass in a q8 form).
+    session, for `auto`'s timing of timed_rows; activations: float32, int8 or int16 (every pass in a q8 form).
     Raises ValueError for a form, quantization or activations that cannot run."""
     _check(matmul, quantize, head)
     with_stack = lambda name, products: Form(name, products, _stack(layer_kernels, name, products, n_heads, eps))
-    if quantize == "int8" or activations == "int8":
-        if activations == "int8":
-            form = with_stack(*_q8_products(layers, head, quantize, gguf, restricted, n_heads, n_kv))
+    if quantize == "int8" or activations in ACTIVATION_BITS:
+        if activations in ACTIVATION_BITS:
+            bits = ACTIVATION_BITS[activations]
+            form = with_stack(*_q8_products(layers, head, quantize, gguf, restricted, n_heads, n_kv, bits))
         else:
             form = with_stack(*_int8_products(layers, head))
         return Plan((form,) * (SMALL_PASS_ROWS + 1), form, layer_kernels is not None)
@@ -328,24 +329,32 @@ def _int8_products(layers: list[LayerWeights], head) -> tuple[str, Products]:
 
 
 def _q8_products(
-    layers: list[LayerWeights], head, quantize: str, gguf: str | None, restricted: bool, n_heads: int, n_kv: int
+    layers: list[LayerWeights],
+    head,
+    quantize: str,
+    gguf: str | None,
+    restricted: bool,
+    n_heads: int,
+    n_kv: int,
+    bits: int = 8,
 ) -> tuple[str, Products]:
-    """Every product with 8-bit activations, in the best instruction-set form this CPU runs: on the int8 rows a
-    draft is quantized to (int8-q8), else on the GGUF file's blocks (gguf-q8)."""
+    """Every product with x quantized to `bits` (8 or 16), in the best instruction-set form this CPU runs: on the
+    int8 rows a draft is quantized to (int8-qB), else on the GGUF file's blocks (gguf-qB)."""
     kernels = kernels_for(head)
     isas = list(kernels.q8_isas()) if kernels is not None else []
     if not isas:
-        raise ValueError("int8 activations need specdec's CPU kernels on a CPU with AVX2 or VNNI; use float32")
+        raise ValueError(f"int{bits} activations need specdec's CPU kernels on a CPU with AVX2 or VNNI; use float32")
     isa = isas[0]
     product = lambda x, w: w.product(kernels, x)
     if quantize == "int8":
-        pack = lambda w: q8_blocks.pack_int8_rows(*quantize_rows(w), w.shape[1]).with_isa(isa)
-        name, products = "int8-q8", packed(product, pack, layers, head)
+        pack = lambda w: q8_blocks.pack_int8_rows(*quantize_rows(w), w.shape[1]).with_isa(isa, bits)
+        name, products = f"int8-q{bits}", packed(product, pack, layers, head)
     else:
         blocks = _gguf_products(kernels, layers, head, gguf, restricted, n_heads, n_kv, required=True)[0]
-        pack = lambda b: (q8_blocks.pack_q4_1 if b[2] == "Q4_1" else q8_blocks.pack_q8_0)(b[0], b[1]).with_isa(isa)
-        name, products = "gguf-q8", packed(product, pack, blocks.layers, blocks.head)
-    log.info("lean runner: products with 8-bit activations (%s, %s)", name, isa)
+        pack_blocks = lambda b: (q8_blocks.pack_q4_1 if b[2] == "Q4_1" else q8_blocks.pack_q8_0)(b[0], b[1])
+        pack = lambda b: pack_blocks(b).with_isa(isa, bits)
+        name, products = f"gguf-q{bits}", packed(product, pack, blocks.layers, blocks.head)
+    log.info("lean runner: products with %d-bit activations (%s, %s)", bits, name, isa)
     return name, products
 
 

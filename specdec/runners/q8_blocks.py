@@ -1,7 +1,7 @@
-"""Weights for specdec's products with 8-bit activations (``few_rows_q8``, kernels/q8_products.cpp).
+"""Weights for specdec's products with quantized activations (``few_rows_q8``, kernels/q8_products.cpp).
 
-The kernel multiplies x, quantized per row in blocks of 32 (``quantize_q8``), with weights in blocks of 32
-along the input, in integers. Its weights are repacked in tiles of 16 output rows so that one 4-byte
+The kernel multiplies x, quantized per row in blocks of 32 (``quantize_q8``) to 8 bits or to 16 (two bytes, each
+through the same dot products), with weights in blocks of 32 along the input, in integers. Its weights are repacked in tiles of 16 output rows so that one 4-byte
 broadcast of x and one dot-product instruction give all 16 rows' partial sums: per tile and block, groups of
 4 consecutive inputs for the 16 rows, ``[row][4]`` bytes. ``Q8Weights`` holds a matrix in that layout:
 
@@ -28,7 +28,7 @@ BLOCK, TILE = 32, 16
 @dataclass(frozen=True)
 class Q8Weights:
     """A matrix of n rows in few_rows_q8's tiles: w [tiles, blocks, bytes], d and extra [tiles, blocks, 16]; isa:
-    the instruction-set form that multiplies it (kernels.q8_isas())."""
+    the instruction-set form that multiplies it (kernels.q8_isas()); bits: x's, 8 or 16."""
 
     format: str  # "Q4_1" or "Q8_0"
     n: int
@@ -36,18 +36,19 @@ class Q8Weights:
     d: torch.Tensor
     extra: torch.Tensor  # Q4_1: the minimums m; Q8_0: 128 * sum_k q, int32
     isa: str = "avx512-vnni"
+    bits: int = 8
 
     def product(self, kernels, x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
         """x [rows, k] float32 @ w^T -> [rows, n], in the form `isa` (default: the matrix's own)."""
-        return kernels.few_rows_q8(x, self.w, self.d, self.extra, self.format, self.n, isa or self.isa)
+        return kernels.few_rows_q8(x, self.w, self.d, self.extra, self.format, self.n, isa or self.isa, self.bits)
 
-    def with_isa(self, isa: str) -> Q8Weights:
-        return dataclasses.replace(self, isa=isa)
+    def with_isa(self, isa: str, bits: int | None = None) -> Q8Weights:
+        return dataclasses.replace(self, isa=isa, bits=bits or self.bits)
 
     @property
     def stacked(self) -> tuple[list[torch.Tensor], str]:
-        """How LayerStack takes it: its tensors and its form, "q8:FORMAT:ISA:N"."""
-        return [self.w, self.d, self.extra], f"q8:{self.format}:{self.isa}:{self.n}"
+        """How LayerStack takes it: its tensors and its form, "q8:FORMAT:ISA:N:BITS"."""
+        return [self.w, self.d, self.extra], f"q8:{self.format}:{self.isa}:{self.n}:{self.bits}"
 
 
 def _tiles(values: torch.Tensor, groups: int) -> torch.Tensor:
@@ -103,13 +104,19 @@ def _pack_signed(values: torch.Tensor, d: torch.Tensor) -> Q8Weights:
     return Q8Weights("Q8_0", n, v.reshape(v.shape[0], k // BLOCK, 512).view(torch.uint8), _per_block(d, n), correction)
 
 
-def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """quantize_q8 in torch: x [m, k] -> q int8 [m, k], d [m, k / 32], sums int32 [m, k / 32]."""
+# The largest |q| of x's blocks: 8 bits, and 16 as two bytes q = 128 h + l (h in -127..127, l in -64..63).
+LEVELS = {8: 127.0, 16: 127.0 * 128}
+
+
+def quantize_reference(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_q8 in torch: x [m, k] -> q [m, k] (int8, or int16 for 16 bits), d [m, k / 32], sums int32."""
     blocks = x.reshape(x.shape[0], -1, BLOCK)
     amax = blocks.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # levels / amax as the kernel divides, in float32 (torch's scalar / tensor multiplies by a reciprocal instead)
+    inv = torch.where(amax > 0, torch.full_like(amax, LEVELS[bits]) / amax, torch.zeros_like(amax))
     q = torch.round(blocks * inv[..., None]).to(torch.int32)  # torch.round: ties to even
-    return q.reshape(x.shape).to(torch.int8), amax / 127.0, q.sum(dim=-1, dtype=torch.int32)
+    dtype = torch.int8 if bits == 8 else torch.int16
+    return q.reshape(x.shape).to(dtype), amax / LEVELS[bits], q.sum(dim=-1, dtype=torch.int32)
 
 
 def reference(x: torch.Tensor, w: Q8Weights) -> torch.Tensor:
@@ -117,7 +124,7 @@ def reference(x: torch.Tensor, w: Q8Weights) -> torch.Tensor:
     the weights' whole blocks, as the kernel pads it)."""
     blocks = w.w.shape[1]
     x = torch.nn.functional.pad(x, (0, blocks * BLOCK - x.shape[1]))
-    q, dx, sx = quantize_reference(x)
+    q, dx, sx = quantize_reference(x, w.bits)
     m = x.shape[0]
     if w.format == "Q4_1":
         p = w.w.reshape(-1, blocks, 4, TILE, 4)

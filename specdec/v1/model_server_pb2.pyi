@@ -140,7 +140,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_model_len", "max_sessions", "max_tokens", "max_draft_tokens", "dtype", "device", "forward", "pass_costs", "sessions_in_use", "tokens_in_use", "draining", "feature_size", "feature_fingerprint", "reads_features")
+    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_model_len", "max_sessions", "max_tokens", "max_draft_tokens", "dtype", "device", "forward", "pass_costs", "sessions_in_use", "tokens_in_use", "draining", "feature_size", "feature_fingerprint", "numerics", "reads_features")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class ModelInfo(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     FEATURE_SIZE_FIELD_NUMBER: _ClassVar[int]
     FEATURE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     READS_FEATURES_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
@@ -176,8 +177,9 @@ class ModelInfo(_message.Message):
     draining: bool
     feature_size: int
     feature_fingerprint: str
+    numerics: str
     reads_features: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., forward: _Optional[str] = ..., pass_costs: _Optional[_Iterable[_Union[PassCost, _Mapping]]] = ..., sessions_in_use: _Optional[int] = ..., tokens_in_use: _Optional[int] = ..., draining: _Optional[bool] = ..., feature_size: _Optional[int] = ..., feature_fingerprint: _Optional[str] = ..., reads_features: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., forward: _Optional[str] = ..., pass_costs: _Optional[_Iterable[_Union[PassCost, _Mapping]]] = ..., sessions_in_use: _Optional[int] = ..., tokens_in_use: _Optional[int] = ..., draining: _Optional[bool] = ..., feature_size: _Optional[int] = ..., feature_fingerprint: _Optional[str] = ..., numerics: _Optional[str] = ..., reads_features: _Optional[bool] = ...) -> None: ...
 
 class PassCost(_message.Message):
     __slots__ = ("rows", "seconds")

@@ -348,15 +348,20 @@ torch::Tensor few_rows(torch::Tensor x, torch::Tensor w);
 torch::Tensor few_rows_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor few_rows_gguf(torch::Tensor x, torch::Tensor q, torch::Tensor scales, const std::string& format);
 torch::Tensor few_rows_q8(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor extra,
-                          const std::string& format, int64_t N, const std::string& isa);
+                          const std::string& format, int64_t N, const std::string& isa, int64_t bits);
 
-// A product with 8-bit activations is named "q8:FORMAT:ISA:N" (q8_blocks.Q8Weights.stack_form): its block format,
-// the instruction-set form that runs it and its output rows.
+// A product with quantized activations is named "q8:FORMAT:ISA:N:BITS" (q8_blocks.Q8Weights.stacked): its block
+// format, the instruction-set form that runs it, its output rows and x's bits (8 or 16).
 static bool parse_q8(const std::string& f, Q8Form& out) {
   if (f.rfind("q8:", 0) != 0) return false;
-  const size_t a = f.find(':', 3), b = a == std::string::npos ? a : f.find(':', a + 1);
-  TORCH_CHECK(b != std::string::npos, "LayerStack: a q8 form is q8:FORMAT:ISA:N, not ", f);
-  out = {f.substr(3, a - 3), f.substr(a + 1, b - a - 1), std::stoll(f.substr(b + 1))};
+  std::vector<std::string> parts;
+  for (size_t at = 3, next; ; at = next + 1) {
+    next = f.find(':', at);
+    parts.push_back(f.substr(at, next == std::string::npos ? next : next - at));
+    if (next == std::string::npos) break;
+  }
+  TORCH_CHECK(parts.size() == 4, "LayerStack: a q8 form is q8:FORMAT:ISA:N:BITS, not ", f);
+  out = {parts[0], parts[1], std::stoll(parts[2]), std::stoll(parts[3])};
   return true;
 }
 
@@ -367,7 +372,7 @@ static bool parse_q8(const std::string& f, Q8Form& out) {
 // from 7.30-7.47 to 6.75-7.06 ms (2-core VM).
 // norms: ln1 and ln2 of each layer; weights and forms: each layer's four products (QKV, O, gate/up, down),
 // a product's tensors and its form: "fewrow" (w), "int8" (w, scale), a GGUF block format (q, scales) or
-// "q8:FORMAT:ISA:N" (w, d, extra: q8_blocks.Q8Weights).
+// "q8:FORMAT:ISA:N:BITS" (w, d, extra: q8_blocks.Q8Weights).
 LayerStack::LayerStack(std::vector<torch::Tensor> norms, std::vector<std::vector<torch::Tensor>> weights,
                        std::vector<std::string> forms, int64_t heads, double eps)
     : norms_(std::move(norms)), weights_(std::move(weights)), forms_(std::move(forms)), heads_(heads), eps_(eps) {
@@ -390,7 +395,7 @@ torch::Tensor LayerStack::product(const torch::Tensor& x, size_t i) const {
   if (f == "fewrow") return few_rows(x, w[0]);
   if (f == "int8") return few_rows_int8(x, w[0], w[1]);
   const Q8Form& q8 = q8_[i];
-  if (q8.n >= 0) return few_rows_q8(x, w[0], w[1], w[2], q8.format, q8.n, q8.isa);
+  if (q8.n >= 0) return few_rows_q8(x, w[0], w[1], w[2], q8.format, q8.n, q8.isa, q8.bits);
   return few_rows_gguf(x, w[0], w[1], f);
 }
 

@@ -5,10 +5,11 @@
 #include <string>
 #include <vector>
 
-// A product with 8-bit activations (q8_products.cpp), parsed once from its form "q8:FORMAT:ISA:N"; n < 0: another form.
+// A product with quantized activations (q8_products.cpp), parsed once from its form "q8:FORMAT:ISA:N:BITS"; n < 0:
+// another form.
 struct Q8Form {
   std::string format, isa;
-  int64_t n = -1;
+  int64_t n = -1, bits = 8;
 };
 
 class LayerStack {

@@ -1,5 +1,5 @@
 // specdec's CPU kernels, one extension module: products.cpp (few-row products), q8_products.cpp (products with
-// x quantized to 8 bits), layer.cpp (the work
+// x quantized to 8 or 16 bits), layer.cpp (the work
 // between them) and sampling.cpp (argmax and sampling distributions of the logits). Built on first use
 // by specdec/kernels/__init__.py.
 #include <torch/extension.h>
@@ -10,8 +10,8 @@ torch::Tensor few_rows(torch::Tensor x, torch::Tensor w);
 torch::Tensor few_rows_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor few_rows_gguf(torch::Tensor x, torch::Tensor q, torch::Tensor scales, const std::string& format);
 torch::Tensor few_rows_q8(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor extra,
-                          const std::string& format, int64_t N, const std::string& isa);
-std::vector<torch::Tensor> quantize_q8(torch::Tensor x);
+                          const std::string& format, int64_t N, const std::string& isa, int64_t bits);
+std::vector<torch::Tensor> quantize_q8(torch::Tensor x, int64_t bits);
 std::vector<std::string> q8_isas();
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor attend(torch::Tensor qkv, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
@@ -33,9 +33,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_rows", &few_rows, "x @ w^T for a few rows of x (float32, CPU)", nogil());
   m.def("few_rows_int8", &few_rows_int8, "x @ (w * scale)^T for a few rows of x, w int8 with a scale per row", nogil());
   m.def("few_rows_gguf", &few_rows_gguf, "x @ w^T for a few rows of x, w a GGUF tensor's Q4_1 or Q8_0 blocks (split_blocks)", nogil());
-  m.def("few_rows_q8", &few_rows_q8, "x @ w^T with x quantized to 8 bits in blocks of 32, w in q8_blocks' tiles",
-        nogil());
-  m.def("quantize_q8", &quantize_q8, "x's rows in blocks of 32: int8 q, scale d and the integer sum of q");
+  m.def("few_rows_q8", &few_rows_q8, "x @ w^T with x quantized to 8 or 16 bits in blocks of 32, w in q8_blocks' tiles",
+        py::arg("x"), py::arg("w"), py::arg("d"), py::arg("extra"), py::arg("format"), py::arg("n"), py::arg("isa"),
+        py::arg("bits") = 8, nogil());
+  m.def("quantize_q8", &quantize_q8, "x's rows in blocks of 32: q (8 or 16 bits), scale d and the integer sum of q",
+        py::arg("x"), py::arg("bits") = 8);
   m.def("q8_isas", &q8_isas, "the instruction-set forms of few_rows_q8 this build runs, best first");
   m.def("rms_norm", &rms_norm, "RMS norm of each row of x, times w");
   m.def("attend", &attend, "rotary embedding, KV-cache write and causal attention of a few new tokens", nogil());
