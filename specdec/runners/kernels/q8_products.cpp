@@ -42,6 +42,27 @@ void quantize_row(const float* x, int64_t K, int bits, int8_t* q, int8_t* lo, fl
   const float levels = bits == 16 ? 16256.0f : 127.0f;  // 127 * 128: h and l stay in the ranges above
   for (int64_t b = 0; b < K / kBlock; b++) {
     const float* xb = x + b * kBlock;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    // the same steps as the loop below, 16 lanes at a time: a max has no order, and cvtps rounds as nearbyint
+    // does (to nearest, ties to even, the default rounding mode)
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const __m512 id = _mm512_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
+    const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+    if (bits == 16) {
+      const __m512i c = _mm512_set1_epi32(64);
+      const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(v0, c), 7), h1 = _mm512_srai_epi32(_mm512_add_epi32(v1, c), 7);
+      _mm_storeu_si128((__m128i*)(q + b * kBlock), _mm512_cvtepi32_epi8(h0));
+      _mm_storeu_si128((__m128i*)(q + b * kBlock + 16), _mm512_cvtepi32_epi8(h1));
+      _mm_storeu_si128((__m128i*)(lo + b * kBlock), _mm512_cvtepi32_epi8(_mm512_sub_epi32(v0, _mm512_slli_epi32(h0, 7))));
+      _mm_storeu_si128((__m128i*)(lo + b * kBlock + 16), _mm512_cvtepi32_epi8(_mm512_sub_epi32(v1, _mm512_slli_epi32(h1, 7))));
+    } else {
+      _mm_storeu_si128((__m128i*)(q + b * kBlock), _mm512_cvtepi32_epi8(v0));
+      _mm_storeu_si128((__m128i*)(q + b * kBlock + 16), _mm512_cvtepi32_epi8(v1));
+    }
+    d[b] = amax / levels;
+    s[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
+#else
     float amax = 0.0f;
     for (int i = 0; i < kBlock; i++) amax = std::fmax(amax, std::fabs(xb[i]));
     const float id = amax > 0.0f ? levels / amax : 0.0f;
@@ -59,6 +80,7 @@ void quantize_row(const float* x, int64_t K, int bits, int8_t* q, int8_t* lo, fl
     }
     d[b] = amax / levels;
     s[b] = sum;
+#endif
   }
 }
 
