@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from specdec import models
+from specdec.runners import gated_activations
 from specdec.runners.lean_llama import LeanLlamaRunner
 from training import batched
 from training.common import SEED, log
@@ -82,10 +83,12 @@ def _data_part(args, tokenizer, part: int) -> Path:
     features = getattr(args, "features", False)  # training/head.py: the target's features at every position too
     spec = getattr(args, "target", models.DEFAULT_TARGET)  # training/head.py --target: another target's answers
     # on a CPU the target answers in the forms it is served in (its GGUF blocks and specdec's kernels, the step's
-    # rows in one pass: 2.9x the padded float32 forward, 5.0x with 8-bit activations, bench/datagen.py), and a
+    # rows in one pass: 3.1x the padded float32 forward, 4.9x with 16-bit activations, bench/datagen.py), and a
     # head reads the features it is served; the padded forward serves a GPU
     served = args.device == "cpu"
-    activations = getattr(args, "activations", "float32") if served else "float32"
+    activations = getattr(args, "activations", "auto") if served else "float32"
+    if activations == "auto":  # as a target server takes it here
+        activations = gated_activations(models.gguf_file(spec))
     tags = ["distinct", "features"] if features else ["distinct"]
     tags += [spec] if spec != models.DEFAULT_TARGET else []
     tags += [f"served-{activations}"] if served else []
@@ -222,11 +225,11 @@ def main(argv=None) -> None:
     )
     ap.add_argument(
         "--activations",
-        default="float32",
-        choices=["float32", "int8", "int16"],
-        help="the target's numbers for the data on a CPU: float32; int16, as it is served by default where the CPU "
-        "has AVX-512 VNNI (top-1 the same as float32's at every teacher-forced position measured); int8, its answers "
-        "agreeing with float32's on about 97%% of tokens (docs/performance.md, items 16 and 22)",
+        default="auto",
+        choices=["auto", "float32", "int8", "int16"],
+        help="the target's numbers for the data on a CPU: auto, as a target server takes them here (int16 where the "
+        "CPU has AVX-512 VNNI and the file passed the quality gate, else float32); int8, its answers agreeing with "
+        "float32's on about 97%% of tokens (docs/performance.md, items 16 and 22)",
     )
     ap.add_argument("--gen-minutes", type=float, default=50, help="time budget of one data part")
     ap.add_argument("--train-minutes", type=float, default=45)

@@ -83,13 +83,21 @@ def resolve_activations(
     one fails at load, saying why)."""
     if activations != "auto":
         return activations
-    from specdec.runners import gate
-    from specdec.runners.kernels import cpu_kernels
-
     weight = next(model.parameters())
     on_cpu = torch.device(device if device is not None else weight.device).type == "cpu"
     lean = kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama")
-    if not (role == "target" and lean and on_cpu and weight.dtype == torch.float32 and matmul == "auto" and gguf):
+    if not (role == "target" and lean and on_cpu and weight.dtype == torch.float32 and matmul == "auto"):
+        return "float32"
+    return gated_activations(gguf)
+
+
+def gated_activations(gguf: str | None) -> str:
+    """The activations auto gives a float32 target from this GGUF file on this CPU: the form the file passed the
+    quality gate with (int8 before int16, the faster), where the CPU has AUTO_ISA; else float32."""
+    from specdec.runners import gate
+    from specdec.runners.kernels import cpu_kernels
+
+    if gguf is None:
         return "float32"
     kernels = cpu_kernels()
     if kernels is None or list(kernels.q8_isas())[:1] != [AUTO_ISA]:
