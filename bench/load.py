@@ -112,12 +112,12 @@ def run_jobs(send, jobs: list, workers: int) -> tuple[list[dict], float]:
     return results, wall
 
 
-def grpc_sender(address: str, k: int | None, max_tokens: int):
+def grpc_sender(address: str, k: int | None, max_tokens: int, temperature: float = 0.0):
     """send(prompt) for run_jobs: one streamed Generate on a shared channel; returns its figures and ids."""
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
 
     def send(prompt: str) -> dict:
-        req = pb.GenerateRequest(max_tokens=max_tokens, temperature=0.0, seed=0)
+        req = pb.GenerateRequest(max_tokens=max_tokens, temperature=temperature, seed=0)
         req.messages.add(role="user", content=prompt)
         if k is not None:
             req.num_speculative_tokens = k

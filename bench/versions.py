@@ -2,7 +2,7 @@
 adaptive speculation, and the target's step, for a change that must not cost speed (a refactor, a new default)
 or should gain it.
 
-    python -m bench.versions --base 07b4b0c [--head REV] [--prompts 8] [--tokens 64] [--reps 3]
+    python -m bench.versions --base 07b4b0c [--head REV] [--prompts 8] [--tokens 64] [--reps 3] [--temperature 0]
     python -m bench.versions --base HEAD --head HEAD --head-env SPECDEC_TARGET_ACTIVATIONS=int8
 
 Both checkouts' services run at once on the same machine; the prompts go one at a time to each in turn, rep by
@@ -38,15 +38,15 @@ def checkout(rev: str, folder: Path) -> Path:
     return folder
 
 
-def one_run(services, prompts: list[str], tokens: int) -> dict:
+def one_run(services, prompts: list[str], tokens: int, temperature: float = 0.0) -> dict:
     """The prompts one at a time at K = 0, then through the adaptive orchestrator, then all at once at K = 0; the
     target's 1-row passes."""
     _, address, urls, (auto_address, _), _ = services
     before = scrape(urls["target"])
-    results, wall = run_jobs(grpc_sender(address, 0, tokens), prompts, 1)
+    results, wall = run_jobs(grpc_sender(address, 0, tokens, temperature), prompts, 1)
     d = delta(before, scrape(urls["target"]))
-    auto, auto_wall = run_jobs(grpc_sender(auto_address, None, tokens), prompts, 1)
-    load, load_wall = run_jobs(grpc_sender(address, 0, tokens), prompts, len(prompts))
+    auto, auto_wall = run_jobs(grpc_sender(auto_address, None, tokens, temperature), prompts, 1)
+    load, load_wall = run_jobs(grpc_sender(address, 0, tokens, temperature), prompts, len(prompts))
     steps = value(d, "specdec_forward_seconds_count", tokens="1")
     return {
         "tokens_per_s": sum(len(r["ids"]) for r in results) / wall,
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=0.0, help="every request's (seed 0)")
     p.add_argument("--out", default="results/versions")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -87,12 +88,13 @@ def main(argv: list[str] | None = None) -> dict:
             one_run(started, prompts[:2], 8)
         for rep in range(args.reps):
             for name, started in services.items():
-                runs[name].append(one_run(started, prompts, args.tokens))
+                runs[name].append(one_run(started, prompts, args.tokens, args.temperature))
                 print(f"rep {rep} {name}: {runs[name][-1]}")
     finally:
         for procs, *_ in services.values():
             stop_services(procs)
     report = {"machine": machine(), "base": args.base, "prompts": len(prompts), "tokens": args.tokens}
+    report["temperature"] = args.temperature
     report["head_env"] = env["head"]
     for key in ("tokens_per_s", "auto_tokens_per_s", "all_at_once_tokens_per_s", "step_ms"):
         report[key] = {name: spread([r[key] for r in rs]) for name, rs in runs.items()}
