@@ -111,7 +111,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ids,
             max_tokens,
             SamplingParams(temperature, top_p, top_k, seed),
-            cfg.max_speculative_tokens if adaptive else k,
+            k,  # adaptive K chooses within 0..k
             list(req.stop),
             min_confidence=confidence,
             lookup=(lookup_min, cfg.prompt_lookup_max),

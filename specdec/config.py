@@ -247,14 +247,14 @@ class OrchestratorConfig:
     # the Llama 3.2 pair on a GPU, where a verify pass costs about one step, and 3 for its CPU profile.
     num_speculative_tokens: int = _option(
         3,
-        "K of a request that leaves it unset: where adaptive speculation is on, the K it starts from "
-        "until the costs are measured",
+        "K of a request that leaves it unset: where adaptive speculation is on, the largest K it chooses, and "
+        "the one it starts from until the costs are measured",
     )
     max_speculative_tokens: int = field(default=8, metadata={"help": "largest K a request may ask"})
     adaptive_speculation: bool = _option(
         True,
         "for requests that leave num_speculative_tokens unset, choose K round by round, 0 to "
-        "--max-speculative-tokens, for the most expected tokens per second of the servers' time, from what "
+        "--num-speculative-tokens, for the most expected tokens per second of the servers' time, from what "
         "their batched passes cost and the request's acceptance so far: speculation fades out where a "
         "verify row is dear (a CPU under load) and stays on where it is nearly free. The speed changes, "
         "not the output; a seeded sampled request replays token for token only with K set",
