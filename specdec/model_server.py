@@ -86,7 +86,7 @@ class ModelServer:
         self.feature_size = self._feature_size()
         self.info = self._model_info(model, tokenizer)
         self.registry = registry or CollectorRegistry()
-        self.metrics = ModelServerMetrics(self.registry)
+        self.metrics = ModelServerMetrics(self.registry, self.info)
         self.metrics.sessions_capacity.set(cfg.max_sessions)
         self.metrics.tokens_capacity.set(self.max_tokens)
         self.threads = torch.get_num_threads()  # ModelServer.load set cfg.threads

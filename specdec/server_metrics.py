@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
 _ROWS_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024, 2048, 4096)
 _SESSIONS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 
 
+def model_info(registry: CollectorRegistry, info) -> Info:
+    """specdec_model_info{model, device, dtype, numerics}: what the server serves and the numbers its passes compute,
+    from its ModelInfo (None: unlabelled)."""
+    metric = Info("specdec_model", "What this server serves and the numbers its passes compute", registry=registry)
+    if info is not None:
+        metric.info({"model": info.model, "device": info.device, "dtype": info.dtype, "numerics": info.numerics})
+    return metric
+
+
 class ModelServerMetrics:
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, info=None):
+        self.model = model_info(registry, info)  # info: the server's ModelInfo
         self.sessions = Gauge("specdec_kv_sessions", "Sessions held in the KV pool", registry=registry)
         self.sessions_capacity = Gauge(
             "specdec_kv_sessions_capacity", "Most sessions the pool holds", registry=registry

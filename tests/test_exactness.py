@@ -165,6 +165,13 @@ def test_greedy_output_equals_the_same_servers_target_alone_with_quantized_activ
     try:
         bits = activations.removeprefix("int")
         assert stack.target.info.numerics == f"float32, {bits}-bit activations"
+        labels = {
+            "model": models.DEFAULT_TARGET,
+            "device": "cpu",
+            "dtype": "float32",
+            "numerics": stack.target.info.numerics,
+        }
+        assert stack.target.registry.get_sample_value("specdec_model_info", labels) == 1.0  # for the dashboards
         for text in PROMPTS:
             alone, together = (
                 stack.generate(
