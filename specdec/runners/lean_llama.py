@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from specdec.runners.kernels import kernels_for
-from specdec.runners.products import SMALL_PASS_ROWS, TIMED_ROWS, LayerWeights, Plan, make_plan
+from specdec.runners.products import ACTIVATION_BITS, SMALL_PASS_ROWS, TIMED_ROWS, LayerWeights, Plan, make_plan
 from specdec.runners.vocab import output_token_ids
 
 
@@ -215,7 +215,7 @@ class LeanLlamaRunner:
         if self.quantize == "int8":
             parts.append("int8 weights")
         if self.activations != "float32":
-            parts.append(f"{self.activations.removeprefix('int')}-bit activations")
+            parts.append(f"{ACTIVATION_BITS[self.activations]}-bit activations")
         return ", ".join(parts)
 
     @property

@@ -57,8 +57,8 @@ ROW_INDEPENDENT = ("fewrow", "gguf", "int8", "gguf-q8", "int8-q8", "gguf-q16", "
 INT8_FORMS = {"int8": "specdec's kernel", "fbgemm": "fbgemm"}  # the forms on int8 weights, by what runs them
 # The activations of the products: float32, or quantized per row in blocks of 32 (kernels/q8_products.cpp) to 8 bits
 # or to 16, on the GGUF file's blocks ("gguf-q8", "gguf-q16") or on int8 weights ("int8-q8", "int8-q16").
-ACTIVATIONS = ("float32", "int8", "int16")
 ACTIVATION_BITS = {"int8": 8, "int16": 16}
+ACTIVATIONS = ("float32", *ACTIVATION_BITS)
 # A form this many times slower than the best at a row count after two sweeps is not timed again there.
 OUT_OF_THE_RACE = 2.0
 
@@ -137,7 +137,7 @@ class Plan:
         """ "products: 1-32 rows: onednn, longer passes: linear" and the like, for ModelInfo.forward."""
         if self.long.name in INT8_FORMS:
             return f"products on int8 weights in {INT8_FORMS[self.long.name]}"
-        if (head := self.long.products.head) is not None and isinstance(head, q8_blocks.Q8Weights):
+        if isinstance(head := self.long.products.head, q8_blocks.Q8Weights):
             return f"products with {head.bits}-bit activations: every pass {self.long.name} ({head.isa})"
         blocks = f" (gguf: the file's {self.gguf_blocks})" if "gguf" in self.forms else ""
         if self.batch_invariant:

@@ -1,9 +1,10 @@
 """Weights for specdec's products with quantized activations (``few_rows_q8``, kernels/q8_products.cpp).
 
 The kernel multiplies x, quantized per row in blocks of 32 (``quantize_q8``) to 8 bits or to 16 (two bytes, each
-through the same dot products), with weights in blocks of 32 along the input, in integers. Its weights are repacked in tiles of 16 output rows so that one 4-byte
-broadcast of x and one dot-product instruction give all 16 rows' partial sums: per tile and block, groups of
-4 consecutive inputs for the 16 rows, ``[row][4]`` bytes. ``Q8Weights`` holds a matrix in that layout:
+through the same dot products), with weights in blocks of 32 along the input, in integers. Its weights are
+repacked in tiles of 16 output rows so that one 4-byte broadcast of x and one dot-product instruction give all
+16 rows' partial sums: per tile and block, groups of 4 consecutive inputs for the 16 rows, ``[row][4]`` bytes.
+``Q8Weights`` holds a matrix in that layout:
 
 - Q4_1 (a GGUF file's layers): w = d q + m, q in 0..15; 4 groups of 64 bytes a block, the low nibbles the
   inputs 4g..4g+3, the high ones 16+4g..16+4g+3; d and m per row and block in fp16, the file's own values.
