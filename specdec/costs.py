@@ -24,6 +24,17 @@ def at(points: list[tuple[float, float]], rows: float) -> tuple[float, float]:
     return max(s0 + slope * (rows - r0), 0.0), slope
 
 
+def nondecreasing(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(rows, seconds) points ascending by rows, each pass priced at most as a wider one: a narrow pass never costs
+    more rows' worth than a wide one, and where a measure says it does, the narrow passes were timed while the
+    cores did other work."""
+    out, cheapest = [], float("inf")
+    for rows, seconds in sorted(points, reverse=True):
+        cheapest = min(cheapest, seconds)
+        out.append((rows, cheapest))
+    return out[::-1]
+
+
 def ewma(old: float | None, x: float, rate: float) -> float:
     """A moving average's next value: x itself when there is none yet, else old moved `rate` of the way to x."""
     return x if old is None else old + rate * (x - old)

@@ -103,6 +103,19 @@ def test_where_rows_are_nearly_free_speculation_stays_on_under_load():
     assert sp.best_k(0.7, c.round_s(8)) > 0
 
 
+def test_a_narrow_pass_timed_slow_under_load_is_priced_as_the_wider_ones_and_does_not_make_drafting_look_cheap():
+    """The target's curve as published at a load's tail (2026-11-26): its 1- and 3-row passes ran while the cores
+    answered the other sessions' calls. Read as it is, a K = 0 round of 2 sessions costs a 1-row pass, 6.6 ms, and
+    the 2 sessions left draft even at alpha 0.5."""
+    loaded = [(1, 0.0066), (2, 0.0038), (3, 0.0078), (4, 0.0046), (5, 0.0049), (6, 0.0060), (8, 0.0067)]
+    c = _costs(loaded, [(1, 0.0004), (2, 0.0005), (4, 0.0006), (8, 0.0008)])
+    assert [s for _, s in c.target_curve] == [0.0038, 0.0038, 0.0046, 0.0046, 0.0049, 0.0060, 0.0067]
+    c.observe(0.0062, _call(0.0048, 0.0038, sessions=2), _call(0.0014, 0.0005, sessions=1, active=2))
+    got = c.round_s(3)
+    assert got[0] == pytest.approx((0.0038 + 0.0010) / 2)
+    assert sp.best_k(0.5, got) == 0
+
+
 def test_prompt_lookup_rounds_measure_the_target_but_not_the_draft():
     c = _costs()
     c.observe(0.010, _call(0.008, 0.007), _call(0.002, 0.0016))
