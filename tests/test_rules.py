@@ -417,3 +417,44 @@ def test_sessions_of_one_grammar_each_get_a_matcher_of_their_own(book, tokenizer
     assert np.array_equal(b.masks([], 0, 1, vocab), start.masks([], 0, 1, vocab))
     assert not np.array_equal(a.masks(history, len(history), 1, vocab), start.masks([], 0, 1, vocab))
     assert a.matcher is not b.matcher
+
+
+def test_a_row_sampled_by_rejection_is_distributed_as_its_masked_row(book, tokenizer):
+    """grammar.sample_allowed draws from the raw row until the grammar allows the token; a caller that gets None
+    samples the masked row. Over many draws the tokens follow the masked row's distribution, on a row that gives
+    the grammar's tokens 30% of its mass, so that every branch runs: the first draw kept, a later one, none."""
+    vocab, ends = len(tokenizer), frozenset(book.tokenizer.eos_tokens)
+    matcher = llguidance.LLMatcher(book.tokenizer, grammar.grammar_text(pb.Grammar(regex="(red|green|blue|yellow)")))
+    bitmask = np.zeros((1, (vocab + 31) // 32), dtype=np.int32)
+    matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+    mask = grammar.unpack(bitmask, vocab)[0]
+    rng = np.random.default_rng(5)
+    probs = np.zeros(vocab, dtype=np.float32)
+    allowed, refused = np.flatnonzero(mask)[:6], np.flatnonzero(~mask)[:40]
+    probs[allowed] = rng.dirichlet(np.ones(len(allowed))) * 0.3
+    probs[refused] = rng.dirichlet(np.ones(len(refused))) * 0.7
+    masked = np.where(mask, probs, 0.0) / probs[mask].sum()
+    n, seen, kept_at = 6000, np.zeros(vocab), []
+    for _ in range(n):
+        draws = iter(rng.random(4).tolist())
+        token = grammar.sample_allowed(matcher, probs, draws, ends)
+        kept_at.append(4 - len(list(draws)) if token is not None else None)
+        if token is None:
+            token = int(np.searchsorted(np.cumsum(masked), rng.random() * masked.sum(), side="right"))
+        seen[token] += 1
+    assert seen[~mask].sum() == 0
+    for t in allowed:
+        sigma = np.sqrt(n * masked[t] * (1 - masked[t]))
+        assert abs(seen[t] - n * masked[t]) <= 5 * sigma + 1, (t, seen[t], n * masked[t])
+    assert {1, 2, 3, 4, None} <= set(kept_at)  # kept at each of the four draws, and at none of them
+
+
+def test_where_the_grammar_forces_a_token_the_row_samples_it_without_a_draw(book, tokenizer):
+    vocab, ends = len(tokenizer), frozenset(book.tokenizer.eos_tokens)
+    matcher = llguidance.LLMatcher(book.tokenizer, grammar.grammar_text(pb.Grammar(regex="hello (red|blue)")))
+    forced = matcher.compute_ff_tokens()
+    assert forced
+    draws = iter([0.5, 0.5])
+    probs = np.full(vocab, 1.0, dtype=np.float32)  # the raw row may put its mass anywhere
+    assert grammar.sample_allowed(matcher, probs, draws, ends) == forced[0]
+    assert len(list(draws)) == 2
