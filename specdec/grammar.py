@@ -116,29 +116,3 @@ def allows(matcher, token: int, ends: frozenset[int]) -> bool:
     """Whether the grammar allows token next: an end-of-sequence token where the grammar may end, any other token
     where its bytes fit."""
     return matcher.is_accepting() if token in ends else matcher.validate_tokens([token]) == 1
-
-
-def sample_allowed(matcher, probs: np.ndarray, draws, ends: frozenset[int]) -> int | None:
-    """The token the grammar's masked row would be sampled to, in distribution, or None where the mask must decide.
-    matcher: at the row's history; probs: the row's raw distribution ([vocab], need not be normalized); draws:
-    uniforms, each used at most once. By llguidance 1.9's masks (as best_allowed reads them):
-      - where the grammar forces the next tokens, the mask allows the first alone: the masked row is a point mass on
-        it, and no draw is used;
-      - where it forces bytes whose first token is open, the mask keeps fewer tokens than fit: None;
-      - where nothing is forced, a token check gives the mask's answer: each draw in turn is an inverse-CDF draw
-        from probs, until one the grammar allows. This is rejection sampling: whichever draw is kept, the token is
-        distributed as probs restricted to what the grammar allows, renormalized, which is the masked row's
-        distribution. None if it allows none of them; a caller that then samples the masked row with a draw of its
-        own keeps that distribution. A token check costs about a microsecond, a mask 16-70 (cold after a pass)."""
-    if matcher.compute_ff_bytes():
-        forced = matcher.compute_ff_tokens()
-        return forced[0] if forced else None
-    cdf = None
-    for u in draws:
-        if cdf is None:
-            cdf = np.cumsum(probs, dtype=np.float64)
-        i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-        token = i if i < len(cdf) else int(np.flatnonzero(probs)[-1])  # u * total rounded onto the last step
-        if allows(matcher, token, ends):
-            return token
-    return None

@@ -36,7 +36,7 @@ import torch
 from specdec.errors import ServiceError, invalid
 from specdec.grammar import best_allowed, check_grammar, forced_tokens, grammar_text, lltokenizer, unpack
 from specdec.runners.kernels import kernels_for
-from specdec.sampling import argmax_rows, token_counts
+from specdec.sampling import argmax_rows
 
 _NO_IDS = torch.empty(0, dtype=torch.long)  # mask_rows' columns for a full row
 
@@ -171,10 +171,6 @@ class RuleState:
                 self.consumed.append(drafts[i])
         return picks, out
 
-    def matcher_at(self, tokens: list[int], first: int):
-        """The grammar's matcher moved to row first, after tokens[:first]; None past the grammar's end."""
-        return self.matcher if self._follow(tokens[self.rules.output_start : first]) else None
-
     def _edited(self, logits: torch.Tensor, tokens: list[int], first: int, ids) -> torch.Tensor:
         """The rows with biases, penalties and min_tokens applied: float32 on the host, in place where they are."""
         out = logits.cpu()  # the rules run on the host: a device's few rows cross once, and are sampled there
@@ -224,7 +220,7 @@ class RuleState:
                 add = np.array([b for _, b in cols], dtype=np.float32)
                 edits.append((every_row, np.array([c for c, _ in cols]), lambda x, add=add: x + add))
         if rules.counts_tokens:
-            cand, counts, seen = token_counts(tokens, rules.output_start, first, n)  # tokens, [n, len(cand)] twice
+            cand, counts, seen = _counts(tokens, rules.output_start, first, n)  # tokens, [n, len(cand)] twice
             keep = [i for i, t in enumerate(cand.tolist()) if column(t) is not None]
             if keep:
                 cols = np.array([column(t) for t in cand[keep].tolist()])
@@ -323,6 +319,18 @@ def _columns_of(ids: torch.Tensor):
     return {t: c for c, t in enumerate(as_list)}.get, torch.tensor(as_list, dtype=torch.long)
 
 
+def _counts(tokens: list[int], start: int, first: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The tokens any row's history holds (ascending), and for each row i < n and each of them: its occurrences in
+    the output before the row (tokens[start : first + i]), float32, and whether the prompt or output before the
+    row holds it, bool; [n, len(tokens held)] each."""
+    history = np.asarray(tokens[: first + n - 1], dtype=np.int64)
+    cand = np.unique(history)
+    where = np.searchsorted(cand, history)  # each history token's index in cand
+    counts = np.stack([np.bincount(where[start : first + i], minlength=len(cand)) for i in range(n)])
+    seen = np.stack([np.bincount(where[: first + i], minlength=len(cand)) for i in range(n)]) > 0
+    return cand, counts.astype(np.float32), seen
+
+
 _MASKS: ThreadPoolExecutor | None = None
 
 
@@ -393,7 +401,7 @@ class RuleBook:
         packed = await masks if masks is not None else None
         t1 = time.perf_counter()
         out = state.apply(logits, tokens, first, self.vocab_size, ids, packed)
-        self.count(time.perf_counter() - t1, time.perf_counter() - t0, logits.shape[0])
+        self._count(time.perf_counter() - t1, time.perf_counter() - t0, logits.shape[0])
         return out
 
     def argmax(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids=None, **how):
@@ -402,16 +410,16 @@ class RuleBook:
         t0 = time.perf_counter()
         picks, out = state.argmax(logits, tokens, first, self.vocab_size, ids, **how)
         spent = time.perf_counter() - t0
-        self.count(spent, spent, logits.shape[0])
+        self._count(spent, spent, logits.shape[0])
         return picks, out
 
     def forced(self, state: RuleState, tokens: list[int]) -> list[int]:
         """state.forced, timed into the server's metrics (no row: nothing is masked)."""
         t0, out = time.perf_counter(), state.forced(tokens)
-        self.count(time.perf_counter() - t0, time.perf_counter() - t0, 0)
+        self._count(time.perf_counter() - t0, time.perf_counter() - t0, 0)
         return out
 
-    def count(self, work_s: float, wait_s: float, rows: int) -> None:
+    def _count(self, work_s: float, wait_s: float, rows: int) -> None:
         """A call's rules into the server's metrics: their work, what the call waited for them, its rows."""
         if self.metrics is not None:
             self.metrics.rules_seconds.inc(work_s)

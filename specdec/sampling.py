@@ -25,9 +25,6 @@ class Purpose(enum.IntEnum):
     DRAFT = 1  # the draft samples its proposal at this position
     ACCEPT = 2  # the ratio test of the draft token at this position
     RESAMPLE = 3  # the residual sample after a rejection, or the bonus token
-    REDRAW = (
-        4  # a bonus token's redraws after its grammar refused a draw: REDRAW + i for the i-th (grammar.sample_allowed)
-    )
 
 
 @dataclass(frozen=True)
@@ -142,15 +139,3 @@ def support(probs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     sample_sparse on them draws what sample_dense draws on the whole row, for the same u."""
     ids = torch.nonzero(probs, as_tuple=True)[0]
     return ids.numpy().astype(np.int64), probs[ids].numpy().astype(np.float64)
-
-
-def token_counts(tokens: list[int], start: int, first: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The tokens any row's history holds (ascending), and for each row i < n and each of them: its occurrences in
-    the output before the row (tokens[start : first + i]), float32, and whether the prompt or output before the
-    row holds it, bool; [n, len(tokens held)] each."""
-    history = np.asarray(tokens[: first + n - 1], dtype=np.int64)
-    cand = np.unique(history)
-    where = np.searchsorted(cand, history)  # each history token's index in cand
-    counts = np.stack([np.bincount(where[start : first + i], minlength=len(cand)) for i in range(n)])
-    seen = np.stack([np.bincount(where[: first + i], minlength=len(cand)) for i in range(n)]) > 0
-    return cand, counts.astype(np.float32), seen

@@ -13,12 +13,9 @@ import grpc
 
 from specdec import features, logprobs
 from specdec.errors import ServiceError, invalid
-from specdec.grammar import sample_allowed
 from specdec.model_server import CallStats, ModelServer, SessionRpcs
-from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_dense, sample_sparse, support, uniform
-from specdec.v1 import model_server_pb2, target_pb2, target_pb2_grpc
-
-REJECTION_DRAWS = 4  # draws from a row's raw distribution before its grammar's mask is filled (by_rejection)
+from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, support, uniform
+from specdec.v1 import target_pb2, target_pb2_grpc
 
 
 class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
@@ -75,10 +72,9 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         with core.session(req.cursor, len(unseen) + len(drafts), req.return_features) as s:
             start = len(s.tokens)  # the cursor's keep_length
             rules = core.rules.state_for(s, checked)
-            rejection = by_rejection(rules, params, drafts)
             masks = (
                 None
-                if params.greedy or rejection
+                if params.greedy
                 else core.rules.masks(rules, s.tokens + unseen + drafts, start + len(unseen), len(drafts) + 1)
             )
             logits = await core.forward(s, unseen + drafts, scored, stats)  # [scored, vocab]
@@ -91,7 +87,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
             logprobs.fill(resp, logits, drafts, req.top_logprobs, len(s.tokens) - len(drafts)) if req.logprobs else None
         )
         picks = None  # greedy's tokens under the rules: the best each row's grammar allows, found without its mask
-        if rules is not None and not rejection:  # after the raw logprobs, before everything that samples or compares
+        if rules is not None:  # after the raw logprobs, before everything that samples or compares
             t0, first = time.perf_counter(), len(s.tokens) - len(drafts)
             if params.greedy:
                 picks, logits = core.rules.argmax(rules, logits, s.tokens, first, to_mismatch=True)
@@ -104,45 +100,15 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
             s.keep_probs(None)
             resp.argmax_token_ids.extend(to_first_mismatch(picks if picks is not None else argmax_rows(logits), drafts))
             return resp
-        await self._sampled(resp, s, logits, drafts, params, rules if rejection else None)
-        logprobs.fill_bonus(resp, s.logprobs)
-        return resp
-
-    async def _sampled(self, resp, s, logits, drafts: list[int], params, ruled) -> None:
-        """A sampled verdict: the drafts' p and each row's distribution, complete on the wire or, where it is not,
-        the bonus token drawn here. ruled: the rules of a row that takes its grammar by rejection (by_rejection)."""
         probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # [K+1, vocab]
-        if ruled is not None:  # the one row, its token drawn here; no distribution to fetch for it
-            s.keep_probs(None)
-            resp.distributions.append(model_server_pb2.SparseDistribution(complete=False))
-            resp.bonus_token_id = await self._ruled_token(ruled, logits, probs[0], s.tokens, params, resp)
-            return
         s.keep_probs(probs, len(s.tokens) - len(drafts))
         resp.draft_token_probs.extend(probs[i, x].item() for i, x in enumerate(drafts))
         found = [support(row) for row in probs]
-        resp.distributions.extend(self.core.sparse(f) for f in found)
+        resp.distributions.extend(core.sparse(f) for f in found)
         if not resp.distributions[-1].complete:  # the orchestrator would have to fetch it for the bonus token
             resp.bonus_token_id = sample_sparse(*found[-1], uniform(params.seed, len(s.tokens), Purpose.RESAMPLE))
-
-    async def _ruled_token(self, rules, logits, probs, tokens: list[int], params, resp) -> int:
-        """The token of a row sampled under its grammar (by_rejection): drawn from its raw distribution until the
-        grammar allows the token, at most REJECTION_DRAWS times (grammar.sample_allowed), else from its masked row
-        with a draw of its own. Either way it is distributed as the masked row's distribution."""
-        core, first, t0 = self.core, len(tokens), time.perf_counter()
-        draws = (
-            uniform(params.seed, first, Purpose.RESAMPLE if i == 0 else Purpose.REDRAW + i - 1)
-            for i in range(REJECTION_DRAWS)
-        )
-        matcher = rules.matcher_at(tokens, first)
-        token = sample_allowed(matcher, probs.numpy(), draws, rules.ends) if matcher is not None else None
-        spent = time.perf_counter() - t0
-        core.rules.count(spent, spent, 1 if token is not None else 0)
-        if token is None:
-            masked = await core.rules.apply(rules, logits, tokens, first)  # [1, vocab]
-            row = logits_to_probs(masked, params.temperature)[0]
-            token = sample_dense(row, uniform(params.seed, first, Purpose.REDRAW + REJECTION_DRAWS - 1))
-        resp.rules_seconds = time.perf_counter() - t0
-        return token
+        logprobs.fill_bonus(resp, s.logprobs)
+        return resp
 
     def _logprobs(self, req: target_pb2.GetLogprobsRequest) -> target_pb2.GetLogprobsResponse:
         return logprobs.answer(self.core.pool.lookup(req.session_id).logprobs, req, self.core.vocab_size)
@@ -153,19 +119,3 @@ def to_first_mismatch(argmax: list[int], drafts: list[int]) -> list[int]:
     where every draft matches; the orchestrator reads no row past it."""
     n = next((i for i, d in enumerate(drafts) if argmax[i] != d), len(drafts))
     return argmax[: n + 1]
-
-
-def by_rejection(rules, params, drafts: list[int]) -> bool:
-    """Whether a sampled Verify's row takes its grammar by rejection (_ruled_token) instead of its mask: where it only
-    samples, that is a Verify of no drafts (a drafted row's ratio test needs the masked p itself), under a grammar and
-    no other rule (those edit the row the mask acts on), and with no top-k or top-p (they cut the masked row, which
-    the raw one does not show). A token check costs about a microsecond, a mask 16-70."""
-    return (
-        rules is not None
-        and rules.matcher is not None
-        and not params.greedy
-        and not drafts
-        and not rules.rules.has_edits
-        and params.top_k == 0
-        and params.top_p >= 1.0
-    )
