@@ -105,7 +105,7 @@ PROMPTS = {
     "address": ["Give the address of a museum in Paris as JSON.", "Where is the Sydney Opera House? Answer in JSON."],
     "review": ["Review a pair of running shoes as JSON.", "Write a JSON review of a budget laptop."],
 }
-MODES = {"greedy": (0.0, 1.0), "t0.7": (0.7, 0.9)}
+MODES = {"greedy": (0.0, 1.0), "t0.7": (0.7, 0.9), "t0.7-p1": (0.7, 1.0)}  # (temperature, top_p); top_p 1: OpenAI's default
 WHITESPACE_RUN = re.compile(r'"(?:[^"\\]|\\.)*"|(\s{2,})')
 
 
