@@ -105,7 +105,8 @@ PROMPTS = {
     "address": ["Give the address of a museum in Paris as JSON.", "Where is the Sydney Opera House? Answer in JSON."],
     "review": ["Review a pair of running shoes as JSON.", "Write a JSON review of a budget laptop."],
 }
-MODES = {"greedy": (0.0, 1.0), "t0.7": (0.7, 0.9), "t0.7-p1": (0.7, 1.0)}  # (temperature, top_p); top_p 1: OpenAI's default
+# (temperature, top_p): top_p 0.9 is the gRPC API's default, 1 the HTTP API's (OpenAI's)
+MODES = {"greedy": (0.0, 1.0), "t0.7": (0.7, 0.9), "t0.7-p1": (0.7, 1.0)}
 WHITESPACE_RUN = re.compile(r'"(?:[^"\\]|\\.)*"|(\s{2,})')
 
 
