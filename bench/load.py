@@ -9,8 +9,8 @@ the largest N), greedy, N at a time: each of N clients sends its next request as
 is one by one. Aggregate tokens/s is the tokens of the whole run over its wall time, per request tokens/s
 each request's tokens over its own time; time to first token and inter-token latency come from the
 streamed messages (a message of n tokens counts n gaps of its wait / n, so a speculative round's tokens
-share its wait). Each N runs `reps` times per arm after one uncounted run of each, the arms alternating so that
-the machine's drift hits all of them; the report gives medians and the spread (min, max) over the runs, and the scaling over the
+share its wait). Each N runs `reps` times per arm after one uncounted run of each, the arms alternating, each rep
+starting from the next arm, so that the machine's drift hits all of them and no arm always follows the same one; the report gives medians and the spread (min, max) over the runs, and the scaling over the
 same arm's N = 1 in the same run.
 
 Arms: K = 0 (the target alone) and `auto` (K left unset on the adaptive orchestrator: the K the system
@@ -225,7 +225,9 @@ def run_load(arms: dict, prompts: list[str], concurrency: list[int], reps: int, 
     """arms: name -> (send, job for a prompt). Every run sends the same jobs (the prompts in turn, at least as
     many as the largest N) through N workers at a time; N = 1 is one by one. `reps` runs per N and arm, the
     arms alternating, after one uncounted run of each arm at that N (an arm's first run at a new N ran up to 16%
-    slower than its next, 2026-11-26). Outputs are compared with the same prompt's at N = 1."""
+    slower than its next, 2026-11-26). Each rep starts from the next arm in turn, so that no arm always runs after
+    the same one (a run warms or loads the machine for the next). Outputs are compared with the same prompt's at
+    N = 1."""
     jobs = [prompts[i % len(prompts)] for i in range(max(len(prompts), max(concurrency)))]
     out = {name: {} for name in arms}
     alone: dict[str, dict] = {name: {} for name in arms}
@@ -233,8 +235,10 @@ def run_load(arms: dict, prompts: list[str], concurrency: list[int], reps: int, 
         runs = {name: [] for name in arms}
         for send, job in arms.values():
             run_jobs(send, [job(p) for p in jobs], n)
-        for _ in range(reps):
-            for name, (send, job) in arms.items():
+        names = list(arms)
+        for rep in range(reps):
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                send, job = arms[name]
                 results, wall = run_jobs(send, [job(p) for p in jobs], n)
                 summary = run_summary(results, wall)
                 if n == min(concurrency):

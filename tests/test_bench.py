@@ -209,3 +209,21 @@ def test_the_exactness_report_counts_outputs_that_differ_and_where_each_first_do
     assert first_divergence([1, 2, 3], [1, 2]) == 2  # one ended (EOS) where the other went on
     report = compare({"a": [1, 2], "b": [3, 4], "c": [5]}, {"a": [1, 2], "b": [3, 9], "c": [6]})
     assert report == {"differ": 2, "of": 3, "first_divergence": [0, 1]}
+
+
+def test_the_load_arms_take_turns_running_first_and_outputs_are_checked_against_one_stream():
+    from bench.load import request_times, run_load
+
+    order = []
+
+    def arm(name: str, ids: list[int]):
+        def send(prompt: str) -> dict:
+            order.append(name)
+            return {**request_times(0.0, [(0.001, 1), (0.002, 1)], 0.003), "ids": ids}
+
+        return send, lambda p: p
+
+    report = run_load({"a": arm("a", [1, 2]), "b": arm("b", [3, 4])}, ["p"], [1], reps=4, progress=lambda _: None)
+    runs = order[2:]  # after each arm's uncounted run
+    assert runs == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert report["a"][1]["differ_from_alone"] == 0 and report["a"][1]["requests"] == 4
