@@ -10,8 +10,9 @@ is one by one. Aggregate tokens/s is the tokens of the whole run over its wall t
 each request's tokens over its own time; time to first token and inter-token latency come from the
 streamed messages (a message of n tokens counts n gaps of its wait / n, so a speculative round's tokens
 share its wait). Each N runs `reps` times per arm after one uncounted run of each, the arms alternating, each rep
-starting from the next arm, so that the machine's drift hits all of them and no arm always follows the same one; the report gives medians and the spread (min, max) over the runs, and the scaling over the
-same arm's N = 1 in the same run.
+starting from the next arm, so that the machine's drift hits all of them and no arm always follows the same one;
+the report gives medians and the spread (min, max) over the runs, and the scaling over the same arm's N = 1 in
+the same run.
 
 Arms: K = 0 (the target alone) and `auto` (K left unset on the adaptive orchestrator: the K the system
 chooses, which fades out where rows are dear). Greedy output must not change with load: every output is
