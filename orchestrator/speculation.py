@@ -126,7 +126,9 @@ class RoundCosts:
 
     def _step(self) -> float:
         """A draft step's seconds for one session: its share of a step pass with the sessions it meets there."""
-        sessions = max(self.draft_sessions or self.verify_sessions or self.active or 1.0, 1.0)
+        sessions = min(
+            max(self.draft_sessions or self.verify_sessions or self.active or 1.0, 1.0), max(self.active or 1.0, 1.0)
+        )
         return costs.at(self.draft_curve, sessions)[0] / sessions
 
     def observe_start(self, k: int, draft_wall_s: float) -> None:
@@ -174,7 +176,9 @@ class RoundCosts:
         if self.draft_call is None or not self.target_curve or not self.draft_curve:
             return None
         active = max(self.active, 1.0)
-        verifying = max(self.verify_sessions, 1.0)
+        # no more sessions meet in a drafted round's pass than call the server: the average of drafted rounds, which
+        # can be few at a load's tail, may still hold the load's
+        verifying = min(max(self.verify_sessions, 1.0), active)
         out = [(costs.at(self.target_curve, active)[0] + self.round_overhead) / active]
         step = self._step()
         for k in range(1, cap + 1):

@@ -116,6 +116,19 @@ def test_a_narrow_pass_timed_slow_under_load_is_priced_as_the_wider_ones_and_doe
     assert sp.best_k(0.5, got) == 0
 
 
+def test_a_drafted_round_is_never_priced_as_shared_by_more_sessions_than_call_the_server():
+    """The sessions a drafted round met are averaged over drafted rounds only, which at a load's tail are few: after
+    a load of 4, the one session left is priced as alone, not as a quarter of a 4-session pass."""
+    c = _costs()
+    c.observe(0.0100, _call(0.0079, 0.0069), _call(0.0021, 0.0011))  # alone: 1 ms of RPC a round, 1 ms a draft call
+    c.observe(0.030, _call(0.025, 0.0109, 0.010, sessions=4), _call(0.004, 0.0013, sessions=4))
+    c.observe(0.0090, _call(0.0080, 0.0069))  # the others are gone: a round of the target alone
+    assert c.verify_sessions == 4 and c.active == 1
+    got = c.round_s(2)
+    assert got[0] == pytest.approx(0.0069 + 0.0010)
+    assert got[1] == pytest.approx(0.0079 + 0.0010 + 0.0010 + 0.0010)  # a 2-row pass, the calls, one draft step
+
+
 def test_prompt_lookup_rounds_measure_the_target_but_not_the_draft():
     c = _costs()
     c.observe(0.010, _call(0.008, 0.007), _call(0.002, 0.0016))
