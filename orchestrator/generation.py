@@ -53,8 +53,8 @@ class Generation:
         self.metrics = metrics
         self.speculation = speculation  # shared across requests: what rounds cost, recent alpha; None: not learned
         self.adaptive = (
-            AdaptiveK(speculation, spec.sampling.greedy, spec.k, spec.adaptive_start, ruled=spec.rules is not None)
-            if speculation and spec.adaptive_start is not None
+            AdaptiveK(speculation, spec.sampling.greedy, spec.k, spec.k, ruled=spec.rules is not None)
+            if speculation and spec.adaptive
             else None
         )
         self.text = TextStream(tokenizer, spec.stops)

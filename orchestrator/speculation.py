@@ -124,11 +124,15 @@ class RoundCosts:
         self.target_curve = costs.nondecreasing(target) or self.target_curve
         self.draft_curve = costs.nondecreasing(draft) or self.draft_curve
 
+    @property
+    def calling(self) -> float:
+        """Sessions calling the target, at least this one."""
+        return max(self.active or 1.0, 1.0)
+
     def _step(self) -> float:
         """A draft step's seconds for one session: its share of a step pass with the sessions it meets there."""
-        sessions = min(
-            max(self.draft_sessions or self.verify_sessions or self.active or 1.0, 1.0), max(self.active or 1.0, 1.0)
-        )
+        calling = self.calling
+        sessions = min(max(self.draft_sessions or self.verify_sessions or calling, 1.0), calling)
         return costs.at(self.draft_curve, sessions)[0] / sessions
 
     def observe_start(self, k: int, draft_wall_s: float) -> None:
@@ -175,7 +179,7 @@ class RoundCosts:
         are known and a drafted round was measured."""
         if self.draft_call is None or not self.target_curve or not self.draft_curve:
             return None
-        active = max(self.active, 1.0)
+        active = self.calling
         # no more sessions meet in a drafted round's pass than call the server: the average of drafted rounds, which
         # can be few at a load's tail, may still hold the load's
         verifying = min(max(self.verify_sessions, 1.0), active)

@@ -244,9 +244,9 @@ def test_adaptive_speculation_chooses_k_only_for_requests_that_leave_it_unset(ad
     assert ids == reference[2] and stats.rounds > 1
     spec = servicer.build_spec(gen_pb.GenerateRequest(prompt="Hi"))
     k = servicer.cfg.num_speculative_tokens  # adaptive K's largest, and where it starts
-    assert (spec.k, spec.adaptive_start) == (k, k)
+    assert (spec.k, spec.adaptive) == (k, True)
     spec = servicer.build_spec(gen_pb.GenerateRequest(prompt="Hi", num_speculative_tokens=5))
-    assert (spec.k, spec.adaptive_start) == (5, None)
+    assert (spec.k, spec.adaptive) == (5, False)
 
 
 def test_greedy_parity_holds_with_a_draft_that_always_misses(tiny_stack, reference):
