@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from bench.metrics import expected_tokens_per_round, leviathan_bound
+from specdec.runners.cuda_graphs import CudaGraphs
 
 _ROPE = {
     "rope_type": "llama3",
@@ -119,34 +120,18 @@ def pass_ms(runner, n_new: int, context: int, reps: int, sync=lambda: None, warm
     return 1000 * statistics.median(times)
 
 
-def graph_pass_ms(runner, n_new: int, context: int, reps: int, warmup: int = 3) -> float:
-    """pass_ms with the pass captured once as a CUDA graph and replayed, as production engines (vLLM, TGI)
-    run their decode steps: what is left is the GPU's own time, without Python's kernel launches."""
-    cache = runner.new_cache()
-    runner.forward(cache, [i % 1000 + 1 for i in range(context)], 1)
-    cache.reserve(n_new)  # grow outside the capture: inside it, allocations belong to the graph
-    ids = torch.arange(1, n_new + 1, device=runner.device)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs' documentation asks
-        for _ in range(warmup):
-            runner.crop(cache, context)
-            runner.forward(cache, ids, n_new)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    runner.crop(cache, context)
-    with torch.cuda.graph(graph):
-        runner.forward(cache, ids, n_new)
-    times = []
-    for r in range(reps + warmup):
-        ids.copy_(torch.arange(r * 7 + 1, r * 7 + n_new + 1, device=runner.device) % 1000 + 1)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        graph.replay()
-        torch.cuda.synchronize()
-        if r >= warmup:
-            times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
+def graph_pass_ms(runner, n_new: int, context: int, reps: int) -> float:
+    """pass_ms as the model servers run one session's passes on a GPU: replayed as CUDA graphs
+    (specdec.runners.cuda_graphs, captured on the first pass), so what is left is the GPU's own time and a replay's
+    few launches. A pass that could not be captured raises, rather than timing the eager pass under this name."""
+    runner.graphs = CudaGraphs(runner)
+    try:
+        ms = pass_ms(runner, n_new, context, reps, torch.cuda.synchronize)
+        if runner.graphs.failed:
+            raise RuntimeError(runner.graphs.failed)
+        return ms
+    finally:
+        runner.graphs = None
 
 
 def projected_speedup(alpha: float, k: int, draft_ms: float, verify_ms: dict[int, float], overhead_ms: float) -> float:

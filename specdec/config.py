@@ -143,6 +143,11 @@ class ModelServerConfig:
         "on a GPU, hold attention to the fused SDPA kernels (flash, memory-efficient): a call only the "
         "math kernel takes fails instead of running slowly; for checks such as tools/gpu_smoke.py",
     )
+    cuda_graphs: bool = _option(
+        True,
+        "on a GPU, replay one session's passes of up to 16 rows (its steps, verifies and draft steps) as CUDA "
+        "graphs, captured per session, as vLLM and TGI run decode steps; false runs every pass eagerly",
+    )
     prefix_cache_tokens: int = _option(
         2048,
         "KV tokens kept of prompt prefixes that new sessions share (a chat template's opening, a rebuilt "

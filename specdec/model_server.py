@@ -68,6 +68,7 @@ class ModelServer:
             gguf,
             device=cfg.device,
             activations=activations,
+            cuda_graphs=cfg.cuda_graphs,
         )
         on_cpu = self.runner.device.type == "cpu"
         max_batch_tokens = cfg.max_batch_tokens or MAX_BATCH_TOKENS["cpu" if on_cpu else "accelerator"]

@@ -91,3 +91,14 @@ def test_the_smoke_passes_end_to_end_on_cpu(tmp_path):
     assert sum(line.startswith("ok   8 at once") for line in lines) == 8
     assert "ok   the same seed samples the same tokens" in lines and "gpu_smoke: all checks passed" in lines
     assert "pass ms by rows" in out.stdout and "round ms" in out.stdout and "FAIL" not in out.stdout
+
+
+def test_greedy_differences_fail_where_the_kernels_are_batch_invariant_and_are_counted_elsewhere():
+    exact, counted = gpu_smoke.Checks(exact=True), gpu_smoke.Checks(exact=False)
+    for check in (exact, counted):
+        gpu_smoke.compare_greedy(check, "same", [1, 2, 3], [1, 2, 3], ("abc", "abc"))
+        gpu_smoke.compare_greedy(check, "near-tie", [1, 5, 3], [1, 2, 3], ("aec", "abc"))
+    assert exact.failed == ["near-tie"] and counted.failed == []
+    assert (counted.greedy, counted.differ) == (2, 1)
+    gpu_smoke.compare_greedy(counted, "empty", [], [1], ("", "a"))
+    assert counted.failed == ["empty"]  # no answer fails everywhere

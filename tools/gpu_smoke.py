@@ -7,8 +7,9 @@
 It prints torch, CUDA and the card, and the models in the local caches; starts `specdec up` on the device, with
 --strict-attention on CUDA so that the model servers hold attention to the fused SDPA kernels (flash or
 memory-efficient) and a fall back to the math kernel raises; sends greedy and seeded sampled requests alone, then
---concurrency of them at once; checks that greedy output equals the target alone's (K = 0) token for token, and that
-a seed reproduces its sample; prints each server's pass costs and the rounds' costs. Exit status 0 when every check
+--concurrency of them at once; checks that greedy output equals the target alone's (K = 0) token for token where the
+kernels are batch-invariant (float32 on a CPU; elsewhere it counts the outputs that differ), and that a seed
+reproduces its sample; prints each server's pass costs and the rounds' costs. Exit status 0 when every check
 passed, 1 when one failed, 2 when the services could not start.
 """
 
@@ -199,8 +200,14 @@ def generate(address: str, prompt: str, **fields) -> tuple[list[int], str, objec
 
 
 class Checks:
-    def __init__(self):
+    """exact: whether greedy output must equal K = 0's token for token (the batch-invariant float32 CPU kernels);
+    elsewhere a near-tie between the two best tokens can break either way, and the outputs that differ are
+    counted (python -m bench.exactness measures the rate)."""
+
+    def __init__(self, exact: bool = True):
         self.failed: list[str] = []
+        self.exact = exact
+        self.greedy = self.differ = 0
 
     def __call__(self, name: str, ok: bool, detail: str = "") -> bool:
         print(f"{'ok  ' if ok else 'FAIL'} {name}" + (f": {detail}" if detail else ""))
@@ -215,16 +222,22 @@ def tokens_per_s(stats) -> float:
 
 def compare_greedy(check: Checks, name: str, got: list[int], ref: list[int], texts: tuple[str, str]) -> None:
     at = first_divergence(got, ref)
-    check(
-        name,
-        at is None and len(got) > 0,
-        "" if at is None else f"differs from K = 0 at token {at}: {texts[0]!r} vs {texts[1]!r}",
-    )
+    detail = "" if at is None else f"differs from K = 0 at token {at}: {texts[0]!r} vs {texts[1]!r}"
+    check.greedy += 1
+    check.differ += at is not None
+    if at is None or check.exact:
+        check(name, at is None and len(got) > 0, detail)
+    else:
+        check(name, len(got) > 0, f"{detail} (a near-tie off the batch-invariant kernels: counted, not failed)")
 
 
 def run_requests(services: Services, args: argparse.Namespace, check: Checks) -> None:
     address, n, k = services.address, args.max_tokens, args.k
     greedy = dict(max_tokens=n, temperature=0.0, prompt_lookup_min=0)
+    # what a first user waits for once the services serve; the requests after it are timed warm
+    t = time.perf_counter()
+    first = generate(address, PROMPTS[1], **dict(greedy, max_tokens=8), num_speculative_tokens=k)
+    print(f"     the first request after start-up: {len(first[0])} tokens in {time.perf_counter() - t:.2f} s")
     # the target alone, the reference of every greedy request
     ref = {p: generate(address, p, num_speculative_tokens=0, **greedy) for p in PROMPTS}
     for p, (ids, _, stats) in ref.items():
@@ -330,6 +343,8 @@ def print_costs(services: Services) -> None:
         costs = ", ".join(f"{c.rows}: {1000 * c.seconds:.2f}" for c in info.pass_costs)
         print(f"{role}: {info.model} on {info.device} in {info.dtype}; {info.forward}")
         print(f"  pass ms by rows: {costs or 'none yet'}")
+    graphs = [line for line in services.log_path.read_text().splitlines() if "CUDA graph" in line]
+    print("\n".join(graphs) or "no CUDA graph captured")
     m = scrape_all(services.metrics)
     draft_step, target_step = mean_step_s(m, "draft"), mean_step_s(m, "target")
     rounds = value(m, "specdec_round_phase_seconds_count", phase="verify") or 1.0
@@ -358,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     log_path = args.log or Path(tempfile.mkstemp(prefix="gpu_smoke-", suffix=".log")[1])
     print(f"services' log: {log_path}")
     services = Services(args, log_path)
-    check = Checks()
+    check = Checks(exact=args.device == "cpu" and args.dtype == "float32")
     try:
         reason = services.wait_serving(args.startup_timeout)
         if reason:
@@ -370,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         check("requests", False, f"{e.code().name}: {e.details()}")
     finally:
         services.stop()
+    print(f"greedy outputs that differ from K = 0's: {check.differ} of {check.greedy}")
     check("services stopped cleanly", services.proc.returncode == 0, f"specdec up exited {services.proc.returncode}")
     print(f"gpu_smoke: {'all checks passed' if not check.failed else 'FAILED: ' + ', '.join(check.failed)}")
     return 1 if check.failed else 0

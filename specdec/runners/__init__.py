@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 
+from specdec.runners.cuda_graphs import CudaGraphs
 from specdec.runners.hf import CausalLMRunner
 from specdec.runners.lean_llama import LeanLlamaRunner
 
@@ -25,15 +26,27 @@ def make_runner(
     gguf: str | None = None,
     device=None,
     activations: str = "float32",
+    cuda_graphs: bool = False,
 ):
     """kind: hf (the stock transformers forward), lean (Llama only), auto (lean for Llama, else hf).
     matmul: the lean runner's product form for steps and verify passes; quantize: none, or int8 products
     on CPU; gguf: the GGUF file the model was loaded from, whose blocks the gguf form reads (see
     specdec.runners.lean_llama). The stock forward has none of them. device: where the runner runs (default:
     where the model is); a model loaded on the CPU for a GPU runner is prepared there and moved once.
-    activations: float32, or int8 (the lean runner's products on 8-bit activations, specdec.runners.products)."""
+    activations: float32, or int8 (the lean runner's products on 8-bit activations, specdec.runners.products).
+    cuda_graphs: on a CUDA device, the lean runner replays one session's few-row passes as CUDA graphs
+    (specdec.runners.cuda_graphs).
+
+    The host's kernels are built here if they are not yet (30-45 s, once per machine): a server samples on the host
+    whatever its device, and the build belongs to its start, not to its first request."""
+    from specdec.runners.kernels import cpu_kernels
+
+    cpu_kernels()
     if kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama"):
-        return LeanLlamaRunner(model, vocab_size, max_len, matmul, quantize, gguf, device, activations)
+        runner = LeanLlamaRunner(model, vocab_size, max_len, matmul, quantize, gguf, device, activations)
+        if cuda_graphs and runner.device.type == "cuda":
+            runner.graphs = CudaGraphs(runner)
+        return runner
     for name, value, plain in (("quantize", quantize, "none"), ("activations", activations, "float32")):
         if value != plain:
             raise ValueError(f"{name}={value!r} needs the lean runner (a Llama model)")

@@ -107,15 +107,16 @@ class LeanCache:
     GROW = 256
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device):
-        self.k = torch.empty(layers, kv_heads, self.GROW, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        # zeroed, as what grows: a CUDA graph's masked attention reads keys and values past the length (weight 0)
+        self.k = torch.zeros(layers, kv_heads, self.GROW, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
         self.length = 0
 
     def reserve(self, n: int) -> None:
         need = self.length + n
         if need > self.k.shape[2]:
             cap = -(-need // self.GROW) * self.GROW
-            grow = lambda t: torch.cat([t, t.new_empty(t.shape[0], t.shape[1], cap - t.shape[2], t.shape[3])], dim=2)
+            grow = lambda t: torch.cat([t, t.new_zeros(t.shape[0], t.shape[1], cap - t.shape[2], t.shape[3])], dim=2)
             self.k, self.v = grow(self.k), grow(self.v)
 
     def get_seq_length(self) -> int:
@@ -164,6 +165,7 @@ class LeanLlamaRunner:
         self.activations = activations
         self.matmul = matmul
         self.layer_ops = kernels_for(self.embed) or TorchLayerOps
+        self.graphs = None  # a CudaGraphs (specdec/runners/cuda_graphs.py) where few-row passes replay as graphs
         self.plan: Plan = make_plan(
             self.layers,
             self.lm_head,
@@ -205,7 +207,8 @@ class LeanLlamaRunner:
         layer = "" if self.layer_ops is TorchLayerOps else " with specdec's CPU layer kernels"
         if stacks := self.plan.stacks:
             layer += f" (the layers' loop in C++ for {', '.join(sorted(stacks))})"
-        return f"lean forward{layer}; {self.plan.description}"
+        graphs = "" if self.graphs is None else f"; {self.graphs.describe()}"
+        return f"lean forward{layer}; {self.plan.description}{graphs}"
 
     @property
     def numerics(self) -> str:
@@ -281,13 +284,11 @@ class LeanLlamaRunner:
         features: every row fed; a head's predicted feature: its last) as (logits, norms), norms[i]
         [norm_rows[i], hidden] in the runner's dtype or None for 0, the logits computed from them (_final_norm)."""
         ns, starts = [len(t) for t in token_ids], [c.length for c in caches]
-        for n, start in zip(ns, starts):
-            if start + n > self.max_len:
-                raise ValueError(f"sequence of {start + n} tokens exceeds {self.max_len}")
-        if norm_rows is not None and any(not 0 <= m <= n for m, n in zip(norm_rows, ns)):
-            raise ValueError(f"final-norm rows {norm_rows} asked of passes of {ns} rows")
-        for c, n in zip(caches, ns):
-            c.reserve(n)
+        self._reserve(caches, ns, norm_rows)
+        if self.graphs is not None and self.graphs.takes(caches, token_ids, plan, features_in, norm_rows):
+            out = self.graphs.forward(caches[0], token_ids[0], num_logits[0])
+            if out is not None:
+                return [out if self.scored_ids is None or scored_only else self._widen(out)]
         rows = sum(ns)
         plan = self.plan if plan is None else plan
         form = plan.by_rows[rows] if rows <= SMALL_PASS_ROWS else plan.long
@@ -318,6 +319,16 @@ class LeanLlamaRunner:
         if self.scored_ids is not None and not scored_only:
             out = [self._widen(part) for part in out]
         return out if norm_rows is None else (out, norms)
+
+    def _reserve(self, caches: list[LeanCache], ns: list[int], norm_rows: list[int] | None) -> None:
+        """Check a pass of ns[i] rows on caches[i] before any work, and make the room for its rows."""
+        for c, n in zip(caches, ns):
+            if c.length + n > self.max_len:
+                raise ValueError(f"sequence of {c.length + n} tokens exceeds {self.max_len}")
+        if norm_rows is not None and any(not 0 <= m <= n for m, n in zip(norm_rows, ns)):
+            raise ValueError(f"final-norm rows {norm_rows} asked of passes of {ns} rows")
+        for c, n in zip(caches, ns):
+            c.reserve(n)
 
     def _final_norm(self, x, ns, num_logits, norm_rows):
         """(the final norm of the logits rows [sum num_logits, hidden], each session's last norm_rows[i] normed

@@ -1,0 +1,163 @@
+"""One session's passes of few rows, replayed as CUDA graphs.
+
+On a GPU an eager pass of a small model is bound by launching its kernels from Python, not by the device: the
+embedded target's step, about 40 small kernels in each of its 30 layers, took 16 ms on an H100 (2026-11-26) whose
+memory reads its 270 MB of bfloat16 weights in 0.1 ms. A CUDA graph launches a whole captured pass at once, as vLLM
+and TGI run their decode steps.
+
+A graph replays fixed addresses and shapes. So the pass it captures (``static_pass``) reads its tokens and its first
+position from buffers on the device, writes the new keys and values by index, and attends over the cache's whole
+capacity under a mask of the positions so far (the keys past them are zeros: ``LeanCache`` allocates zeroed). A
+graph is captured per session and per (rows, logits rows) on the session's first such pass, and again once the cache
+has grown (every ``LeanCache.GROW`` tokens), since a grown cache is a new tensor. Passes of several sessions, of more
+than ``MAX_ROWS`` rows, or with a head's features run eagerly. The numbers are the eager pass's up to rounding:
+attention takes another kernel (memory-efficient, masked) than the eager pass's (flash, the keys so far).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdec.runners.products import SMALL_PASS_ROWS
+
+log = logging.getLogger(__name__)
+
+# A step (1 row), a verify of K + 1 rows (K up to 15); a wider pass is a prefill, whose launches its rows amortize.
+MAX_ROWS = 16
+
+
+def static_pass(runner, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, num_logits: int):
+    """The logits [num_logits, vocab or scored] (float32) of appending ids ([n] on the device) at position pos ([1]
+    on the device) to the cache whose keys and values are k, v ([layers, kv heads, capacity, head dim], room for the
+    n rows reserved): the runner's eager pass in shapes fixed by n and the capacity, with no value read on the host."""
+    from specdec.runners.lean_llama import TorchLayerOps
+
+    n, capacity = ids.shape[0], k.shape[2]
+    positions = pos + torch.arange(n, device=ids.device)  # [n]
+    cos, sin = runner.cos[positions], runner.sin[positions]
+    allowed = torch.arange(capacity, device=ids.device)[None, :] <= positions[:, None]  # [n, capacity]
+    form = runner.plan.by_rows[n] if n <= SMALL_PASS_ROWS else runner.plan.long
+    linear, layers, lm_head = form.products
+    ops, eps, h = TorchLayerOps, runner.eps, runner.n_heads
+    x = runner.embed[ids]
+    for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(layers):
+        att = attend_masked(linear(ops.rms_norm(x, ln1, eps), wqkv), k[i], v[i], cos, sin, positions, allowed, h)
+        x = x + linear(att, wo)
+        x = x + linear(ops.silu_mul(linear(ops.rms_norm(x, ln2, eps), wgu)), wd)
+    return linear(ops.rms_norm(x[n - num_logits :], runner.norm, eps), lm_head).float()
+
+
+def attend_masked(qkv, k, v, cos, sin, positions, allowed, n_heads: int) -> torch.Tensor:
+    """TorchLayerOps.attend with the positions on the device: writes the rotated keys and the values of qkv's n rows
+    at `positions` of one layer's k, v [kv, capacity, d]; returns the attention of the rotated queries over the
+    keys `allowed` [n, capacity] marks: [n, h d]. The KV heads are widened to every query head here, since the
+    kernels that take a dense mask (memory-efficient) do not group them."""
+    from specdec.runners.lean_llama import rope
+
+    n, (kv, capacity, d), h = qkv.shape[0], k.shape, n_heads
+    q = rope(qkv[:, : h * d].view(n, h, d).transpose(0, 1), cos, sin)  # [h, n, d]
+    k.index_copy_(1, positions, rope(qkv[:, h * d : (h + kv) * d].view(n, kv, d).transpose(0, 1), cos, sin))
+    v.index_copy_(1, positions, qkv[:, (h + kv) * d :].view(n, kv, d).transpose(0, 1))
+    wide_k, wide_v = (t[:, None].expand(kv, h // kv, capacity, d).reshape(h, capacity, d) for t in (k, v))
+    att = F.scaled_dot_product_attention(q[None], wide_k[None], wide_v[None], attn_mask=allowed)[0]
+    return att.transpose(0, 1).reshape(n, h * d)
+
+
+@dataclass
+class Graph:
+    replay: Callable[[], None]  # runs the captured pass on the buffers below
+    ids: torch.Tensor  # [n] the tokens, on the device
+    pos: torch.Tensor  # [1] the first position, on the device
+    out: torch.Tensor  # the logits the replay writes
+    cache: tuple[int, int]  # the addresses of the keys and values it was captured on
+
+
+def cuda_capture(run: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor]:
+    """(replay, output) of run() captured as a CUDA graph in the memory pool `pool`, after one run on a side stream
+    as torch.cuda.graphs asks (the run writes what the replay writes again: the keys and values of the same rows)."""
+    stream = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(stream)
+    with torch.cuda.stream(side):
+        run()
+    stream.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = run()
+    return graph.replay, out
+
+
+class CudaGraphs:
+    """The runner's graphed passes: ``takes`` says whether a pass is one, ``forward`` runs it. capture(run, pool):
+    how a pass is captured (``cuda_capture``; a test's stand-in runs it eagerly)."""
+
+    def __init__(self, runner, max_rows: int = MAX_ROWS, capture=cuda_capture):
+        self.runner, self.max_rows, self._capture = runner, max_rows, capture
+        self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {(n, logits rows): Graph}
+        self._pool = None
+        self.captured = self.replayed = 0
+        self.failed: str | None = None  # why a capture failed; every pass runs eagerly from then on
+
+    def describe(self) -> str:
+        return f"one session's passes of 1-{self.max_rows} rows replayed as CUDA graphs"
+
+    def takes(self, caches, token_ids, plan, features_in, norm_rows) -> bool:
+        return (
+            self.failed is None
+            and len(caches) == 1
+            and plan is None
+            and features_in is None
+            and norm_rows is None
+            and 0 < len(token_ids[0]) <= self.max_rows
+        )
+
+    def forward(self, cache, ids, num_logits: int) -> torch.Tensor | None:
+        """The logits of appending ids to cache (its room reserved) as a graph replay, [num_logits, vocab or scored];
+        the cache's length moves on. None where the capture failed (said once in the log): run the pass eagerly."""
+        n, address = len(ids), (cache.k.data_ptr(), cache.v.data_ptr())
+        graphs = self._graphs.setdefault(cache, {})
+        if any(g.cache != address for g in graphs.values()):
+            graphs.clear()  # the cache grew: its graphs address the tensors it left
+        graph = graphs.get((n, num_logits))
+        ids_now = torch.as_tensor(ids, dtype=torch.long)
+        if graph is None:
+            graph = self._capture_pass(cache, ids_now, num_logits)
+            if graph is None:
+                return None
+            graphs[(n, num_logits)] = graph
+        graph.ids.copy_(ids_now)
+        graph.pos.fill_(cache.length)
+        graph.replay()
+        self.replayed += 1
+        cache.length += n
+        return graph.out.clone()  # the output buffer is the graph's: the next replay writes it
+
+    def _pool_id(self):
+        """The memory pool every graph is captured in: one, as the graphs never run at once. This MemPool holds it,
+        so it outlives the graphs of ended sessions: a bare pool handle dies with the last graph that used it, and a
+        capture into it then fails in the allocator (seen on an H100, torch 2.11, 2026-11-26)."""
+        if self.runner.device.type != "cuda":
+            return None
+        if self._pool is None:
+            self._pool = torch.cuda.MemPool()
+        return self._pool.id
+
+    def _capture_pass(self, cache, ids: torch.Tensor, num_logits: int) -> Graph | None:
+        r = self.runner
+        buffers = ids.to(r.device), torch.full((1,), cache.length, dtype=torch.long, device=r.device)
+        try:
+            replay, out = self._capture(lambda: static_pass(r, cache.k, cache.v, *buffers, num_logits), self._pool_id())
+        except Exception as e:  # a kernel that cannot be captured: the server still serves, eagerly
+            self.failed = f"{type(e).__name__}: {e}"
+            log.warning("a CUDA graph could not be captured; every pass runs eagerly: %s", self.failed)
+            return None
+        self.captured += 1
+        if self.captured == 1:
+            log.info("CUDA graphs: captured the first (%d rows, %d logits rows)", len(ids), num_logits)
+        return Graph(replay, *buffers, out, (cache.k.data_ptr(), cache.v.data_ptr()))

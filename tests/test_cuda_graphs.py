@@ -1,0 +1,163 @@
+"""CUDA graphs of one session's few-row passes, checked on the CPU: the pass a graph captures equals the eager pass,
+and graphs are captured, replayed and dropped as a session's cache moves. CUDA's own capture runs on a device only
+(tools/gpu_smoke.py); here a stand-in captures a pass by running it, as the real capture's warm-up does, and
+replays it by running it again on the same buffers."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from specdec.runners import LeanLlamaRunner, make_runner
+from specdec.runners.cuda_graphs import MAX_ROWS, CudaGraphs, static_pass
+
+
+def running_capture(captures: list):
+    """capture(run, pool) as cuda_capture returns it, on the CPU: the pass runs once now, and again at each replay
+    into the same output tensor."""
+
+    def capture(run, pool):
+        captures.append(pool)
+        out = run()
+        return (lambda: out.copy_(run())), out
+
+    return capture
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_draft, tokenizer):
+    """(eager, graphed): two lean runners of the tiny model; the second's few-row passes go through CudaGraphs."""
+    eager = make_runner(tiny_draft, len(tokenizer), 1024, "lean", "linear")
+    graphed = make_runner(tiny_draft, len(tokenizer), 1024, "lean", "linear")
+    return eager, graphed
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_a_pass_at_a_position_on_the_device_over_the_whole_capacity_equals_the_eager_pass(runners, tokenizer):
+    runner, _ = runners
+    eager, static = runner.new_cache(), runner.new_cache()
+    prompt = list(range(5, 245))  # the cache's first 256 tokens nearly full: the passes below grow it
+    runner.forward(eager, prompt, 1)
+    runner.forward(static, prompt, 1)
+    rng = random.Random(0)
+    # steps, verifies of K + 1 rows with one or all logits rows, a rejection's roll-back, across a growth
+    for n, logits_rows, keep in [(1, 1, 1), (5, 5, 3), (1, 1, 1), (3, 1, 3), (16, 16, 9), (1, 1, 1), (9, 9, 9)]:
+        ids = [rng.randrange(len(tokenizer)) for _ in range(n)]
+        want = runner.forward(eager, ids, logits_rows)
+        static.reserve(n)
+        start = torch.tensor([static.length])
+        got = static_pass(runner, static.k, static.v, torch.tensor(ids), start, logits_rows)
+        static.length += n
+        close(got, want)
+        assert static.k.shape == eager.k.shape
+        close(static.k[:, :, : static.length], eager.k[:, :, : eager.length])
+        close(static.v[:, :, : static.length], eager.v[:, :, : eager.length])
+        for cache in (eager, static):
+            runner.crop(cache, cache.length - n + keep)
+    assert eager.k.shape[2] > 256  # it grew on the way
+
+
+def test_a_cache_is_zeros_past_what_it_holds_new_and_grown(runners):
+    """The graphs' attention reads the whole capacity under a mask: a NaN left in unused memory would survive the
+    mask's zero weight, so a cache's room is zeros."""
+    runner, _ = runners
+    cache = runner.new_cache()
+    assert not cache.k.any() and not cache.v.any()
+    runner.forward(cache, list(range(3, 300)), 1)
+    assert cache.k.shape[2] == 512
+    assert not cache.k[:, :, 300:].any() and not cache.v[:, :, 300:].any()
+
+
+def test_graphs_are_captured_once_per_session_and_shape_and_again_once_the_cache_grows(runners, tokenizer):
+    eager, graphed = runners
+    captures = []
+    graphs = graphed.graphs = CudaGraphs(graphed, capture=running_capture(captures))
+    try:
+        plain, cache = eager.new_cache(), graphed.new_cache()
+        prompt = list(range(7, 7 + 200))
+        close(graphed.forward(cache, prompt, 1), eager.forward(plain, prompt, 1))
+        assert graphs.captured == graphs.replayed == 0  # a prefill is wider than a graph: eager
+        rng = random.Random(1)
+
+        def both(n: int, logits_rows: int) -> None:
+            ids = [rng.randrange(len(tokenizer)) for _ in range(n)]
+            close(graphed.forward(cache, ids, logits_rows), eager.forward(plain, ids, logits_rows))
+            assert cache.length == plain.length
+
+        for _ in range(5):
+            both(1, 1)
+        assert (graphs.captured, graphs.replayed) == (1, 5)
+        both(5, 5)  # a verify of K = 4
+        both(5, 1)  # the same rows, another number of logits rows: another graph
+        assert (graphs.captured, graphs.replayed) == (3, 7)
+        for c in (cache, plain):
+            graphed.crop(c, c.length - 3)  # a rejection rolls back: the same tensors, the same graphs
+        both(1, 1)
+        both(5, 5)
+        assert (graphs.captured, graphs.replayed) == (3, 9)
+        while cache.length + 5 <= 256:
+            both(5, 5)
+        assert graphs.captured == 3
+        both(5, 5)  # past 256 tokens: the cache grew into new tensors, and the graph is captured again
+        assert graphs.captured == 4
+        both(1, 1)
+        assert graphs.captured == 5  # the step's graph too: the old ones were dropped with the old tensors
+        assert len(captures) == 5
+    finally:
+        graphed.graphs = None
+
+
+def test_passes_of_several_sessions_wider_passes_and_features_stay_eager(runners, tokenizer):
+    eager, graphed = runners
+    graphs = graphed.graphs = CudaGraphs(graphed, capture=running_capture([]))
+    try:
+        caches, plains = [graphed.new_cache() for _ in range(2)], [eager.new_cache() for _ in range(2)]
+        feeds = [list(range(10, 30)), list(range(40, 52))]
+        for got, want in zip(graphed.forward_batch(caches, feeds, [1, 1]), eager.forward_batch(plains, feeds, [1, 1])):
+            close(got, want)
+        steps = [[11], [12]]
+        for got, want in zip(graphed.forward_batch(caches, steps, [1, 1]), eager.forward_batch(plains, steps, [1, 1])):
+            close(got, want)
+        assert graphs.replayed == 0
+        wide = list(range(60, 60 + MAX_ROWS + 1))
+        close(graphed.forward(caches[0], wide, 2), eager.forward(plains[0], wide, 2))
+        assert graphs.replayed == 0
+        assert not graphs.takes([caches[0]], [[1]], None, [None], None)  # a head's features
+        assert not graphs.takes([caches[0]], [[1]], None, None, [1])  # a target's features asked for
+        assert graphs.takes([caches[0]], [[1]], None, None, None)
+    finally:
+        graphed.graphs = None
+
+
+def test_a_pass_that_cannot_be_captured_runs_eagerly_and_so_do_all_after_it(runners, caplog):
+    eager, graphed = runners
+    attempts = []
+
+    def failing(run, pool):
+        attempts.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = graphed.graphs = CudaGraphs(graphed, capture=failing)
+    try:
+        plain, cache = eager.new_cache(), graphed.new_cache()
+        for ids in ([5, 6, 7], [8], [9], [10, 11]):
+            with caplog.at_level(logging.WARNING, logger="specdec.runners.cuda_graphs"):
+                close(graphed.forward(cache, ids, 1), eager.forward(plain, ids, 1))
+        assert cache.length == plain.length == 7
+        assert len(attempts) == 1 and "operation not permitted" in graphs.failed
+        assert "could not be captured" in caplog.text
+    finally:
+        graphed.graphs = None
+
+
+def test_graphs_are_set_up_for_a_cuda_device_only(tiny_draft, tokenizer):
+    runner = make_runner(tiny_draft, len(tokenizer), 64, "lean", "linear", cuda_graphs=True)
+    assert isinstance(runner, LeanLlamaRunner) and runner.graphs is None  # on the CPU: every pass eager
+    runner.graphs = CudaGraphs(runner)
+    assert "replayed as CUDA graphs" in runner.describe()
