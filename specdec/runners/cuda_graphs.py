@@ -56,17 +56,22 @@ def static_pass(runner, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, pos
 def attend_masked(qkv, k, v, cos, sin, positions, allowed, n_heads: int) -> torch.Tensor:
     """TorchLayerOps.attend with the positions on the device: writes the rotated keys and the values of qkv's n rows
     at `positions` of one layer's k, v [kv, capacity, d]; returns the attention of the rotated queries over the
-    keys `allowed` [n, capacity] marks: [n, h d]. The KV heads are widened to every query head here, since the
-    kernels that take a dense mask (memory-efficient) do not group them."""
+    keys `allowed` [n, capacity] marks: [n, h d].
+
+    The kernels that take a dense mask (memory-efficient) do not group KV heads, and widening the cache to every
+    query head would copy it h / kv times a layer. So the queries of each KV head's group are stacked as rows of
+    that head instead (query head j reads KV head j // (h / kv), as transformers' repeat_kv), each row with its
+    position's mask: attention with kv heads of (h / kv) n rows, over the cache as it is."""
     from specdec.runners.lean_llama import rope
 
-    n, (kv, capacity, d), h = qkv.shape[0], k.shape, n_heads
+    n, (kv, _, d), h = qkv.shape[0], k.shape, n_heads
+    group = h // kv
     q = rope(qkv[:, : h * d].view(n, h, d).transpose(0, 1), cos, sin)  # [h, n, d]
     k.index_copy_(1, positions, rope(qkv[:, h * d : (h + kv) * d].view(n, kv, d).transpose(0, 1), cos, sin))
     v.index_copy_(1, positions, qkv[:, (h + kv) * d :].view(n, kv, d).transpose(0, 1))
-    wide_k, wide_v = (t[:, None].expand(kv, h // kv, capacity, d).reshape(h, capacity, d) for t in (k, v))
-    att = F.scaled_dot_product_attention(q[None], wide_k[None], wide_v[None], attn_mask=allowed)[0]
-    return att.transpose(0, 1).reshape(n, h * d)
+    rows = q.reshape(kv, group * n, d)  # row g n + i of KV head c: query head c group + g at position i
+    att = F.scaled_dot_product_attention(rows[None], k[None], v[None], attn_mask=allowed.repeat(group, 1))[0]
+    return att.reshape(h, n, d).transpose(0, 1).reshape(n, h * d)
 
 
 @dataclass
