@@ -346,6 +346,7 @@ class Engine:
 
     def _run_pieces(self, pieces: list[Piece]) -> None:
         rows = sum(p.n for p in pieces)
+        captures = _captures(self.runner)
         start = time.perf_counter()
         extra = _feature_arguments(self.runner, pieces)
         with self._long_pass_threads if rows > LONG_PASS_TOKENS else _SAME_THREADS, self.pass_context():
@@ -362,7 +363,8 @@ class Engine:
         self.passes += 1
         self.last_pass_s, self.last_rows = seconds, rows
         self._served = {}
-        self.costs.observe(rows, seconds)
+        if _captures(self.runner) == captures:  # a pass that captured a CUDA graph also ran it twice: not its cost
+            self.costs.observe(rows, seconds)
         if self.metrics is not None:
             self.metrics.observe_pass(rows, len(pieces), seconds)
         for p, last, out, normed in zip(pieces, [p.last for p in pieces], logits, norms):
@@ -394,6 +396,12 @@ class Engine:
 def _norms_wanted(p: Piece) -> int:
     """The piece's rows among its feed's last norm_rows (those the caller keeps in Feed.normed)."""
     return max(0, min(p.n, p.feed.norm_rows - (p.feed.remaining - p.n)))
+
+
+def _captures(runner) -> int:
+    """The CUDA graphs the runner has captured so far (specdec.runners.cuda_graphs), 0 without graphs."""
+    graphs = getattr(runner, "graphs", None)
+    return 0 if graphs is None else graphs.captured
 
 
 def _feature_arguments(runner, pieces: list[Piece]) -> dict:

@@ -5,6 +5,7 @@ replays it by running it again on the same buffers."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 
@@ -161,3 +162,33 @@ def test_graphs_are_set_up_for_a_cuda_device_only(tiny_draft, tokenizer):
     assert isinstance(runner, LeanLlamaRunner) and runner.graphs is None  # on the CPU: every pass eager
     runner.graphs = CudaGraphs(runner)
     assert "replayed as CUDA graphs" in runner.describe()
+
+
+def test_a_pass_that_captured_a_graph_is_not_taken_for_a_pass_cost(runners):
+    """A capture runs the pass twice more (a warm-up, the replay): priced as a pass it would make the next rounds
+    look dear to adaptive speculation."""
+    from specdec.costs import width_of
+    from specdec.engine import Engine
+    from specdec.kv_pool import SessionPool
+
+    _, graphed = runners
+    graphs = graphed.graphs = CudaGraphs(graphed, capture=running_capture([]))
+    try:
+        pool = SessionPool(
+            graphed.new_cache, graphed.crop, max_sessions=4, max_tokens=4096, max_model_len=1024, idle_ttl_s=60
+        )
+        engine = Engine(graphed, pool, 64)
+
+        async def main():
+            s = pool.open("s", 0, 0)
+            await engine.forward(s, list(range(5, 30)), 1)  # a prefill: eager, a cost
+            prefill = set(engine.costs.seconds)
+            assert prefill == {width_of(25)}
+            await engine.forward(s, [7], 1)  # the first step: captured
+            assert graphs.captured == 1 and set(engine.costs.seconds) == prefill
+            await engine.forward(s, [8], 1)  # replayed: a cost
+            assert graphs.replayed == 2 and set(engine.costs.seconds) == prefill | {1}
+
+        asyncio.run(main())
+    finally:
+        graphed.graphs = None
