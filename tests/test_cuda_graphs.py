@@ -94,22 +94,26 @@ def test_graphs_are_captured_once_per_session_and_shape_and_again_once_the_cache
         for _ in range(5):
             both(1, 1)
         assert (graphs.captured, graphs.replayed) == (1, 5)
+        ids = torch.tensor([3, 4])  # ids given as a tensor where the graph's input lives: copied, never kept
+        close(graphed.forward(cache, ids, 2), eager.forward(plain, [3, 4], 2))
+        assert graphs._graphs[cache][(2, 2)].ids.data_ptr() != ids.data_ptr()
+        assert (graphs.captured, graphs.replayed) == (2, 6)
         both(5, 5)  # a verify of K = 4
         both(5, 1)  # the same rows, another number of logits rows: another graph
-        assert (graphs.captured, graphs.replayed) == (3, 7)
+        assert (graphs.captured, graphs.replayed) == (4, 8)
         for c in (cache, plain):
             graphed.crop(c, c.length - 3)  # a rejection rolls back: the same tensors, the same graphs
         both(1, 1)
         both(5, 5)
-        assert (graphs.captured, graphs.replayed) == (3, 9)
+        assert (graphs.captured, graphs.replayed) == (4, 10)
         while cache.length + 5 <= 256:
             both(5, 5)
-        assert graphs.captured == 3
-        both(5, 5)  # past 256 tokens: the cache grew into new tensors, and the graph is captured again
         assert graphs.captured == 4
+        both(5, 5)  # past 256 tokens: the cache grew into new tensors, and the graph is captured again
+        assert graphs.captured == 5
         both(1, 1)
-        assert graphs.captured == 5  # the step's graph too: the old ones were dropped with the old tensors
-        assert len(captures) == 5
+        assert graphs.captured == 6  # the step's graph too: the old ones were dropped with the old tensors
+        assert len(captures) == 6
     finally:
         graphed.graphs = None
 

@@ -155,7 +155,8 @@ class CudaGraphs:
 
     def _capture_pass(self, cache, ids: torch.Tensor, num_logits: int) -> Graph | None:
         r = self.runner
-        buffers = ids.to(r.device), torch.full((1,), cache.length, dtype=torch.long, device=r.device)
+        # buffers of the graph's own: a caller's tensor of ids, already on the device, is not kept (nor written)
+        buffers = ids.to(r.device, copy=True), torch.full((1,), cache.length, dtype=torch.long, device=r.device)
         try:
             replay, out = self._capture(lambda: static_pass(r, cache.k, cache.v, *buffers, num_logits), self._pool_id())
         except Exception as e:  # a kernel that cannot be captured: the server still serves, eagerly
