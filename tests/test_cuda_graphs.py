@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+import specdec.runners
 from specdec.runners import LeanLlamaRunner, make_runner
 from specdec.runners.cuda_graphs import MAX_ROWS, CudaGraphs, static_pass
 
@@ -161,11 +162,21 @@ def test_a_pass_that_cannot_be_captured_runs_eagerly_and_so_do_all_after_it(runn
         graphed.graphs = None
 
 
-def test_graphs_are_set_up_for_a_cuda_device_only(tiny_draft, tokenizer):
+def test_graphs_are_set_up_for_a_cuda_device_only_and_when_asked(tiny_draft, tokenizer, monkeypatch):
     runner = make_runner(tiny_draft, len(tokenizer), 64, "lean", "linear", cuda_graphs=True)
     assert isinstance(runner, LeanLlamaRunner) and runner.graphs is None  # on the CPU: every pass eager
     runner.graphs = CudaGraphs(runner)
     assert "replayed as CUDA graphs" in runner.describe()
+
+    class OnCuda(LeanLlamaRunner):  # the runner as it is on a GPU, as far as make_runner looks
+        device = torch.device("cuda")
+
+        def __init__(self, *args):
+            self.graphs = None
+
+    monkeypatch.setattr(specdec.runners, "LeanLlamaRunner", OnCuda)
+    assert isinstance(make_runner(tiny_draft, len(tokenizer), 64, "lean", cuda_graphs=True).graphs, CudaGraphs)
+    assert make_runner(tiny_draft, len(tokenizer), 64, "lean", cuda_graphs=False).graphs is None
 
 
 def test_a_pass_that_captured_a_graph_is_not_taken_for_a_pass_cost(runners):
