@@ -363,7 +363,8 @@ class Engine:
         self.passes += 1
         self.last_pass_s, self.last_rows = seconds, rows
         self._served = {}
-        if _captures(self.runner) == captures:  # a pass that captured a CUDA graph also ran it twice: not its cost
+        graphs = getattr(self.runner, "graphs", None)  # CUDA graphs learn what passes cost each way
+        if graphs is None or graphs.timed(captures, [p.n for p in pieces], seconds):
             self.costs.observe(rows, seconds)
         if self.metrics is not None:
             self.metrics.observe_pass(rows, len(pieces), seconds)

@@ -15,6 +15,7 @@ import torch
 import specdec.runners
 from specdec.runners import LeanLlamaRunner, make_runner
 from specdec.runners.cuda_graphs import MAX_ROWS, CudaGraphs, static_pass
+from specdec.runners.kv_cache import Slabs
 
 
 def running_capture(captures: list):
@@ -27,6 +28,12 @@ def running_capture(captures: list):
         return (lambda: out.copy_(run())), out
 
     return capture
+
+
+def fresh_graphs(runner, capture) -> CudaGraphs:
+    """CudaGraphs for runner, on slabs of its own: the graphs an earlier test left on kept slabs would serve it."""
+    runner.slabs = Slabs(len(runner.layers), runner.n_kv, runner.head_dim, runner.dtype, runner.device)
+    return CudaGraphs(runner, capture=capture)
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +83,10 @@ def test_a_cache_is_zeros_past_what_it_holds_new_and_grown(runners):
     assert not cache.k[:, :, 300:].any() and not cache.v[:, :, 300:].any()
 
 
-def test_graphs_are_captured_once_per_session_and_shape_and_again_once_the_cache_grows(runners, tokenizer):
+def test_graphs_are_captured_once_per_cache_slab_and_shape_and_again_once_the_cache_grows(runners, tokenizer):
     eager, graphed = runners
     captures = []
-    graphs = graphed.graphs = CudaGraphs(graphed, capture=running_capture(captures))
+    graphs = graphed.graphs = fresh_graphs(graphed, running_capture(captures))
     try:
         plain, cache = eager.new_cache(), graphed.new_cache()
         prompt = list(range(7, 7 + 200))
@@ -97,7 +104,7 @@ def test_graphs_are_captured_once_per_session_and_shape_and_again_once_the_cache
         assert (graphs.captured, graphs.replayed) == (1, 5)
         ids = torch.tensor([3, 4])  # ids given as a tensor where the graph's input lives: copied, never kept
         close(graphed.forward(cache, ids, 2), eager.forward(plain, [3, 4], 2))
-        assert graphs._graphs[cache][(2, 2)].ids.data_ptr() != ids.data_ptr()
+        assert cache.slab.graphs[(2, 2)].ids.data_ptr() != ids.data_ptr()
         assert (graphs.captured, graphs.replayed) == (2, 6)
         both(5, 5)  # a verify of K = 4
         both(5, 1)  # the same rows, another number of logits rows: another graph
@@ -119,9 +126,72 @@ def test_graphs_are_captured_once_per_session_and_shape_and_again_once_the_cache
         graphed.graphs = None
 
 
-def test_passes_of_several_sessions_wider_passes_and_features_stay_eager(runners, tokenizer):
+def test_the_graphs_a_request_captured_serve_the_next_request_that_takes_its_slab(runners, tokenizer):
+    """Captures cost a request more than its passes on a GPU: a cache freed with its session leaves its slab, and its
+    graphs, to the next cache; the next request's passes replay them, and its logits are its own."""
     eager, graphed = runners
-    graphs = graphed.graphs = CudaGraphs(graphed, capture=running_capture([]))
+    graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]))
+    try:
+        rng = random.Random(2)
+        for request in range(3):
+            cache, plain = graphed.new_cache(), eager.new_cache()
+            prompt = [rng.randrange(len(tokenizer)) for _ in range(40 + 17 * request)]
+            close(graphed.forward(cache, prompt, 1), eager.forward(plain, prompt, 1))
+            for n in (1, 5, 1, 5):
+                ids = [rng.randrange(len(tokenizer)) for _ in range(n)]
+                close(graphed.forward(cache, ids, n), eager.forward(plain, ids, n))
+            assert graphs.captured == 2  # (1, 1) and (5, 5), both on the first request's slab
+            assert graphs.replayed == 4 * (request + 1)
+            del cache  # the session ends
+        assert graphed.slabs.kept_tokens() == 256
+    finally:
+        graphed.graphs = None
+
+
+def test_a_kept_slab_is_zeros_when_taken_again_and_kept_slabs_never_outgrow_the_caches_at_their_most():
+    slabs = Slabs(2, 1, 4, torch.float32, "cpu", recycle=True)
+    a, b = slabs.take(256), slabs.take(256)
+    a.k.fill_(float("nan"))
+    a.v.fill_(1.0)
+    slabs.give(a)
+    slabs.give(b)
+    again = slabs.take(256)
+    assert again in (a, b) and not again.k.any() and not again.v.any() and slabs.made == 2
+    slabs.give(again)
+    big = slabs.take(512)  # none kept of its size: the two of 256 are dropped before it is made
+    assert slabs.made == 3 and slabs.kept_tokens() == 0 and big.capacity == 512
+    plain = Slabs(2, 1, 4, torch.float32, "cpu")
+    plain.give(plain.take(256))
+    assert plain.kept_tokens() == 0  # without graphs a freed cache's memory goes back at once
+
+
+def test_recycled_slabs_serve_any_order_of_takes_and_gives_within_the_most_the_caches_ever_held():
+    """The model server's start on an H100 (2026-11-26) took a kept slab, left its capacity's list empty, and the next
+    take failed on it: a scratch cache grown and freed, then the cost table's 16 scratch caches."""
+    slabs = Slabs(1, 1, 2, torch.float32, "cpu", recycle=True)
+    scratch = slabs.take(256)
+    slabs.give(scratch)
+    slabs.give(slabs.take(2048))  # the budget's pass grew it
+    held = [slabs.take(256) for _ in range(16)]  # the measure's caches
+    assert all(not s.k.any() for s in held) and all(slabs.kept.values())
+    rng, live, peak = random.Random(5), held, 16 * 256
+    for _ in range(2000):
+        if live and rng.random() < 0.5:
+            slabs.give(live.pop(rng.randrange(len(live))))
+        else:
+            slab = slabs.take(rng.choice((256, 512, 768, 2048)))
+            assert not slab.k.any() and not slab.v.any()
+            slab.k.fill_(1.0)
+            live.append(slab)
+        held_now = sum(s.capacity for s in live)
+        peak = max(peak, held_now)
+        assert all(slabs.kept.values())  # no capacity kept with nothing in it
+        assert held_now + slabs.kept_tokens() <= max(peak, 2048 + 256)
+
+
+def test_wider_passes_features_and_several_sessions_before_their_costs_are_known_stay_eager(runners, tokenizer):
+    eager, graphed = runners
+    graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]))
     try:
         caches, plains = [graphed.new_cache() for _ in range(2)], [eager.new_cache() for _ in range(2)]
         feeds = [list(range(10, 30)), list(range(40, 52))]
@@ -130,13 +200,54 @@ def test_passes_of_several_sessions_wider_passes_and_features_stay_eager(runners
         steps = [[11], [12]]
         for got, want in zip(graphed.forward_batch(caches, steps, [1, 1]), eager.forward_batch(plains, steps, [1, 1])):
             close(got, want)
-        assert graphs.replayed == 0
+        assert graphs.replayed == 0 and graphs.way == "eager"
         wide = list(range(60, 60 + MAX_ROWS + 1))
         close(graphed.forward(caches[0], wide, 2), eager.forward(plains[0], wide, 2))
         assert graphs.replayed == 0
-        assert not graphs.takes([caches[0]], [[1]], None, [None], None)  # a head's features
-        assert not graphs.takes([caches[0]], [[1]], None, None, [1])  # a target's features asked for
-        assert graphs.takes([caches[0]], [[1]], None, None, None)
+        assert graphs.run([caches[0]], [[1]], [1], None, [None], None) is None  # a head's features
+        assert graphs.run([caches[0]], [[1]], [1], None, None, [1]) is None  # a target's features asked for
+        assert caches[0].length == plains[0].length and graphs.captured == 0
+    finally:
+        graphed.graphs = None
+
+
+def test_several_sessions_run_as_their_graphs_in_turn_where_the_measured_costs_say_that_is_cheaper(runners, tokenizer):
+    eager, graphed = runners
+    captures = []
+    graphs = graphed.graphs = fresh_graphs(graphed, running_capture(captures))
+    try:
+        caches, plains = [graphed.new_cache() for _ in range(3)], [eager.new_cache() for _ in range(3)]
+        for i, (c, p) in enumerate(zip(caches, plains)):
+            prompt = list(range(20 + i, 50 + 2 * i))
+            close(graphed.forward(c, prompt, 1), eager.forward(p, prompt, 1))
+
+        def batch(ns: list[int]) -> None:
+            ids = [[(7 * j + len(caches) + c.length) % 500 + 1 for j in range(n)] for n, c in zip(ns, caches)]
+            logits = [min(2, n) for n in ns]
+            for got, want in zip(graphed.forward_batch(caches, ids, logits), eager.forward_batch(plains, ids, logits)):
+                close(got, want)
+            assert [c.length for c in caches] == [p.length for p in plains]
+
+        graphs.graphed.observe(1, 0.003)  # a graphed step: 3 ms
+        graphs.graphed.observe(5, 0.0035)
+        graphs.eager.observe(3, 0.030)  # an eager pass of 3 rows: 30 ms, dearer than three graphed steps
+        batch([1, 1, 1])
+        assert graphs.way == "in turn" and (graphs.captured, graphs.replayed) == (3, 3)
+        batch([5, 1, 1])  # 7 rows, a width whose eager pass is not measured yet: eagerly, which measures it
+        assert graphs.way == "eager" and (graphs.captured, graphs.replayed) == (3, 3)
+        graphs.eager.observe(7, 0.040)  # what the engine's timing of that pass would have learned
+        batch([5, 1, 1])
+        assert graphs.way == "in turn" and (graphs.captured, graphs.replayed) == (4, 6)
+        graphs.eager.seconds[3] = (3, 0.005)  # were the eager pass cheaper (as a larger model's is, from 4 sessions)
+        batch([1, 1, 1])
+        assert graphs.way == "eager" and graphs.replayed == 6
+        # the engine's timing of each pass feeds the table of the way it ran; a pass that captured a graph is no cost
+        assert graphs.timed(graphs.captured, [1, 1, 1], 0.007) and graphs.eager.seconds[3][1] > 0.005
+        close(graphed.forward(caches[0], [9], 1), eager.forward(plains[0], [9], 1))
+        assert graphs.way == "graphed" and graphs.timed(graphs.captured, [1], 0.004)
+        assert graphs.graphed.seconds[1][1] > 0.003
+        before = dict(graphs.graphed.seconds)
+        assert not graphs.timed(graphs.captured - 1, [1], 0.5) and graphs.graphed.seconds == before
     finally:
         graphed.graphs = None
 
@@ -149,7 +260,7 @@ def test_a_pass_that_cannot_be_captured_runs_eagerly_and_so_do_all_after_it(runn
         attempts.append(1)
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    graphs = graphed.graphs = CudaGraphs(graphed, capture=failing)
+    graphs = graphed.graphs = fresh_graphs(graphed, failing)
     try:
         plain, cache = eager.new_cache(), graphed.new_cache()
         for ids in ([5, 6, 7], [8], [9], [10, 11]):
@@ -172,7 +283,7 @@ def test_graphs_are_set_up_for_a_cuda_device_only_and_when_asked(tiny_draft, tok
         device = torch.device("cuda")
 
         def __init__(self, *args):
-            self.graphs = None
+            self.graphs, self.slabs = None, Slabs(1, 1, 1, torch.float32, "cpu")
 
     monkeypatch.setattr(specdec.runners, "LeanLlamaRunner", OnCuda)
     assert isinstance(make_runner(tiny_draft, len(tokenizer), 64, "lean", cuda_graphs=True).graphs, CudaGraphs)
@@ -187,7 +298,7 @@ def test_a_pass_that_captured_a_graph_is_not_taken_for_a_pass_cost(runners):
     from specdec.kv_pool import SessionPool
 
     _, graphed = runners
-    graphs = graphed.graphs = CudaGraphs(graphed, capture=running_capture([]))
+    graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]))
     try:
         pool = SessionPool(
             graphed.new_cache, graphed.crop, max_sessions=4, max_tokens=4096, max_model_len=1024, idle_ttl_s=60

@@ -7,23 +7,24 @@ and TGI run their decode steps.
 
 A graph replays fixed addresses and shapes. So the pass it captures (``static_pass``) reads its tokens and its first
 position from buffers on the device, writes the new keys and values by index, and attends over the cache's whole
-capacity under a mask of the positions so far (the keys past them are zeros: ``LeanCache`` allocates zeroed). A
-graph is captured per session and per (rows, logits rows) on the session's first such pass, and again once the cache
-has grown (every ``LeanCache.GROW`` tokens), since a grown cache is a new tensor. Passes of several sessions, of more
-than ``MAX_ROWS`` rows, or with a head's features run eagerly. The numbers are the eager pass's up to rounding:
+capacity under a mask of the positions so far (the keys past them are zeros: a cache's slab is zeroed). A graph is
+captured per cache slab (specdec/runners/kv_cache.py) and per (rows, logits rows) on the first such pass, and kept with
+the slab: with graphs, slabs are recycled, so the next request, or a cache grown into a kept slab, replays the graphs
+an earlier one captured. Passes of several sessions, of more than ``MAX_ROWS`` rows, or with a head's features run
+eagerly. The numbers are the eager pass's up to rounding:
 attention takes another kernel (memory-efficient, masked) than the eager pass's (flash, the keys so far).
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from specdec.costs import PassCosts, width_of
 from specdec.runners.products import SMALL_PASS_ROWS
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,6 @@ class Graph:
     ids: torch.Tensor  # [n] the tokens, on the device
     pos: torch.Tensor  # [1] the first position, on the device
     out: torch.Tensor  # the logits the replay writes
-    cache: tuple[int, int]  # the addresses of the keys and values it was captured on
 
 
 def cuda_capture(run: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor]:
@@ -99,48 +99,73 @@ def cuda_capture(run: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], No
 
 
 class CudaGraphs:
-    """The runner's graphed passes: ``takes`` says whether a pass is one, ``forward`` runs it. capture(run, pool):
-    how a pass is captured (``cuda_capture``; a test's stand-in runs it eagerly)."""
+    """The runner's graphed passes: ``run`` runs a pass as graphs where it can be, ``timed`` learns what passes cost
+    each way. capture(run, pool): how a pass is captured (``cuda_capture``; a test's stand-in runs it eagerly).
+
+    A pass of several sessions runs as each session's graph in turn where their measured costs add up to less than
+    the eager pass's at its width: on an H100 (2026-11-26) the embedded target's eager pass of 4 sessions took 31.4
+    ms against 2.85 ms a graphed step; Llama-3.2-3B's eager pass gains on its graphs from about 4 sessions on."""
 
     def __init__(self, runner, max_rows: int = MAX_ROWS, capture=cuda_capture):
         self.runner, self.max_rows, self._capture = runner, max_rows, capture
-        self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {(n, logits rows): Graph}
+        runner.slabs.recycle = True  # a slab's graphs serve the caches that take it after its first
         self._pool = None
         self.captured = self.replayed = 0
         self.failed: str | None = None  # why a capture failed; every pass runs eagerly from then on
+        self.graphed, self.eager = PassCosts(), PassCosts()  # one session's replays by rows; eager passes
+        self.way = "eager"  # how the last pass ran: eager, graphed (one session), in turn (several)
 
     def describe(self) -> str:
-        return f"one session's passes of 1-{self.max_rows} rows replayed as CUDA graphs"
+        return f"each session's passes of 1-{self.max_rows} rows replayed as CUDA graphs"
 
-    def takes(self, caches, token_ids, plan, features_in, norm_rows) -> bool:
-        return (
-            self.failed is None
-            and len(caches) == 1
-            and plan is None
-            and features_in is None
-            and norm_rows is None
-            and 0 < len(token_ids[0]) <= self.max_rows
-        )
+    def run(self, caches, token_ids, num_logits, plan, features_in, norm_rows) -> list[torch.Tensor] | None:
+        """The logits of the pass (its rooms reserved) replayed as graphs, a [num_logits[i], vocab or scored] per
+        session, the caches' lengths moved on; None: run it eagerly (a pass graphs do not take, or one whose
+        capture failed, said once in the log; nothing of it has run)."""
+        self.way = "eager"
+        ns = [len(t) for t in token_ids]
+        if self.failed or plan is not None or features_in is not None or norm_rows is not None:
+            return None
+        if not 0 < max(ns) <= self.max_rows or (len(ns) > 1 and not self.in_turn(ns)):
+            return None
+        ids = [torch.as_tensor(t, dtype=torch.long) for t in token_ids]
+        graphs = [self._graph(c, i, k) for c, i, k in zip(caches, ids, num_logits)]  # every capture before a replay
+        if any(g is None for g in graphs):
+            return None
+        self.way = "graphed" if len(ns) == 1 else "in turn"
+        return [self._replay(g, c, i) for g, c, i in zip(graphs, caches, ids)]
 
-    def forward(self, cache, ids, num_logits: int) -> torch.Tensor | None:
-        """The logits of appending ids to cache (its room reserved) as a graph replay, [num_logits, vocab or scored];
-        the cache's length moves on. None where the capture failed (said once in the log): run the pass eagerly."""
-        n, address = len(ids), (cache.k.data_ptr(), cache.v.data_ptr())
-        graphs = self._graphs.setdefault(cache, {})
-        if any(g.cache != address for g in graphs.values()):
-            graphs.clear()  # the cache grew: its graphs address the tensors it left
-        graph = graphs.get((n, num_logits))
-        ids_now = torch.as_tensor(ids, dtype=torch.long)
-        if graph is None:
-            graph = self._capture_pass(cache, ids_now, num_logits)
-            if graph is None:
-                return None
-            graphs[(n, num_logits)] = graph
-        graph.ids.copy_(ids_now)
+    def in_turn(self, ns: list[int]) -> bool:
+        """Whether sessions of ns rows run cheaper as their graphs in turn than in one eager pass, by the costs
+        measured (eagerly, which measures it, until the eager pass's width has been)."""
+        rows = sum(ns)
+        if width_of(rows) not in self.eager.seconds or any(width_of(n) not in self.graphed.seconds for n in ns):
+            return False
+        return sum(self.graphed.at(n)[0] for n in ns) < self.eager.at(rows)[0]
+
+    def timed(self, captured: int, ns: list[int], seconds: float) -> bool:
+        """Learns the last pass's cost (`captured`: the captures before it); False for a pass that captured a graph,
+        which ran it twice more (a warm-up, the replay) and is no pass's cost."""
+        if self.captured != captured:
+            return False
+        if self.way == "graphed":
+            self.graphed.observe(ns[0], seconds)
+        elif self.way == "eager":
+            self.eager.observe(sum(ns), seconds)
+        return True
+
+    def _graph(self, cache, ids: torch.Tensor, num_logits: int) -> Graph | None:
+        key = (len(ids), num_logits)
+        if (graph := cache.slab.graphs.get(key)) is None and (graph := self._capture_pass(cache, ids, num_logits)):
+            cache.slab.graphs[key] = graph
+        return graph
+
+    def _replay(self, graph: Graph, cache, ids: torch.Tensor) -> torch.Tensor:
+        graph.ids.copy_(ids)
         graph.pos.fill_(cache.length)
         graph.replay()
         self.replayed += 1
-        cache.length += n
+        cache.length += len(ids)
         return graph.out.clone()  # the output buffer is the graph's: the next replay writes it
 
     def _pool_id(self):
@@ -157,8 +182,9 @@ class CudaGraphs:
         r = self.runner
         # buffers of the graph's own: a caller's tensor of ids, already on the device, is not kept (nor written)
         buffers = ids.to(r.device, copy=True), torch.full((1,), cache.length, dtype=torch.long, device=r.device)
+        k, v = cache.k, cache.v  # the slab's tensors, which the graph serves whichever cache holds them
         try:
-            replay, out = self._capture(lambda: static_pass(r, cache.k, cache.v, *buffers, num_logits), self._pool_id())
+            replay, out = self._capture(lambda: static_pass(r, k, v, *buffers, num_logits), self._pool_id())
         except Exception as e:  # a kernel that cannot be captured: the server still serves, eagerly
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("a CUDA graph could not be captured; every pass runs eagerly: %s", self.failed)
@@ -166,4 +192,4 @@ class CudaGraphs:
         self.captured += 1
         if self.captured == 1:
             log.info("CUDA graphs: captured the first (%d rows, %d logits rows)", len(ids), num_logits)
-        return Graph(replay, *buffers, out, (cache.k.data_ptr(), cache.v.data_ptr()))
+        return Graph(replay, *buffers, out)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from specdec.runners.kernels import kernels_for
+from specdec.runners.kv_cache import LeanCache, Slabs
 from specdec.runners.products import ACTIVATION_BITS, SMALL_PASS_ROWS, TIMED_ROWS, LayerWeights, Plan, make_plan
 from specdec.runners.vocab import output_token_ids
 
@@ -97,32 +98,6 @@ def groups_heads_in_kernel(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-class LeanCache:
-    """Keys and values of one session: [layers, kv_heads, capacity, head_dim].
-
-    The capacity grows in steps of GROW tokens, not by doubling: the pool budgets memory by tokens held,
-    and doubling could hold up to twice that, which a GPU's budget has no room for. Copying the cache
-    once every GROW tokens costs under 1% of the decoding time of those tokens."""
-
-    GROW = 256
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device):
-        # zeroed, as what grows: a CUDA graph's masked attention reads keys and values past the length (weight 0)
-        self.k = torch.zeros(layers, kv_heads, self.GROW, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.length = 0
-
-    def reserve(self, n: int) -> None:
-        need = self.length + n
-        if need > self.k.shape[2]:
-            cap = -(-need // self.GROW) * self.GROW
-            grow = lambda t: torch.cat([t, t.new_zeros(t.shape[0], t.shape[1], cap - t.shape[2], t.shape[3])], dim=2)
-            self.k, self.v = grow(self.k), grow(self.v)
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-
 class LeanLlamaRunner:
     """Same interface as CausalLMRunner: new_cache, crop, forward."""
 
@@ -166,6 +141,7 @@ class LeanLlamaRunner:
         self.matmul = matmul
         self.layer_ops = kernels_for(self.embed) or TorchLayerOps
         self.graphs = None  # a CudaGraphs (specdec/runners/cuda_graphs.py) where few-row passes replay as graphs
+        self.slabs = Slabs(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device)  # recycled with graphs
         self.plan: Plan = make_plan(
             self.layers,
             self.lm_head,
@@ -233,7 +209,7 @@ class LeanLlamaRunner:
         return self.embed.shape[1]
 
     def new_cache(self) -> LeanCache:
-        return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device)
+        return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device, self.slabs)
 
     @staticmethod
     def crop(cache: LeanCache, length: int) -> None:
@@ -285,10 +261,13 @@ class LeanLlamaRunner:
         [norm_rows[i], hidden] in the runner's dtype or None for 0, the logits computed from them (_final_norm)."""
         ns, starts = [len(t) for t in token_ids], [c.length for c in caches]
         self._reserve(caches, ns, norm_rows)
-        if self.graphs is not None and self.graphs.takes(caches, token_ids, plan, features_in, norm_rows):
-            out = self.graphs.forward(caches[0], token_ids[0], num_logits[0])
-            if out is not None:
-                return [out if self.scored_ids is None or scored_only else self._widen(out)]
+        graphed = (
+            None
+            if self.graphs is None
+            else self.graphs.run(caches, token_ids, num_logits, plan, features_in, norm_rows)
+        )
+        if graphed is not None:
+            return graphed if self.scored_ids is None or scored_only else [self._widen(out) for out in graphed]
         rows = sum(ns)
         plan = self.plan if plan is None else plan
         form = plan.by_rows[rows] if rows <= SMALL_PASS_ROWS else plan.long
