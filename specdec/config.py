@@ -145,8 +145,9 @@ class ModelServerConfig:
     )
     cuda_graphs: bool = _option(
         True,
-        "on a GPU, replay one session's passes of up to 16 rows (its steps, verifies and draft steps) as CUDA "
-        "graphs, captured per session, as vLLM and TGI run decode steps; false runs every pass eagerly",
+        "on a GPU, replay each session's passes of up to 16 rows (its steps, verifies and draft steps) as CUDA "
+        "graphs, as vLLM and TGI run decode steps, kept with the KV tensors that later sessions reuse; "
+        "false runs every pass eagerly",
     )
     prefix_cache_tokens: int = _option(
         2048,
