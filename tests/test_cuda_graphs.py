@@ -318,3 +318,60 @@ def test_a_pass_that_captured_a_graph_is_not_taken_for_a_pass_cost(runners):
         asyncio.run(main())
     finally:
         graphed.graphs = None
+
+
+def test_sessions_batched_by_the_engine_get_their_own_logits_eagerly_and_in_turn_and_recycle_their_slabs(runners):
+    """Through the engine, as a model server runs it: sessions that call at once share passes, eager until the
+    eager pass of their width is measured, then their graphs in turn while the measured costs favour them; every
+    session's logits equal its passes alone, and an ended session's slab serves the next."""
+    from specdec.costs import PassCosts
+    from specdec.engine import Engine
+    from specdec.kv_pool import SessionPool
+
+    eager, graphed = runners
+    graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]))
+    try:
+        pool = SessionPool(
+            graphed.new_cache, graphed.crop, max_sessions=8, max_tokens=8192, max_model_len=1024, idle_ttl_s=60
+        )
+        engine = Engine(graphed, pool, 64)
+        plains = {}
+
+        async def session(name: str, seed: int, steps: int) -> None:
+            s, plain = pool.open(name, 0, 0), plains.setdefault(name, eager.new_cache())
+            rng = random.Random(seed)
+            for n in [20 + seed] + [rng.choice((1, 4)) for _ in range(steps)]:
+                ids = [rng.randrange(1, 900) for _ in range(n)]
+                feed = await engine.forward(s, ids, n if n <= 4 else 1)
+                close(feed.logits, eager.forward(plain, ids, n if n <= 4 else 1))
+            pool.release(name)
+
+        ways, run = [], graphs.run
+
+        def noting(caches, *args):
+            out = run(caches, *args)
+            ways.append((len(caches), graphs.way))
+            return out
+
+        graphs.run = noting
+        # on a CPU a stand-in replay costs what the eager pass does: graphed passes are priced here as on a GPU
+        graphs.graphed = PassCosts(rate=0.0)
+        for n in (1, 4):
+            graphs.graphed.observe(n, 1e-6)
+
+        async def main():
+            await session("alone", 0, 4)
+            made = []
+            for round_ in range(2):
+                await asyncio.gather(*(session(f"r{round_}-{i}", i + 1, 6) for i in range(3)))
+                made.append(graphed.slabs.made)
+            return made
+
+        made = asyncio.run(main())
+        batched = [way for sessions, way in ways if sessions > 1]
+        assert "eager" in batched and "in turn" in batched  # each width eager once, measured, then in turn
+        # the second three sessions took the slabs the first left, graphs and all, but for the one the engine's last
+        # pass may still hold until its next
+        assert made[0] <= 4 and made[1] - made[0] <= 1
+    finally:
+        graphed.graphs = None
