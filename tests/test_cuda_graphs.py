@@ -36,6 +36,17 @@ def fresh_graphs(runner, capture) -> CudaGraphs:
     return CudaGraphs(runner, capture=capture)
 
 
+def engine_on(runner):
+    """(pool, engine) as a model server builds them around runner: sessions fed in batched passes."""
+    from specdec.engine import Engine
+    from specdec.kv_pool import SessionPool
+
+    pool = SessionPool(
+        runner.new_cache, runner.crop, max_sessions=8, max_tokens=8192, max_model_len=1024, idle_ttl_s=60
+    )
+    return pool, Engine(runner, pool, 64)
+
+
 @pytest.fixture(scope="module")
 def runners(tiny_draft, tokenizer):
     """(eager, graphed): two lean runners of the tiny model; the second's few-row passes go through CudaGraphs."""
@@ -294,16 +305,11 @@ def test_a_pass_that_captured_a_graph_is_not_taken_for_a_pass_cost(runners):
     """A capture runs the pass twice more (a warm-up, the replay): priced as a pass it would make the next rounds
     look dear to adaptive speculation."""
     from specdec.costs import width_of
-    from specdec.engine import Engine
-    from specdec.kv_pool import SessionPool
 
     _, graphed = runners
     graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]))
     try:
-        pool = SessionPool(
-            graphed.new_cache, graphed.crop, max_sessions=4, max_tokens=4096, max_model_len=1024, idle_ttl_s=60
-        )
-        engine = Engine(graphed, pool, 64)
+        pool, engine = engine_on(graphed)
 
         async def main():
             s = pool.open("s", 0, 0)
@@ -325,16 +331,11 @@ def test_sessions_batched_by_the_engine_get_their_own_logits_eagerly_and_in_turn
     eager pass of their width is measured, then their graphs in turn while the measured costs favour them; every
     session's logits equal its passes alone, and an ended session's slab serves the next."""
     from specdec.costs import PassCosts
-    from specdec.engine import Engine
-    from specdec.kv_pool import SessionPool
 
     eager, graphed = runners
     graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]))
     try:
-        pool = SessionPool(
-            graphed.new_cache, graphed.crop, max_sessions=8, max_tokens=8192, max_model_len=1024, idle_ttl_s=60
-        )
-        engine = Engine(graphed, pool, 64)
+        pool, engine = engine_on(graphed)
         plains = {}
 
         async def session(name: str, seed: int, steps: int) -> None:
