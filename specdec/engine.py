@@ -155,7 +155,10 @@ class Engine:
 
     def measure(self, widths=(1, 2, 4, 8, 16), context: int = 8) -> None:
         """Seed the cost table with passes of each width, one row for each of that many scratch sessions of
-        `context` tokens, so that the first calls already report what a row costs; then it learns online."""
+        `context` tokens, so that the first calls already report what a row costs; then it learns online. With CUDA
+        graphs these passes run eagerly, and tell the graphs what an eager batch costs (CudaGraphs.in_turn)."""
+        graphs = getattr(self.runner, "graphs", None)
+        eager = {} if graphs is None else {"plan": self.runner.plan}
         width = max(widths)
         caches = [self.runner.new_cache() for _ in range(width)]
         self.runner.forward_batch(
@@ -166,11 +169,13 @@ class Engine:
             for _ in range(2):
                 start = time.perf_counter()
                 with self.pass_context():
-                    to_host(self.runner.forward_batch(caches[:w], [[1]] * w, [1] * w))
+                    to_host(self.runner.forward_batch(caches[:w], [[1]] * w, [1] * w, **eager))
                 best = min(best, time.perf_counter() - start)
                 for c in caches[:w]:
                     self.runner.crop(c, context)
             self.costs.seconds[width_of(w)] = (w, best)
+        if graphs is not None:
+            graphs.eager.seconds.update(self.costs.seconds)
 
     # -- what the calls use --------------------------------------------------------
     async def forward(
@@ -219,9 +224,12 @@ class Engine:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self._fail_waiting(ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down"))
+
+    def _fail_waiting(self, error: Exception) -> None:
         for feed in self._queue:
             if not feed.future.done():
-                feed.future.set_exception(ServiceError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down"))
+                feed.future.set_exception(error)
         self._queue.clear()
 
     # -- the loop ---------------------------------------------------------------------
@@ -232,10 +240,7 @@ class Engine:
             raise
         except Exception:  # a defect in the engine itself: fail what waits rather than leave it hanging
             log.exception("the batching engine failed")
-            for feed in self._queue:
-                if not feed.future.done():
-                    feed.future.set_exception(_internal())
-            self._queue.clear()
+            self._fail_waiting(_internal())
             raise
 
     async def _loop(self) -> None:
@@ -346,7 +351,6 @@ class Engine:
 
     def _run_pieces(self, pieces: list[Piece]) -> None:
         rows = sum(p.n for p in pieces)
-        captures = _captures(self.runner)
         start = time.perf_counter()
         extra = _feature_arguments(self.runner, pieces)
         with self._long_pass_threads if rows > LONG_PASS_TOKENS else _SAME_THREADS, self.pass_context():
@@ -364,7 +368,7 @@ class Engine:
         self.last_pass_s, self.last_rows = seconds, rows
         self._served = {}
         graphs = getattr(self.runner, "graphs", None)  # CUDA graphs learn what passes cost each way
-        if graphs is None or graphs.timed(captures, [p.n for p in pieces], seconds):
+        if graphs is None or graphs.timed([p.n for p in pieces], seconds):
             self.costs.observe(rows, seconds)
         if self.metrics is not None:
             self.metrics.observe_pass(rows, len(pieces), seconds)
@@ -397,12 +401,6 @@ class Engine:
 def _norms_wanted(p: Piece) -> int:
     """The piece's rows among its feed's last norm_rows (those the caller keeps in Feed.normed)."""
     return max(0, min(p.n, p.feed.norm_rows - (p.feed.remaining - p.n)))
-
-
-def _captures(runner) -> int:
-    """The CUDA graphs the runner has captured so far (specdec.runners.cuda_graphs), 0 without graphs."""
-    graphs = getattr(runner, "graphs", None)
-    return 0 if graphs is None else graphs.captured
 
 
 def _feature_arguments(runner, pieces: list[Piece]) -> dict:

@@ -253,12 +253,13 @@ def test_several_sessions_run_as_their_graphs_in_turn_where_the_measured_costs_s
         batch([1, 1, 1])
         assert graphs.way == "eager" and graphs.replayed == 6
         # the engine's timing of each pass feeds the table of the way it ran; a pass that captured a graph is no cost
-        assert graphs.timed(graphs.captured, [1, 1, 1], 0.007) and graphs.eager.seconds[3][1] > 0.005
+        assert graphs.timed([1, 1, 1], 0.007) and graphs.eager.seconds[3][1] > 0.005
         close(graphed.forward(caches[0], [9], 1), eager.forward(plains[0], [9], 1))
-        assert graphs.way == "graphed" and graphs.timed(graphs.captured, [1], 0.004)
+        assert graphs.way == "graphed" and graphs.timed([1], 0.004)
         assert graphs.graphed.seconds[1][1] > 0.003
         before = dict(graphs.graphed.seconds)
-        assert not graphs.timed(graphs.captured - 1, [1], 0.5) and graphs.graphed.seconds == before
+        graphed.forward(caches[0], [9, 10], 2)  # a new shape: captured
+        assert not graphs.timed([2], 0.5) and graphs.graphed.seconds == before
     finally:
         graphed.graphs = None
 
@@ -374,5 +375,22 @@ def test_sessions_batched_by_the_engine_get_their_own_logits_eagerly_and_in_turn
         # the second three sessions took the slabs the first left, graphs and all, but for the one the engine's last
         # pass may still hold until its next
         assert made[0] <= 4 and made[1] - made[0] <= 1
+    finally:
+        graphed.graphs = None
+
+
+def test_the_cost_table_seeded_at_start_times_eager_batches_and_captures_nothing(runners):
+    """A capture's pass is no pass's cost, and the graphs choose between their replays in turn and one eager pass
+    from what the eager passes cost: the start's timing passes run eagerly and seed both tables."""
+    from specdec.costs import width_of
+
+    _, graphed = runners
+    graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]))
+    try:
+        _, engine = engine_on(graphed)
+        engine.measure(widths=(1, 2, 4))
+        assert graphs.captured == graphs.replayed == 0
+        assert set(graphs.eager.seconds) == set(engine.costs.seconds) == {width_of(w) for w in (1, 2, 4)}
+        assert not graphs.graphed.seconds
     finally:
         graphed.graphs = None

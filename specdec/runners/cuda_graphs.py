@@ -114,6 +114,7 @@ class CudaGraphs:
         self.failed: str | None = None  # why a capture failed; every pass runs eagerly from then on
         self.graphed, self.eager = PassCosts(), PassCosts()  # one session's replays by rows; eager passes
         self.way = "eager"  # how the last pass ran: eager, graphed (one session), in turn (several)
+        self._captured_before = 0  # the captures before the last pass
 
     def describe(self) -> str:
         return f"each session's passes of 1-{self.max_rows} rows replayed as CUDA graphs"
@@ -122,7 +123,7 @@ class CudaGraphs:
         """The logits of the pass (its rooms reserved) replayed as graphs, a [num_logits[i], vocab or scored] per
         session, the caches' lengths moved on; None: run it eagerly (a pass graphs do not take, or one whose
         capture failed, said once in the log; nothing of it has run)."""
-        self.way = "eager"
+        self.way, self._captured_before = "eager", self.captured
         ns = [len(t) for t in token_ids]
         if self.failed or plan is not None or features_in is not None or norm_rows is not None:
             return None
@@ -143,10 +144,10 @@ class CudaGraphs:
             return False
         return sum(self.graphed.at(n)[0] for n in ns) < self.eager.at(rows)[0]
 
-    def timed(self, captured: int, ns: list[int], seconds: float) -> bool:
-        """Learns the last pass's cost (`captured`: the captures before it); False for a pass that captured a graph,
-        which ran it twice more (a warm-up, the replay) and is no pass's cost."""
-        if self.captured != captured:
+    def timed(self, ns: list[int], seconds: float) -> bool:
+        """Learns the cost of the last pass (of ns rows a session); False for a pass that captured a graph, which
+        ran it twice more (a warm-up, the replay) and is no pass's cost."""
+        if self.captured != self._captured_before:
             return False
         if self.way == "graphed":
             self.graphed.observe(ns[0], seconds)

@@ -261,12 +261,8 @@ class LeanLlamaRunner:
         [norm_rows[i], hidden] in the runner's dtype or None for 0, the logits computed from them (_final_norm)."""
         ns, starts = [len(t) for t in token_ids], [c.length for c in caches]
         self._reserve(caches, ns, norm_rows)
-        graphed = (
-            None
-            if self.graphs is None
-            else self.graphs.run(caches, token_ids, num_logits, plan, features_in, norm_rows)
-        )
-        if graphed is not None:
+        graphs = self.graphs
+        if graphs and (graphed := graphs.run(caches, token_ids, num_logits, plan, features_in, norm_rows)) is not None:
             return graphed if self.scored_ids is None or scored_only else [self._widen(out) for out in graphed]
         rows = sum(ns)
         plan = self.plan if plan is None else plan
