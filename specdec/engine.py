@@ -368,10 +368,11 @@ class Engine:
         self.last_pass_s, self.last_rows = seconds, rows
         self._served = {}
         graphs = getattr(self.runner, "graphs", None)  # CUDA graphs learn what passes cost each way
-        if graphs is None or graphs.timed([p.n for p in pieces], seconds):
+        way = "eager" if graphs is None else graphs.timed([p.n for p in pieces], seconds)
+        if way != "captured":
             self.costs.observe(rows, seconds)
         if self.metrics is not None:
-            self.metrics.observe_pass(rows, len(pieces), seconds)
+            self.metrics.observe_pass(rows, len(pieces), seconds, way)
         for p, last, out, normed in zip(pieces, [p.last for p in pieces], logits, norms):
             f = p.feed
             keeps = f.session.features is not None  # then normed holds every row the piece fed

@@ -66,6 +66,13 @@ class ModelServerMetrics:
         self.forward_tokens = Counter(
             "specdec_forward_tokens_total", "Tokens fed through forward passes (rows)", registry=registry
         )
+        self.passes = Counter(
+            "specdec_forward_passes",
+            "Forward passes by how they ran: eager, or on a GPU replayed as CUDA graphs (graphed: one session's; "
+            "in_turn: several sessions', one after another; captured: a pass that captured a graph)",
+            ["way"],
+            registry=registry,
+        )
         self.queued = Gauge("specdec_queued_calls", "Calls waiting for a forward pass", registry=registry)
         self.prefix_hits = Counter(
             "specdec_prefix_cache_hit_tokens_total",
@@ -95,8 +102,9 @@ class ModelServerMetrics:
             registry=registry,
         )
 
-    def observe_pass(self, rows: int, sessions: int, seconds: float) -> None:
+    def observe_pass(self, rows: int, sessions: int, seconds: float, way: str = "eager") -> None:
         self.forward_seconds.labels(_tokens_bucket(rows)).observe(seconds)
+        self.passes.labels(way).inc()
         self.batch_rows.observe(rows)
         self.batch_sessions.observe(sessions)
         self.forward_tokens.inc(rows)

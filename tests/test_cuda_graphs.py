@@ -36,7 +36,10 @@ def fresh_graphs(runner, capture) -> CudaGraphs:
     return CudaGraphs(runner, capture=capture)
 
 
-def engine_on(runner):
+WAYS = ("eager", "captured", "graphed", "in_turn")
+
+
+def engine_on(runner, metrics=None):
     """(pool, engine) as a model server builds them around runner: sessions fed in batched passes."""
     from specdec.engine import Engine
     from specdec.kv_pool import SessionPool
@@ -44,7 +47,7 @@ def engine_on(runner):
     pool = SessionPool(
         runner.new_cache, runner.crop, max_sessions=8, max_tokens=8192, max_model_len=1024, idle_ttl_s=60
     )
-    return pool, Engine(runner, pool, 64)
+    return pool, Engine(runner, pool, 64, metrics)
 
 
 @pytest.fixture(scope="module")
@@ -243,23 +246,23 @@ def test_several_sessions_run_as_their_graphs_in_turn_where_the_measured_costs_s
         graphs.graphed.observe(5, 0.0035)
         graphs.eager.observe(3, 0.030)  # an eager pass of 3 rows: 30 ms, dearer than three graphed steps
         batch([1, 1, 1])
-        assert graphs.way == "in turn" and (graphs.captured, graphs.replayed) == (3, 3)
+        assert graphs.way == "in_turn" and (graphs.captured, graphs.replayed) == (3, 3)
         batch([5, 1, 1])  # 7 rows, a width whose eager pass is not measured yet: eagerly, which measures it
         assert graphs.way == "eager" and (graphs.captured, graphs.replayed) == (3, 3)
         graphs.eager.observe(7, 0.040)  # what the engine's timing of that pass would have learned
         batch([5, 1, 1])
-        assert graphs.way == "in turn" and (graphs.captured, graphs.replayed) == (4, 6)
+        assert graphs.way == "in_turn" and (graphs.captured, graphs.replayed) == (4, 6)
         graphs.eager.seconds[3] = (3, 0.005)  # were the eager pass cheaper (as a larger model's is, from 4 sessions)
         batch([1, 1, 1])
         assert graphs.way == "eager" and graphs.replayed == 6
         # the engine's timing of each pass feeds the table of the way it ran; a pass that captured a graph is no cost
-        assert graphs.timed([1, 1, 1], 0.007) and graphs.eager.seconds[3][1] > 0.005
+        assert graphs.timed([1, 1, 1], 0.007) == "eager" and graphs.eager.seconds[3][1] > 0.005
         close(graphed.forward(caches[0], [9], 1), eager.forward(plains[0], [9], 1))
-        assert graphs.way == "graphed" and graphs.timed([1], 0.004)
+        assert graphs.timed([1], 0.004) == "graphed"
         assert graphs.graphed.seconds[1][1] > 0.003
         before = dict(graphs.graphed.seconds)
         graphed.forward(caches[0], [9, 10], 2)  # a new shape: captured
-        assert not graphs.timed([2], 0.5) and graphs.graphed.seconds == before
+        assert graphs.timed([2], 0.5) == "captured" and graphs.graphed.seconds == before
     finally:
         graphed.graphs = None
 
@@ -302,15 +305,20 @@ def test_graphs_are_set_up_for_a_cuda_device_only_and_when_asked(tiny_draft, tok
     assert make_runner(tiny_draft, len(tokenizer), 64, "lean", cuda_graphs=False).graphs is None
 
 
-def test_a_pass_that_captured_a_graph_is_not_taken_for_a_pass_cost(runners):
+def test_a_pass_that_captured_a_graph_is_not_taken_for_a_pass_cost_and_the_metrics_say_how_passes_ran(runners):
     """A capture runs the pass twice more (a warm-up, the replay): priced as a pass it would make the next rounds
-    look dear to adaptive speculation."""
+    look dear to adaptive speculation. specdec_forward_passes_total counts the passes by how they ran, so that an
+    operator sees a server capturing where it should replay."""
+    from prometheus_client import CollectorRegistry
+
     from specdec.costs import width_of
+    from specdec.server_metrics import ModelServerMetrics
 
     _, graphed = runners
     graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]))
+    registry = CollectorRegistry()
     try:
-        pool, engine = engine_on(graphed)
+        pool, engine = engine_on(graphed, ModelServerMetrics(registry))
 
         async def main():
             s = pool.open("s", 0, 0)
@@ -323,6 +331,8 @@ def test_a_pass_that_captured_a_graph_is_not_taken_for_a_pass_cost(runners):
             assert graphs.replayed == 2 and set(engine.costs.seconds) == prefill | {1}
 
         asyncio.run(main())
+        passes = {way: registry.get_sample_value("specdec_forward_passes_total", {"way": way}) for way in WAYS}
+        assert passes == {"eager": 1.0, "captured": 1.0, "graphed": 1.0, "in_turn": None}
     finally:
         graphed.graphs = None
 
@@ -371,7 +381,7 @@ def test_sessions_batched_by_the_engine_get_their_own_logits_eagerly_and_in_turn
 
         made = asyncio.run(main())
         batched = [way for sessions, way in ways if sessions > 1]
-        assert "eager" in batched and "in turn" in batched  # each width eager once, measured, then in turn
+        assert "eager" in batched and "in_turn" in batched  # each width eager once, measured, then in turn
         # the second three sessions took the slabs the first left, graphs and all, but for the one the engine's last
         # pass may still hold until its next
         assert made[0] <= 4 and made[1] - made[0] <= 1

@@ -113,7 +113,7 @@ class CudaGraphs:
         self.captured = self.replayed = 0
         self.failed: str | None = None  # why a capture failed; every pass runs eagerly from then on
         self.graphed, self.eager = PassCosts(), PassCosts()  # one session's replays by rows; eager passes
-        self.way = "eager"  # how the last pass ran: eager, graphed (one session), in turn (several)
+        self.way = "eager"  # how the last pass ran: eager, graphed (one session), in_turn (several)
         self._captured_before = 0  # the captures before the last pass
 
     def describe(self) -> str:
@@ -133,7 +133,7 @@ class CudaGraphs:
         graphs = [self._graph(c, i, k) for c, i, k in zip(caches, ids, num_logits)]  # every capture before a replay
         if any(g is None for g in graphs):
             return None
-        self.way = "graphed" if len(ns) == 1 else "in turn"
+        self.way = "graphed" if len(ns) == 1 else "in_turn"
         return [self._replay(g, c, i) for g, c, i in zip(graphs, caches, ids)]
 
     def in_turn(self, ns: list[int]) -> bool:
@@ -144,16 +144,16 @@ class CudaGraphs:
             return False
         return sum(self.graphed.at(n)[0] for n in ns) < self.eager.at(rows)[0]
 
-    def timed(self, ns: list[int], seconds: float) -> bool:
-        """Learns the cost of the last pass (of ns rows a session); False for a pass that captured a graph, which
-        ran it twice more (a warm-up, the replay) and is no pass's cost."""
+    def timed(self, ns: list[int], seconds: float) -> str:
+        """Learns the cost of the last pass (of ns rows a session); how it ran: eager, graphed, in_turn, or captured
+        for a pass that captured a graph, which ran it twice more (a warm-up, the replay) and is no pass's cost."""
         if self.captured != self._captured_before:
-            return False
+            return "captured"
         if self.way == "graphed":
             self.graphed.observe(ns[0], seconds)
         elif self.way == "eager":
             self.eager.observe(sum(ns), seconds)
-        return True
+        return self.way
 
     def _graph(self, cache, ids: torch.Tensor, num_logits: int) -> Graph | None:
         key = (len(ids), num_logits)
