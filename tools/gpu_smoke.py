@@ -329,6 +329,9 @@ def check_structured(address: str, k: int, n: int, check: Checks) -> None:
 # ---- 4) the costs -------------------------------------------------------------------------------------------------
 
 
+PASSES = "specdec_forward_passes_total"  # by way: eager, graphed, in_turn, captured
+
+
 def print_costs(services: Services) -> None:
     """Each model server's pass costs by width (GetModelInfo), and the rounds' split from the metrics."""
     from bench.metrics import mean_step_s, scrape_all, value
@@ -356,6 +359,8 @@ def print_costs(services: Services) -> None:
         f"step ms: draft {1000 * draft_step:.2f}, target {1000 * target_step:.2f}; "
         f"c = {draft_step / target_step if target_step else 0:.3f}"
     )
+    ways = sorted((dict(k[1]).get("job", ""), dict(k[1])["way"], n) for k, n in m.items() if k[0] == PASSES)
+    print("passes by way: " + (", ".join(f"{job} {way} {n:.0f}" for job, way, n in ways) or "none counted"))
     whole = 1000 * value(m, "specdec_round_seconds_sum") / max(value(m, "specdec_round_seconds_count"), 1)
     print(
         f"round ms ({rounds:.0f} decoding rounds): "
