@@ -317,6 +317,14 @@ def run_peer(args, prompts, progress) -> dict:
     return out
 
 
+def server_environment(device: str | None, dtype: str | None) -> dict[str, str]:
+    """The model servers' settings for --device and --dtype: both servers on the device, bfloat16 on a GPU unless
+    a dtype is named."""
+    dtype = dtype or (None if device is None or device.startswith("cpu") else "bfloat16")
+    named = {"DEVICE": device, "DTYPE": dtype}
+    return {f"SPECDEC_{role}_{key}": value for role in ("TARGET", "DRAFT") for key, value in named.items() if value}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--production" in argv:  # the production-size profile (bench/production.py)
@@ -336,6 +344,13 @@ def main(argv=None) -> int:
         "--prompts", type=int, default=None, help="prompts, round-robin over the families (default 42; --quick 6)"
     )
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument(
+        "--device",
+        default=None,
+        help="the model servers' device (cpu, cuda...; default: their SPECDEC_*_DEVICE, else cpu); on a GPU the "
+        "dtype defaults to bfloat16",
+    )
+    ap.add_argument("--dtype", default=None, help="the model servers' dtype (default: the device's)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per generation (default 40)")
     ap.add_argument("--ks", default=None, help="comma-separated K values (default 1..8)")
     ap.add_argument(
@@ -378,6 +393,7 @@ def main(argv=None) -> int:
         help="a llama.cpp llama-server binary: the same load against it on the target's GGUF file",
     )
     args = ap.parse_args(argv)
+    os.environ.update(server_environment(args.device, args.dtype))  # the services the bench starts inherit it
     if args.concurrency:
         from bench.load import main as load_main
 

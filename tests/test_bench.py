@@ -227,3 +227,18 @@ def test_the_load_arms_take_turns_running_first_and_outputs_are_checked_against_
     runs = order[2:]  # after each arm's uncounted run
     assert runs == ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert report["a"][1]["differ_from_alone"] == 0 and report["a"][1]["requests"] == 4
+
+
+def test_the_bench_puts_both_model_servers_on_the_device_asked_in_bfloat16_on_a_gpu_unless_told():
+    from bench.run import server_environment
+
+    assert server_environment(None, None) == {}  # the servers' own settings, else the CPU's float32
+    gpu = server_environment("cuda", None)
+    assert gpu == {
+        "SPECDEC_TARGET_DEVICE": "cuda",
+        "SPECDEC_TARGET_DTYPE": "bfloat16",
+        "SPECDEC_DRAFT_DEVICE": "cuda",
+        "SPECDEC_DRAFT_DTYPE": "bfloat16",
+    }
+    assert server_environment("cuda:1", "float16")["SPECDEC_DRAFT_DTYPE"] == "float16"
+    assert server_environment("cpu", None) == {"SPECDEC_TARGET_DEVICE": "cpu", "SPECDEC_DRAFT_DEVICE": "cpu"}
