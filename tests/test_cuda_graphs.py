@@ -235,28 +235,39 @@ def test_several_sessions_run_as_their_graphs_in_turn_where_the_measured_costs_s
             prompt = list(range(20 + i, 50 + 2 * i))
             close(graphed.forward(c, prompt, 1), eager.forward(p, prompt, 1))
 
-        def batch(ns: list[int]) -> None:
-            ids = [[(7 * j + len(caches) + c.length) % 500 + 1 for j in range(n)] for n, c in zip(ns, caches)]
+        def batch(ns: list[int]) -> None:  # the first len(ns) sessions, ns[i] rows each
+            some, same = caches[: len(ns)], plains[: len(ns)]
+            ids = [[(7 * j + c.length) % 500 + 1 for j in range(n)] for n, c in zip(ns, some)]
             logits = [min(2, n) for n in ns]
-            for got, want in zip(graphed.forward_batch(caches, ids, logits), eager.forward_batch(plains, ids, logits)):
+            for got, want in zip(graphed.forward_batch(some, ids, logits), eager.forward_batch(same, ids, logits)):
                 close(got, want)
             assert [c.length for c in caches] == [p.length for p in plains]
 
         graphs.graphed.observe(1, 0.003)  # a graphed step: 3 ms
         graphs.graphed.observe(5, 0.0035)
-        graphs.eager.observe(3, 0.030)  # an eager pass of 3 rows: 30 ms, dearer than three graphed steps
+        graphs.eager.observe(3, 0.030)  # an eager pass of 3 sessions: 30 ms, dearer than three graphed steps
         batch([1, 1, 1])
         assert graphs.way == "in_turn" and (graphs.captured, graphs.replayed) == (3, 3)
-        batch([5, 1, 1])  # 7 rows, a width whose eager pass is not measured yet: eagerly, which measures it
-        assert graphs.way == "eager" and (graphs.captured, graphs.replayed) == (3, 3)
-        graphs.eager.observe(7, 0.040)  # what the engine's timing of that pass would have learned
-        batch([5, 1, 1])
+        batch([5, 1, 1])  # a verify among them: priced by its graphed cost, the eager pass by its sessions
         assert graphs.way == "in_turn" and (graphs.captured, graphs.replayed) == (4, 6)
-        graphs.eager.seconds[3] = (3, 0.005)  # were the eager pass cheaper (as a larger model's is, from 4 sessions)
+        batch([1, 1])  # 2 sessions, whose eager pass is not measured yet: eagerly, which measures it
+        assert graphs.way == "eager" and (graphs.captured, graphs.replayed) == (4, 6)
+        assert graphs.timed([1, 1], 0.025) == "eager" and graphs.eager.seconds[2] == (2, 0.025)
+        batch([5, 1])
+        assert graphs.way == "in_turn" and graphs.replayed == 8
+        # were the eager passes cheaper (as a larger model's are, from about 4 sessions)
+        graphs.eager.seconds.update({2: (2, 0.004), 3: (3, 0.005)})
         batch([1, 1, 1])
-        assert graphs.way == "eager" and graphs.replayed == 6
+        assert graphs.way == "eager" and graphs.replayed == 8
         # the engine's timing of each pass feeds the table of the way it ran; a pass that captured a graph is no cost
         assert graphs.timed([1, 1, 1], 0.007) == "eager" and graphs.eager.seconds[3][1] > 0.005
+        eager_costs = dict(graphs.eager.seconds)
+        piece = [list(range(3, 3 + MAX_ROWS + 1)), [4]]  # a prefill's piece beside a step
+        for got, want in zip(
+            graphed.forward_batch(caches[:2], piece, [1, 1]), eager.forward_batch(plains[:2], piece, [1, 1])
+        ):
+            close(got, want)
+        assert graphs.timed([MAX_ROWS + 1, 1], 0.2) == "eager" and graphs.eager.seconds == eager_costs
         close(graphed.forward(caches[0], [9], 1), eager.forward(plains[0], [9], 1))
         assert graphs.timed([1], 0.004) == "graphed"
         assert graphs.graphed.seconds[1][1] > 0.003

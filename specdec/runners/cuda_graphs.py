@@ -103,8 +103,10 @@ class CudaGraphs:
     each way. capture(run, pool): how a pass is captured (``cuda_capture``; a test's stand-in runs it eagerly).
 
     A pass of several sessions runs as each session's graph in turn where their measured costs add up to less than
-    the eager pass's at its width: on an H100 (2026-11-26) the embedded target's eager pass of 4 sessions took 31.4
-    ms against 2.85 ms a graphed step; Llama-3.2-3B's eager pass gains on its graphs from about 4 sessions on."""
+    an eager pass of as many sessions: on an H100 (2026-11-26) the embedded target's eager pass of 4 sessions took
+    31.4 ms against 2.85 ms a graphed step; Llama-3.2-3B's eager pass gains on its graphs from about 4 sessions on.
+    An eager pass of few rows a session is priced by its sessions, not its rows: on a GPU its cost is each
+    session's attention and launches (4 sessions' steps 31.4 ms, their verifies of 5 rows 35.4)."""
 
     def __init__(self, runner, max_rows: int = MAX_ROWS, capture=cuda_capture):
         self.runner, self.max_rows, self._capture = runner, max_rows, capture
@@ -112,7 +114,7 @@ class CudaGraphs:
         self._pool = None
         self.captured = self.replayed = 0
         self.failed: str | None = None  # why a capture failed; every pass runs eagerly from then on
-        self.graphed, self.eager = PassCosts(), PassCosts()  # one session's replays by rows; eager passes
+        self.graphed, self.eager = PassCosts(), PassCosts()  # one session's replays by rows; eager by sessions
         self.way = "eager"  # how the last pass ran: eager, graphed (one session), in_turn (several)
         self._captured_before = 0  # the captures before the last pass
 
@@ -138,11 +140,10 @@ class CudaGraphs:
 
     def in_turn(self, ns: list[int]) -> bool:
         """Whether sessions of ns rows run cheaper as their graphs in turn than in one eager pass, by the costs
-        measured (eagerly, which measures it, until the eager pass's width has been)."""
-        rows = sum(ns)
-        if width_of(rows) not in self.eager.seconds or any(width_of(n) not in self.graphed.seconds for n in ns):
+        measured (eagerly, which measures it, until an eager pass of about as many sessions has been)."""
+        if width_of(len(ns)) not in self.eager.seconds or any(width_of(n) not in self.graphed.seconds for n in ns):
             return False
-        return sum(self.graphed.at(n)[0] for n in ns) < self.eager.at(rows)[0]
+        return sum(self.graphed.at(n)[0] for n in ns) < self.eager.at(len(ns))[0]
 
     def timed(self, ns: list[int], seconds: float) -> str:
         """Learns the cost of the last pass (of ns rows a session); how it ran: eager, graphed, in_turn, or captured
@@ -151,8 +152,8 @@ class CudaGraphs:
             return "captured"
         if self.way == "graphed":
             self.graphed.observe(ns[0], seconds)
-        elif self.way == "eager":
-            self.eager.observe(sum(ns), seconds)
+        elif self.way == "eager" and max(ns) <= self.max_rows:  # a prefill's piece is no guide to a few rows'
+            self.eager.observe(len(ns), seconds)
         return self.way
 
     def _graph(self, cache, ids: torch.Tensor, num_logits: int) -> Graph | None:
