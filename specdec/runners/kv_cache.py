@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 
 import torch
 
@@ -39,13 +40,17 @@ class Slabs:
         self.shape, self.dtype, self.device = (layers, kv_heads, head_dim), dtype, device
         self.recycle = recycle
         self.kept: dict[int, list[Slab]] = {}  # capacity -> slabs no cache holds
+        # Caches are freed on whichever thread drops a session, inside a collection too: a slab given back waits
+        # here, taking no lock, until the next take files it.
+        self._given: deque[Slab] = deque()
         self._lock = threading.Lock()
         self.made = 0
 
     def take(self, capacity: int) -> Slab:
         """A slab of `capacity` tokens, zeros throughout: a CUDA graph's masked attention reads past a cache's
         length (weight 0, which a NaN left in unused memory would survive)."""
-        with self._lock:  # caches are freed on whichever thread drops a session
+        with self._lock:
+            self._file_given()
             slab = self._pop(capacity)
             if slab is None:
                 self._drop(capacity)
@@ -61,8 +66,12 @@ class Slabs:
     def give(self, slab: Slab) -> None:
         """A cache is done with `slab`: kept for the next (recycling), else freed with its last reference."""
         if self.recycle:
-            with self._lock:
-                self.kept.setdefault(slab.capacity, []).append(slab)
+            self._given.append(slab)
+
+    def _file_given(self) -> None:
+        while self._given:
+            slab = self._given.popleft()
+            self.kept.setdefault(slab.capacity, []).append(slab)
 
     def _pop(self, capacity: int) -> Slab | None:
         """A kept slab of `capacity`, if any; a capacity with none left has no entry."""
@@ -82,7 +91,9 @@ class Slabs:
             tokens -= capacity
 
     def kept_tokens(self) -> int:
-        return sum(capacity * len(slabs) for capacity, slabs in self.kept.items())
+        with self._lock:
+            self._file_given()
+            return sum(capacity * len(slabs) for capacity, slabs in self.kept.items())
 
 
 class LeanCache:
