@@ -161,9 +161,8 @@ class Engine:
         eager = {} if graphs is None else {"plan": self.runner.plan}
         width = max(widths)
         caches = [self.runner.new_cache() for _ in range(width)]
-        self.runner.forward_batch(
-            caches, [[(i + j) % 7 + 1 for j in range(context)] for i in range(width)], [1] * width
-        )
+        prompts = [[(i + j) % 7 + 1 for j in range(context)] for i in range(width)]
+        self.runner.forward_batch(caches, prompts, [1] * width, **eager)
         for w in widths:
             best = float("inf")
             for _ in range(2):

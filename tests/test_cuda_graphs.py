@@ -14,7 +14,7 @@ import torch
 
 import specdec.runners
 from specdec.runners import LeanLlamaRunner, make_runner
-from specdec.runners.cuda_graphs import MAX_ROWS, CudaGraphs, static_pass
+from specdec.runners.cuda_graphs import EAGER_EVERY, MAX_ROWS, CudaGraphs, static_pass
 from specdec.runners.kv_cache import Slabs
 
 
@@ -251,17 +251,25 @@ def test_several_sessions_run_as_their_graphs_in_turn_where_the_measured_costs_s
         graphs.eager.observe(3, 0.030)  # an eager pass of 3 sessions: 30 ms, dearer than three graphed steps
         batch([1, 1, 1])
         assert graphs.way == "in_turn" and (graphs.captured, graphs.replayed) == (3, 3)
+        # the three graphs of one shape write one output, the first's, each copied out before the next replay
+        assert len({c.slab.graphs[(1, 1)].out.data_ptr() for c in caches}) == 1
+        batch([1, 1, 1])  # replays only: the pass's time is the sessions' graphs' cost, shared as they were priced
+        assert graphs.timed([1, 1, 1], 0.030) == "in_turn" and graphs.graphed.seconds[1][1] > 0.003  # each 10 ms
+        graphs.graphed.seconds[1] = (1, 0.003)
+        graphs._turns = EAGER_EVERY - 1  # one pass in EAGER_EVERY that could run in turn runs eagerly: measured again
+        batch([1, 1, 1])
+        assert graphs.way == "eager" and (graphs.captured, graphs.replayed) == (3, 6)
         batch([5, 1, 1])  # a verify among them: priced by its graphed cost, the eager pass by its sessions
-        assert graphs.way == "in_turn" and (graphs.captured, graphs.replayed) == (4, 6)
+        assert graphs.way == "in_turn" and (graphs.captured, graphs.replayed) == (4, 9)
         batch([1, 1])  # 2 sessions, whose eager pass is not measured yet: eagerly, which measures it
-        assert graphs.way == "eager" and (graphs.captured, graphs.replayed) == (4, 6)
+        assert graphs.way == "eager" and (graphs.captured, graphs.replayed) == (4, 9)
         assert graphs.timed([1, 1], 0.025) == "eager" and graphs.eager.seconds[2] == (2, 0.025)
         batch([5, 1])
-        assert graphs.way == "in_turn" and graphs.replayed == 8
+        assert graphs.way == "in_turn" and graphs.replayed == 11
         # were the eager passes cheaper (as a larger model's are, from about 4 sessions)
         graphs.eager.seconds.update({2: (2, 0.004), 3: (3, 0.005)})
         batch([1, 1, 1])
-        assert graphs.way == "eager" and graphs.replayed == 8
+        assert graphs.way == "eager" and graphs.replayed == 11
         # the engine's timing of each pass feeds the table of the way it ran; a pass that captured a graph is no cost
         assert graphs.timed([1, 1, 1], 0.007) == "eager" and graphs.eager.seconds[3][1] > 0.005
         eager_costs = dict(graphs.eager.seconds)

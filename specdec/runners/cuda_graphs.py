@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 # A step (1 row), a verify of K + 1 rows (K up to 15); a wider pass is a prefill, whose launches its rows amortize.
 MAX_ROWS = 16
+# One pass of several sessions in this many that would replay their graphs in turn runs eagerly instead, so that the
+# eager pass's cost, which the choice compares with, follows the load rather than its first measure.
+EAGER_EVERY = 64
 
 
 def static_pass(runner, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, num_logits: int):
@@ -117,6 +120,8 @@ class CudaGraphs:
         self.graphed, self.eager = PassCosts(), PassCosts()  # one session's replays by rows; eager by sessions
         self.way = "eager"  # how the last pass ran: eager, graphed (one session), in_turn (several)
         self._captured_before = 0  # the captures before the last pass
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # (rows, logits rows) -> the logits every graph writes
+        self._turns = 0  # passes of several sessions that could run in turn
 
     def describe(self) -> str:
         return f"each session's passes of 1-{self.max_rows} rows replayed as CUDA graphs"
@@ -131,7 +136,7 @@ class CudaGraphs:
             return None
         if not 0 < max(ns) <= self.max_rows or (len(ns) > 1 and not self.in_turn(ns)):
             return None
-        ids = [torch.as_tensor(t, dtype=torch.long) for t in token_ids]
+        ids = self._on_device(token_ids, ns)
         graphs = [self._graph(c, i, k) for c, i, k in zip(caches, ids, num_logits)]  # every capture before a replay
         if any(g is None for g in graphs):
             return None
@@ -143,7 +148,8 @@ class CudaGraphs:
         measured (eagerly, which measures it, until an eager pass of about as many sessions has been)."""
         if width_of(len(ns)) not in self.eager.seconds or any(width_of(n) not in self.graphed.seconds for n in ns):
             return False
-        return sum(self.graphed.at(n)[0] for n in ns) < self.eager.at(len(ns))[0]
+        self._turns += 1
+        return self._turns % EAGER_EVERY != 0 and sum(self.graphed.at(n)[0] for n in ns) < self.eager.at(len(ns))[0]
 
     def timed(self, ns: list[int], seconds: float) -> str:
         """Learns the cost of the last pass (of ns rows a session); how it ran: eager, graphed, in_turn, or captured
@@ -152,6 +158,10 @@ class CudaGraphs:
             return "captured"
         if self.way == "graphed":
             self.graphed.observe(ns[0], seconds)
+        elif self.way == "in_turn":  # each session's share, in proportion to what its graph was priced at
+            priced = [self.graphed.at(n)[0] for n in ns]
+            for n, share in zip(ns, priced):
+                self.graphed.observe(n, seconds * share / sum(priced))
         elif self.way == "eager" and max(ns) <= self.max_rows:  # a prefill's piece is no guide to a few rows'
             self.eager.observe(len(ns), seconds)
         return self.way
@@ -161,6 +171,17 @@ class CudaGraphs:
         if (graph := cache.slab.graphs.get(key)) is None and (graph := self._capture_pass(cache, ids, num_logits)):
             cache.slab.graphs[key] = graph
         return graph
+
+    def _on_device(self, token_ids, ns: list[int]) -> list[torch.Tensor]:
+        """The pass's ids on the device, a view a session, in one copy: from pinned memory, asynchronous on a GPU (a
+        copy from pageable memory waits for the stream, which would leave the card idle between replays)."""
+        device = self.runner.device
+        if any(isinstance(t, torch.Tensor) for t in token_ids):
+            return [torch.as_tensor(t, dtype=torch.long).to(device) for t in token_ids]
+        flat = torch.tensor([t for ts in token_ids for t in ts], dtype=torch.long)
+        if device.type == "cuda":
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        return list(flat.split(ns))
 
     def _replay(self, graph: Graph, cache, ids: torch.Tensor) -> torch.Tensor:
         graph.ids.copy_(ids)
@@ -185,12 +206,22 @@ class CudaGraphs:
         # buffers of the graph's own: a caller's tensor of ids, already on the device, is not kept (nor written)
         buffers = ids.to(r.device, copy=True), torch.full((1,), cache.length, dtype=torch.long, device=r.device)
         k, v = cache.k, cache.v  # the slab's tensors, which the graph serves whichever cache holds them
+        key = (len(ids), num_logits)
+        # The graphs of a shape share one output, the first's (replays never overlap, and each is copied out at once):
+        # kept per graph, the outputs of every slab's graphs would take memory no budget counts.
+        shared = self._outputs.get(key)
+
+        def run() -> torch.Tensor:
+            logits = static_pass(r, k, v, *buffers, num_logits)
+            return logits if shared is None else shared.copy_(logits)
+
         try:
-            replay, out = self._capture(lambda: static_pass(r, k, v, *buffers, num_logits), self._pool_id())
+            replay, out = self._capture(run, self._pool_id())
         except Exception as e:  # a kernel that cannot be captured: the server still serves, eagerly
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("a CUDA graph could not be captured; every pass runs eagerly: %s", self.failed)
             return None
+        self._outputs.setdefault(key, out)
         self.captured += 1
         if self.captured == 1:
             log.info("CUDA graphs: captured the first (%d rows, %d logits rows)", len(ids), num_logits)
