@@ -185,7 +185,7 @@ def save_head(
     data.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
     data["specdec_head"] = {"kind": KIND, "target": target, "feature_fingerprint": feature_fingerprint}
     (folder / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in weights.items()}, str(folder / WEIGHTS))
+    save_file({k: v.detach().to("cpu", dtype).contiguous() for k, v in weights.items()}, str(folder / WEIGHTS))
     return folder
 
 

@@ -63,6 +63,17 @@ class ModelServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
+        self.queued = Gauge("specdec_queued_calls", "Calls waiting for a forward pass", registry=registry)
+        self.prefix_hits = Counter(
+            "specdec_prefix_cache_hit_tokens_total",
+            "Tokens a new session took from the prefix cache instead of computing them",
+            registry=registry,
+        )
+        self.prefix_tokens = Gauge("specdec_prefix_cache_tokens", "Tokens held in the prefix cache", registry=registry)
+        self._rules(registry)
+        self._passes(registry)
+
+    def _passes(self, registry: CollectorRegistry) -> None:
         self.forward_tokens = Counter(
             "specdec_forward_tokens_total", "Tokens fed through forward passes (rows)", registry=registry
         )
@@ -73,19 +84,13 @@ class ModelServerMetrics:
             ["way"],
             registry=registry,
         )
-        self.queued = Gauge("specdec_queued_calls", "Calls waiting for a forward pass", registry=registry)
-        self.prefix_hits = Counter(
-            "specdec_prefix_cache_hit_tokens_total",
-            "Tokens a new session took from the prefix cache instead of computing them",
-            registry=registry,
-        )
-        self.prefix_tokens = Gauge("specdec_prefix_cache_tokens", "Tokens held in the prefix cache", registry=registry)
-        self._rules(registry)
-        # Each width's series exists from the start at zero, so that rate() counts a series' first passes: one
-        # created by its first observation, between two scrapes, starts at that value and rate() never sees it,
+        # Each width's and way's series exists from the start at zero, so that rate() counts a series' first passes:
+        # one created by its first observation, between two scrapes, starts at that value and rate() never sees it,
         # and a short request whose passes all fall between two scrapes would show no data.
         for width in _TOKENS_BUCKETS:
             self.forward_seconds.labels(width)
+        for way in PASS_WAYS:
+            self.passes.labels(way)
 
     def _rules(self, registry: CollectorRegistry) -> None:
         self.rules_seconds = Counter(
@@ -111,6 +116,7 @@ class ModelServerMetrics:
 
 
 _TOKENS_BUCKETS = ("1", "2-8", "9-64", "65+")
+PASS_WAYS = ("eager", "graphed", "in_turn", "captured")  # specdec.runners.cuda_graphs.CudaGraphs.timed
 
 
 def _tokens_bucket(n: int) -> str:

@@ -36,9 +36,6 @@ def fresh_graphs(runner, capture) -> CudaGraphs:
     return CudaGraphs(runner, capture=capture)
 
 
-WAYS = ("eager", "captured", "graphed", "in_turn")
-
-
 def engine_on(runner, metrics=None):
     """(pool, engine) as a model server builds them around runner: sessions fed in batched passes."""
     from specdec.engine import Engine
@@ -334,7 +331,7 @@ def test_a_pass_that_captured_a_graph_is_not_taken_for_a_pass_cost_and_the_metri
     from prometheus_client import CollectorRegistry
 
     from specdec.costs import width_of
-    from specdec.server_metrics import ModelServerMetrics
+    from specdec.server_metrics import PASS_WAYS, ModelServerMetrics
 
     _, graphed = runners
     graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]))
@@ -353,8 +350,8 @@ def test_a_pass_that_captured_a_graph_is_not_taken_for_a_pass_cost_and_the_metri
             assert graphs.replayed == 2 and set(engine.costs.seconds) == prefill | {1}
 
         asyncio.run(main())
-        passes = {way: registry.get_sample_value("specdec_forward_passes_total", {"way": way}) for way in WAYS}
-        assert passes == {"eager": 1.0, "captured": 1.0, "graphed": 1.0, "in_turn": None}
+        passes = {way: registry.get_sample_value("specdec_forward_passes_total", {"way": way}) for way in PASS_WAYS}
+        assert passes == {"eager": 1.0, "captured": 1.0, "graphed": 1.0, "in_turn": 0.0}
     finally:
         graphed.graphs = None
 

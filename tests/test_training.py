@@ -250,3 +250,33 @@ def test_a_head_saved_by_training_computes_in_the_draft_service_what_it_computed
         )
     torch.testing.assert_close(norms[0], g[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[0], g[0] @ target_runner.lm_head[torch.tensor(kept)].T, atol=1e-3, rtol=1e-4)
+
+
+def test_head_training_saves_each_better_checkpoint_as_it_is_found(tmp_path, target_model, tokenizer):
+    """A run cut short (a lent GPU's time limit) keeps the best head found so far: training hands each better
+    checkpoint to its caller, which saves it, and ends on the best of them."""
+    import random
+    import types
+
+    import torch
+
+    from specdec.runners.lean_llama import LeanLlamaRunner
+    from training.head import Head, train
+
+    torch.manual_seed(2)
+    runner = LeanLlamaRunner(target_model, len(tokenizer), 64)
+    H, rng = runner.embed.shape[1], random.Random(3)
+    records = []
+    for _ in range(24):
+        n, prompt = rng.randrange(8, 14), 4
+        ids = torch.tensor([rng.randrange(len(tokenizer)) for _ in range(n)], dtype=torch.int32)
+        records.append({"ids": ids, "prompt_len": prompt, "feats": torch.randn(n - 1, H).bfloat16()})
+    rows = runner.lm_head[torch.arange(0, len(tokenizer), 9)].float()
+    head = Head(runner, intermediate=64)
+    args = types.SimpleNamespace(
+        lr=1e-3, train_minutes=0.03, batch_tokens=64, check_every=1, bf16=False, second_pass=True
+    )
+    saved = []
+    trained = train(head, rows, records[4:], records[:4], args, lambda best: saved.append(best.fc.weight.clone()))
+    assert saved, "validation improved at least once, and each improvement was handed over"
+    torch.testing.assert_close(trained.fc.weight, saved[-1])  # the run ends on the last (best) checkpoint

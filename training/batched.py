@@ -278,7 +278,9 @@ def generate_all(
         if served:
             got = generate_served(r, batch, max_new, temperature, top_p, eos_ids, seed + s, features=fed)
         else:
-            got = generate(r, batch, max_new, temperature, top_p, eos_ids, seed + s, features=fed)
+            # a head's data needs no labels, only the features: no top-k over the vocabulary at every token
+            labels = 0 if features else 20
+            got = generate(r, batch, max_new, temperature, top_p, eos_ids, seed + s, features=fed, top_k_labels=labels)
         for j, (i, res) in enumerate(zip(idx, got)):
             results[i] = (*res, fed[j]) if features else res
             tokens += len(res[0])

@@ -177,8 +177,9 @@ def validate(head: Head, rows, val: list[dict], batch_tokens: int) -> tuple[floa
     return loss / n, a1 / n, a2 / n
 
 
-def train(head: Head, rows, train_recs, val, args) -> Head:
-    """AdamW, warm-up then cosine decay over the time budget; the best validation checkpoint is kept."""
+def train(head: Head, rows, train_recs, val, args, on_best=lambda head: None) -> Head:
+    """AdamW, warm-up then cosine decay over the time budget; the best validation checkpoint is kept, and given to
+    on_best as it is found (saved then, a run cut short, on a lent GPU say, keeps its best)."""
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     rng, t0, step = random.Random(SEED), time.monotonic(), 0
@@ -206,6 +207,7 @@ def train(head: Head, rows, train_recs, val, args) -> Head:
                 )
                 if v1 + v2 > best:
                     best, best_state = v1 + v2, {k: v.clone() for k, v in head.state_dict().items()}
+                    on_best(head)
     if best_state is not None:
         head.load_state_dict(best_state)
     return head
@@ -286,7 +288,7 @@ def main(argv=None) -> None:
     args.bf16 = runner.device.type == "cuda" or models.cpu_has_native_bf16()
     n_train = sum(len(r["feats"]) - r["prompt_len"] + 1 for r in train_recs)
     log(f"train: {len(train_recs)} answers ({n_train} answer positions), {len(val)} for validation")
-    head = train(head, rows, train_recs, val, args)
+    head = train(head, rows, train_recs, val, args, lambda best: save(best, target, kept, Path(args.out), args.target))
     vl, v1, v2 = validate(head, rows, val, args.batch_tokens)
     log(f"final: val loss {vl:.3f}, agreement first step {v1:.3f}, second {v2:.3f}")
     save(head.cpu(), target, kept, Path(args.out), args.target)
