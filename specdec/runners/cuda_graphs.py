@@ -1,4 +1,4 @@
-"""One session's passes of few rows, replayed as CUDA graphs.
+"""Passes of few rows a session, replayed as CUDA graphs.
 
 On a GPU an eager pass of a small model is bound by launching its kernels from Python, not by the device: the
 embedded target's step, about 40 small kernels in each of its 30 layers, took 16 ms on an H100 (2026-11-26) whose
@@ -10,9 +10,10 @@ position from buffers on the device, writes the new keys and values by index, an
 capacity under a mask of the positions so far (the keys past them are zeros: a cache's slab is zeroed). A graph is
 captured per cache slab (specdec/runners/kv_cache.py) and per (rows, logits rows) on the first such pass, and kept with
 the slab: with graphs, slabs are recycled, so the next request, or a cache grown into a kept slab, replays the graphs
-an earlier one captured. Passes of several sessions, of more than ``MAX_ROWS`` rows, or with a head's features run
-eagerly. The numbers are the eager pass's up to rounding:
-attention takes another kernel (memory-efficient, masked) than the eager pass's (flash, the keys so far).
+an earlier one captured. A pass of several sessions replays their graphs one after another where that measures
+cheaper than one eager pass (``CudaGraphs.in_turn``); passes of more than ``MAX_ROWS`` rows a session, or with a
+head's features, run eagerly. The numbers are the eager pass's up to rounding: attention takes another kernel
+(memory-efficient, masked) than the eager pass's (flash, the keys so far).
 """
 
 from __future__ import annotations
