@@ -286,7 +286,7 @@ def main(args, progress=print) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     concurrency = sorted({int(c) for c in args.concurrency.split(",")})
     prompts = [p["prompt"] for p in load_prompts(args.load_prompts)]
-    procs, address, _, (auto_address, _), forward = start_services(
+    procs, address, urls, (auto_address, _), forward = start_services(
         args.draft_model, args.target_model, out_dir / "services.log"
     )
     peer = None
@@ -312,6 +312,9 @@ def main(args, progress=print) -> dict:
         for send, job in arms.values():  # warm-up: the first run is not a cold start
             run_jobs(send, [job(prompts[0])], 1)
         results = run_load(arms, prompts, concurrency, args.reps, progress)
+        from bench.metrics import scrape_all
+
+        passes = passes_by_way(scrape_all({job: urls[job] for job in ("draft", "target")}))
     finally:
         if peer is not None:
             peer.stop()
@@ -324,6 +327,7 @@ def main(args, progress=print) -> dict:
         "max_tokens": args.load_tokens,
         "reps": args.reps,
         "arms": results,
+        "passes": passes,
     }
     (out_dir / "load.json").write_text(json.dumps(report, indent=1))
     (out_dir / "load.md").write_text(markdown(report))
@@ -335,10 +339,21 @@ def _ms(x) -> str:
     return "" if x is None else f"{1e3 * x['median']:.1f}"
 
 
+def passes_by_way(metrics: dict) -> dict:
+    """Each model server's forward passes by how they ran (specdec_forward_passes_total: eager, or on a GPU graphed,
+    in_turn, captured), the ways that ran."""
+    out: dict = {}
+    for (name, labels), n in metrics.items():
+        if name == "specdec_forward_passes_total" and n:
+            out.setdefault(dict(labels).get("job"), {})[dict(labels)["way"]] = n
+    return out
+
+
 def markdown(report: dict) -> str:
     m = report["machine"]
+    where = f"{m['gpu']} (host: {m['cpu']}, {m['cores']} cores)" if m.get("gpu") else f"{m['cpu']} ({m['cores']} cores)"
     lines = [
-        f"# specdec bench --concurrency: {m['cpu']} ({m['cores']} cores), {m['date']}",
+        f"# specdec bench --concurrency: {where}, {m['date']}",
         "",
         f"{report['prompts']} chat prompts, greedy, up to {report['max_tokens']} tokens each, N requests at a "
         f"time; {report['reps']} runs per N and arm, median [min, max] over the runs.",
@@ -373,6 +388,12 @@ def markdown(report: dict) -> str:
                 f"- K = {name}: " + ", ".join(f"N = {n}: {r:.2f}x" for n, r in zip(report["concurrency"], ratios))
             )
     lines += ["", "Forward passes: " + "; ".join(f"{k}: {v}" for k, v in report["forward"].items())]
+    if report.get("passes"):
+        ran = "; ".join(
+            f"{job}: " + ", ".join(f"{n:.0f} {way}" for way, n in ways.items())
+            for job, ways in report["passes"].items()
+        )
+        lines += ["", f"How they ran over the whole benchmark: {ran}."]
     return "\n".join(lines) + "\n"
 
 

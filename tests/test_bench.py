@@ -242,3 +242,22 @@ def test_the_bench_puts_both_model_servers_on_the_device_asked_in_bfloat16_on_a_
     }
     assert server_environment("cuda:1", "float16")["SPECDEC_DRAFT_DTYPE"] == "float16"
     assert server_environment("cpu", None) == {"SPECDEC_TARGET_DEVICE": "cpu", "SPECDEC_DRAFT_DEVICE": "cpu"}
+
+
+def test_the_load_report_names_the_card_and_how_each_server_s_passes_ran():
+    from bench.load import markdown, passes_by_way
+
+    scraped = {
+        ("specdec_forward_passes_total", (("job", "target"), ("way", "in_turn"))): 40.0,
+        ("specdec_forward_passes_total", (("job", "target"), ("way", "eager"))): 3.0,
+        ("specdec_forward_passes_total", (("job", "target"), ("way", "captured"))): 0.0,
+        ("specdec_forward_passes_total", (("job", "draft"), ("way", "graphed"))): 12.0,
+        ("specdec_forward_tokens_total", (("job", "draft"),)): 99.0,
+    }
+    passes = passes_by_way(scraped)
+    assert passes == {"target": {"in_turn": 40.0, "eager": 3.0}, "draft": {"graphed": 12.0}}
+    machine = {"date": "d", "cpu": "EPYC", "cores": 16, "gpu": "NVIDIA H100 80GB HBM3"}
+    report = {"machine": machine, "prompts": 1, "max_tokens": 8, "reps": 1, "arms": {}, "concurrency": [1]}
+    md = markdown(report | {"forward": {}, "passes": passes})
+    assert md.startswith("# specdec bench --concurrency: NVIDIA H100 80GB HBM3 (host: EPYC, 16 cores)")
+    assert "target: 40 in_turn, 3 eager; draft: 12 graphed" in md
