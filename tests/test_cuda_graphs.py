@@ -13,9 +13,12 @@ import pytest
 import torch
 
 import specdec.runners
+from conftest import eventually, make_stack, stop_stack
+from specdec.costs import PassCosts
 from specdec.runners import LeanLlamaRunner, make_runner
 from specdec.runners.cuda_graphs import EAGER_EVERY, MAX_ROWS, CudaGraphs, static_pass
 from specdec.runners.kv_cache import Slabs
+from specdec.server_metrics import PASS_WAYS
 
 
 def running_capture(captures: list):
@@ -331,7 +334,7 @@ def test_a_pass_that_captured_a_graph_is_not_taken_for_a_pass_cost_and_the_metri
     from prometheus_client import CollectorRegistry
 
     from specdec.costs import width_of
-    from specdec.server_metrics import PASS_WAYS, ModelServerMetrics
+    from specdec.server_metrics import ModelServerMetrics
 
     _, graphed = runners
     graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]))
@@ -360,7 +363,6 @@ def test_sessions_batched_by_the_engine_get_their_own_logits_eagerly_and_in_turn
     """Through the engine, as a model server runs it: sessions that call at once share passes, eager until the
     eager pass of their width is measured, then their graphs in turn while the measured costs favour them; every
     session's logits equal its passes alone, and an ended session's slab serves the next."""
-    from specdec.costs import PassCosts
 
     eager, graphed = runners
     graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]))
@@ -423,3 +425,50 @@ def test_the_cost_table_seeded_at_start_times_eager_batches_and_captures_nothing
         assert not graphs.graphed.seconds
     finally:
         graphed.graphs = None
+
+
+def test_the_services_serve_with_graphs_recycled_and_replayed_in_turn_and_free_every_session(
+    event_loop_thread, tokenizer, tiny_draft, target_model, monkeypatch
+):
+    """The model servers as started, with graphs on (their stand-in capture: CUDA's runs on a device only), through
+    the orchestrator: requests at once and alone are all answered, a greedy request answers the same each time it
+    comes (its slab and graphs another's before it), passes ran graphed and in turn, and every session is freed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import specdec.model_server
+
+    real = specdec.model_server.make_runner
+
+    def with_graphs(*args, **kwargs):
+        runner = real(*args, **kwargs)
+        runner.graphs = CudaGraphs(runner, capture=running_capture([]))
+        return runner
+
+    monkeypatch.setattr(specdec.model_server, "make_runner", with_graphs)
+    stack = make_stack(event_loop_thread, tokenizer, tiny_draft, target_model, orch_cfg={"prompt_lookup_min": 0})
+    try:
+        for server in (stack.draft, stack.target):  # a stand-in replay costs an eager pass: priced as on a GPU
+            server.runner.graphs.graphed = PassCosts(rate=0.0)
+            for rows in range(1, MAX_ROWS + 1):
+                server.runner.graphs.graphed.observe(rows, 1e-6)
+        greedy = dict(messages=[("user", "Name three colours.")], max_tokens=12, temperature=0.0)
+        first = stack.generate(num_speculative_tokens=4, **greedy)[0]
+        sampled = dict(messages=[("user", "A word for the sea?")], max_tokens=12, temperature=0.8, top_p=0.9)
+        jobs = [greedy if i % 2 == 0 else dict(sampled, seed=i) for i in range(6)]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            answers = list(pool.map(lambda job: stack.generate(num_speculative_tokens=4, **job), jobs))
+        assert all(ids and stats is not None for ids, _, stats in answers)
+        again = stack.generate(num_speculative_tokens=4, **greedy)[0]
+        assert again == first and len(first) > 0  # on a slab, and graphs, that earlier requests left
+        for server in (stack.draft, stack.target):
+            graphs = server.runner.graphs
+            assert graphs.failed is None and graphs.replayed > graphs.captured > 0
+            ways = {w: server.registry.get_sample_value("specdec_forward_passes_total", {"way": w}) for w in PASS_WAYS}
+            assert ways["graphed"] > 0 and ways["eager"] > 0, ways
+        assert any(
+            s.registry.get_sample_value("specdec_forward_passes_total", {"way": "in_turn"})
+            for s in (stack.draft, stack.target)
+        ), "requests at once replayed their graphs in turn somewhere"
+        assert eventually(lambda: stack.pool_sizes() == (0, 0))
+    finally:
+        stop_stack(stack)
