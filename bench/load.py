@@ -37,6 +37,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.metrics import scrape_all
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 
 PEER = "llama-server"
@@ -312,8 +313,6 @@ def main(args, progress=print) -> dict:
         for send, job in arms.values():  # warm-up: the first run is not a cold start
             run_jobs(send, [job(prompts[0])], 1)
         results = run_load(arms, prompts, concurrency, args.reps, progress)
-        from bench.metrics import scrape_all
-
         passes = passes_by_way(scrape_all({job: urls[job] for job in ("draft", "target")}))
     finally:
         if peer is not None:
