@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 
 from bench.load import run_jobs
-from bench.metrics import leviathan_alpha
+from bench.metrics import delta, leviathan_alpha, mean_step_s, scrape_all
 from bench.services import machine, save, start_services, stop_services
 from specdec import models
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
@@ -54,11 +54,12 @@ def sender(address: str, k: int | None, tokens: int, temperature: float, top_p: 
 
 
 def one_run(services, jobs: list, tokens: int, k: int) -> dict:
-    """Per mode: tokens/s one request at a time at K = 0 and with adaptive K, and alpha at K = k."""
-    _, address, _, (auto_address, _), _ = services
+    """Per mode: tokens/s one request at a time at K = 0 and with adaptive K, alpha at K = k, and each server's
+    one-token step (the target's from its K = 0 steps, the draft's from its drafting) with c, their ratio."""
+    _, address, urls, (auto_address, _), _ = services
     out = {}
     for mode, (temperature, top_p) in MODES.items():
-        rate = {}
+        before, rate = scrape_all(urls), {}
         for arm, (addr, arm_k) in {"k0": (address, 0), "auto": (auto_address, None)}.items():
             t0 = time.perf_counter()
             results, _ = run_jobs(sender(addr, arm_k, tokens, temperature, top_p), jobs, 1)
@@ -67,6 +68,16 @@ def one_run(services, jobs: list, tokens: int, k: int) -> dict:
         alpha = leviathan_alpha(sum(r["accepted"] for r in fixed), sum(r["rejected"] for r in fixed))
         out[mode] = {"k0_tokens_per_s": rate["k0"], "auto_tokens_per_s": rate["auto"], "alpha": alpha}
         out[mode]["speedup"] = rate["auto"] / rate["k0"]
+        out[mode].update(step_costs(delta(before, scrape_all(urls))))
+    return out
+
+
+def step_costs(metrics: dict) -> dict:
+    """Each server's mean one-token step over a run (the target's from its K = 0 steps) and c, their ratio."""
+    draft, target = mean_step_s(metrics, "draft"), mean_step_s(metrics, "target")
+    out = {"draft_step_ms": 1e3 * draft, "target_step_ms": 1e3 * target}
+    if draft and target:
+        out["c"] = draft / target
     return out
 
 

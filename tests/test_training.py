@@ -280,3 +280,19 @@ def test_head_training_saves_each_better_checkpoint_as_it_is_found(tmp_path, tar
     trained = train(head, rows, records[4:], records[:4], args, lambda best: saved.append(best.fc.weight.clone()))
     assert saved, "validation improved at least once, and each improvement was handed over"
     torch.testing.assert_close(trained.fc.weight, saved[-1])  # the run ends on the last (best) checkpoint
+
+
+def test_a_head_scores_the_tokens_its_answers_hold_most_often_and_rescoring_changes_only_its_list(tmp_path):
+    """--scored-tokens keeps the n of the scored tokens the answers hold most often (ties to the lower id), in id
+    order, never a token outside them; --stage rows writes that list into a trained head's config and nothing else."""
+    import json
+
+    from training.head import most_frequent, rescore
+
+    answers = [[5, 9, 9, 3, 7], [9, 3, 11, 11, 11, 4]]  # 9 and 11: three times; 3 twice; 4, 5, 7 once; 11 not scored
+    assert most_frequent([3, 4, 5, 7, 9], answers, 3) == [3, 4, 9]  # 9, 3, then the lowest id of those seen once
+    assert most_frequent([3, 4, 5, 7, 9], answers, 9) == [3, 4, 5, 7, 9]
+    config = {"hidden_size": 8, "specdec_output_token_ids": [3, 4, 5, 7, 9], "specdec_head": {"target": "t"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rescore(tmp_path, [3, 9])
+    assert json.loads((tmp_path / "config.json").read_text()) == {**config, "specdec_output_token_ids": [3, 9]}

@@ -71,6 +71,18 @@ def chat_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
     return out
 
 
+def add_activations_argument(ap) -> None:
+    """--activations: the target's numbers for its answers on a CPU (training.distill and training.head)."""
+    ap.add_argument(
+        "--activations",
+        default="auto",
+        choices=["auto", "float32", "int8", "int16"],
+        help="the target's numbers for the data on a CPU: auto, as a target server takes them here (int16 where the "
+        "CPU has AVX-512 VNNI and the file passed the quality gate, else float32); int8, its answers agreeing with "
+        "float32's on about 97%% of tokens (docs/performance.md, items 16 and 22)",
+    )
+
+
 def stage_data(args, tokenizer) -> list[Path]:
     """One cached file per part; part i answers its own prompts (seed SEED + i). With --data-from draft,
     the parts are the draft's own answers labelled by the target (seeds SEED + ON_POLICY_SEED + i)."""
@@ -223,14 +235,7 @@ def main(argv=None) -> None:
         help="who answers the prompts: the target (its own samples, labelled as it generates) or "
         "the --init draft (on-policy: its answers, labelled by the target in one pass each)",
     )
-    ap.add_argument(
-        "--activations",
-        default="auto",
-        choices=["auto", "float32", "int8", "int16"],
-        help="the target's numbers for the data on a CPU: auto, as a target server takes them here (int16 where the "
-        "CPU has AVX-512 VNNI and the file passed the quality gate, else float32); int8, its answers agreeing with "
-        "float32's on about 97%% of tokens (docs/performance.md, items 16 and 22)",
-    )
+    add_activations_argument(ap)
     ap.add_argument("--gen-minutes", type=float, default=50, help="time budget of one data part")
     ap.add_argument("--train-minutes", type=float, default=45)
     ap.add_argument("--lr", type=float, help="peak learning rate (default: 2e-3 for slice, 3e-3 for pca)")
