@@ -149,6 +149,11 @@ class ModelServerConfig:
         "graphs, as vLLM and TGI run decode steps, kept with the KV tensors that later sessions reuse; "
         "false runs every pass eagerly",
     )
+    cuda_graph_lanes: int = _option(
+        1,
+        "with --cuda-graphs, replay several sessions' graphs on this many CUDA streams at once (a lane each, "
+        "its own memory pool); 1 replays them one after another; more is not yet measured on a card",
+    )
     prefix_cache_tokens: int = _option(
         2048,
         "KV tokens kept of prompt prefixes that new sessions share (a chat template's opening, a rebuilt "
@@ -174,7 +179,7 @@ class ModelServerConfig:
             raise ConfigError(f"--memory-fraction must be in [0, 1), not {self.memory_fraction}")
         _ports(self.port, self.metrics_port, self.health_port)
         _check_tls(self)
-        for name in ("max_sessions", "max_draft_tokens", "max_sparse_support"):
+        for name in ("max_sessions", "max_draft_tokens", "max_sparse_support", "cuda_graph_lanes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         counts = (

@@ -33,10 +33,21 @@ def running_capture(captures: list):
     return capture
 
 
-def fresh_graphs(runner, capture) -> CudaGraphs:
+def fresh_graphs(runner, capture, **kwargs) -> CudaGraphs:
     """CudaGraphs for runner, on slabs of its own: the graphs an earlier test left on kept slabs would serve it."""
     runner.slabs = Slabs(len(runner.layers), runner.n_kv, runner.head_dim, runner.dtype, runner.device)
-    return CudaGraphs(runner, capture=capture)
+    return CudaGraphs(runner, capture=capture, **kwargs)
+
+
+class RecordingStreams:
+    """CudaStreams on the CPU: runs each lane's calls in order, and records the lanes of every pass."""
+
+    def __init__(self):
+        self.passes: list[list[int]] = []
+
+    def each(self, lanes, calls):
+        self.passes.append(list(lanes))
+        return [call() for call in calls]
 
 
 def engine_on(runner, metrics=None):
@@ -285,6 +296,48 @@ def test_several_sessions_run_as_their_graphs_in_turn_where_the_measured_costs_s
         before = dict(graphs.graphed.seconds)
         graphed.forward(caches[0], [9, 10], 2)  # a new shape: captured
         assert graphs.timed([2], 0.5) == "captured" and graphs.graphed.seconds == before
+    finally:
+        graphed.graphs = None
+
+
+def test_with_lanes_sessions_replay_on_their_slab_s_lane_each_lane_with_its_own_outputs_and_in_turn_costs(
+    runners, tokenizer
+):
+    """Lanes are given to slabs in turn at their first capture and kept; a pass of several sessions replays each on
+    its lane (one session's pass on the current stream); graphs of a lane share one output a shape, other lanes
+    have their own, so replays at once never write one buffer; and an in-turn pass is priced by its sessions, from
+    what such passes took, not from its graphs' sum, which overlapping lanes beat."""
+    eager, graphed = runners
+    streams = RecordingStreams()
+    graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]), lanes=2, streams=streams)
+    try:
+        caches, plains = [graphed.new_cache() for _ in range(3)], [eager.new_cache() for _ in range(3)]
+        for i, (c, p) in enumerate(zip(caches, plains)):
+            prompt = list(range(30 + i, 60 + 2 * i))
+            close(graphed.forward(c, prompt, 1), eager.forward(p, prompt, 1))
+
+        def batch() -> None:
+            ids = [[(5 * j + c.length) % 400 + 1] for j, c in enumerate(caches)]
+            for got, want in zip(
+                graphed.forward_batch(caches, ids, [1] * 3), eager.forward_batch(plains, ids, [1] * 3)
+            ):
+                close(got, want)
+
+        graphs.graphed.observe(1, 0.003)
+        graphs.eager.observe(3, 0.030)
+        batch()
+        assert graphs.way == "in_turn" and [c.slab.lane for c in caches] == [0, 1, 0] and streams.passes == [[0, 1, 0]]
+        outputs = [c.slab.graphs[(1, 1)].out.data_ptr() for c in caches]
+        assert outputs[0] == outputs[2] != outputs[1]
+        batch()  # replays only: its time is the in-turn pass's
+        assert graphs.timed([1, 1, 1], 0.004) == "in_turn" and graphs.turns.seconds[3] == (3, 0.004)
+        assert graphs.graphed.seconds[1] == (1, 0.003)  # not shared out: the sessions' graphs overlapped
+        graphs.eager.seconds[3] = (3, 0.006)  # dearer than the in-turn pass measured, cheaper than 3 graphed steps
+        batch()
+        assert graphs.way == "in_turn" and streams.passes[-1] == [0, 1, 0] and graphs.replayed == 9
+        close(graphed.forward(caches[1], [11], 1), eager.forward(plains[1], [11], 1))
+        assert graphs.way == "graphed" and len(streams.passes) == 3  # one session: on the current stream
+        assert "in 2 lanes at once" in graphs.describe()
     finally:
         graphed.graphs = None
 

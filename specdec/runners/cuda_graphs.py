@@ -11,8 +11,9 @@ capacity under a mask of the positions so far (the keys past them are zeros: a c
 captured per cache slab (specdec/runners/kv_cache.py) and per (rows, logits rows) on the first such pass, and kept with
 the slab: with graphs, slabs are recycled, so the next request, or a cache grown into a kept slab, replays the graphs
 an earlier one captured. A pass of several sessions replays their graphs one after another where that measures
-cheaper than one eager pass (``CudaGraphs.in_turn``); passes of more than ``MAX_ROWS`` rows a session, or with a
-head's features, run eagerly. The numbers are the eager pass's up to rounding: attention takes another kernel
+cheaper than one eager pass (``CudaGraphs.in_turn``); with lanes, the graphs of sessions in different lanes replay
+on streams of their own, at once (a small model's graph is a chain of tiny kernels that leaves most of the card
+idle). Passes of more than ``MAX_ROWS`` rows a session, or with a head's features, run eagerly. The numbers are the eager pass's up to rounding: attention takes another kernel
 (memory-efficient, masked) than the eager pass's (flash, the keys so far).
 """
 
@@ -112,20 +113,26 @@ class CudaGraphs:
     An eager pass of few rows a session is priced by its sessions, not its rows: on a GPU its cost is each
     session's attention and launches (4 sessions' steps 31.4 ms, their verifies of 5 rows 35.4)."""
 
-    def __init__(self, runner, max_rows: int = MAX_ROWS, capture=cuda_capture):
+    def __init__(self, runner, max_rows: int = MAX_ROWS, capture=cuda_capture, lanes: int = 1, streams=None):
         self.runner, self.max_rows, self._capture = runner, max_rows, capture
         runner.slabs.recycle = True  # a slab's graphs serve the caches that take it after its first
-        self._pool = None
+        # Graphs of one lane share a memory pool and outputs, so they replay one after another; lanes replay at once.
+        # A slab's lane is given at its first capture, in turn, and kept with its graphs.
+        self.lanes, self._next_lane = lanes, 0
+        self._streams = streams if streams is not None else CudaStreams()
+        self._pools: dict[int, object] = {}  # lane -> the torch.cuda.MemPool its graphs are captured in
+        self.turns = PassCosts()  # with lanes: in-turn passes' seconds by sessions (they overlap, so no sum prices one)
         self.captured = self.replayed = 0
         self.failed: str | None = None  # why a capture failed; every pass runs eagerly from then on
         self.graphed, self.eager = PassCosts(), PassCosts()  # one session's replays by rows; eager by sessions
         self.way = "eager"  # how the last pass ran: eager, graphed (one session), in_turn (several)
         self._captured_before = 0  # the captures before the last pass
-        self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # (rows, logits rows) -> the logits every graph writes
+        self._outputs: dict[tuple[int, int, int], torch.Tensor] = {}  # (lane, rows, logits rows) -> the logits written
         self._turns = 0  # passes of several sessions that could run in turn
 
     def describe(self) -> str:
-        return f"each session's passes of 1-{self.max_rows} rows replayed as CUDA graphs"
+        lanes = f", several sessions' in {self.lanes} lanes at once" if self.lanes > 1 else ""
+        return f"each session's passes of 1-{self.max_rows} rows replayed as CUDA graphs{lanes}"
 
     def run(self, caches, token_ids, num_logits, plan, features_in, norm_rows) -> list[torch.Tensor] | None:
         """The logits of the pass (its rooms reserved) replayed as graphs, a [num_logits[i], vocab or scored] per
@@ -142,7 +149,12 @@ class CudaGraphs:
         if any(g is None for g in graphs):
             return None
         self.way = "graphed" if len(ns) == 1 else "in_turn"
-        return [self._replay(g, c, i) for g, c, i in zip(graphs, caches, ids)]
+        if len(ns) == 1 or self.lanes == 1:
+            return [self._replay(g, c, i) for g, c, i in zip(graphs, caches, ids)]
+        lanes = [c.slab.lane for c in caches]
+        return self._streams.each(
+            lanes, [lambda g=g, c=c, i=i: self._replay(g, c, i) for g, c, i in zip(graphs, caches, ids)]
+        )
 
     def in_turn(self, ns: list[int]) -> bool:
         """Whether sessions of ns rows run cheaper as their graphs in turn than in one eager pass, by the costs
@@ -150,7 +162,10 @@ class CudaGraphs:
         if width_of(len(ns)) not in self.eager.seconds or any(width_of(n) not in self.graphed.seconds for n in ns):
             return False
         self._turns += 1
-        return self._turns % EAGER_EVERY != 0 and sum(self.graphed.at(n)[0] for n in ns) < self.eager.at(len(ns))[0]
+        in_turn = sum(self.graphed.at(n)[0] for n in ns)  # one after another: the upper bound of lanes at once
+        if self.lanes > 1 and width_of(len(ns)) in self.turns.seconds:
+            in_turn = self.turns.at(len(ns))[0]
+        return self._turns % EAGER_EVERY != 0 and in_turn < self.eager.at(len(ns))[0]
 
     def timed(self, ns: list[int], seconds: float) -> str:
         """Learns the cost of the last pass (of ns rows a session); how it ran: eager, graphed, in_turn, or captured
@@ -159,6 +174,8 @@ class CudaGraphs:
             return "captured"
         if self.way == "graphed":
             self.graphed.observe(ns[0], seconds)
+        elif self.way == "in_turn" and self.lanes > 1:
+            self.turns.observe(len(ns), seconds)
         elif self.way == "in_turn":  # each session's share, in proportion to what its graph was priced at
             priced = [self.graphed.at(n)[0] for n in ns]
             for n, share in zip(ns, priced):
@@ -192,24 +209,31 @@ class CudaGraphs:
         cache.length += len(ids)
         return graph.out.clone()  # the output buffer is the graph's: the next replay writes it
 
-    def _pool_id(self):
-        """The memory pool every graph is captured in: one, as the graphs never run at once. This MemPool holds it,
-        so it outlives the graphs of ended sessions: a bare pool handle dies with the last graph that used it, and a
-        capture into it then fails in the allocator (seen on an H100, torch 2.11, 2026-11-26)."""
+    def _lane(self, slab) -> int:
+        if slab.lane is None:
+            slab.lane, self._next_lane = self._next_lane, (self._next_lane + 1) % self.lanes
+        return slab.lane
+
+    def _pool_id(self, lane: int):
+        """The memory pool a lane's graphs are captured in: one a lane, as its graphs never run at once (graphs in one
+        pool may share their scratch memory). This MemPool holds it, so it outlives the graphs of ended sessions: a
+        bare pool handle dies with the last graph that used it, and a capture into it then fails in the allocator
+        (seen on an H100, torch 2.11, 2026-11-26)."""
         if self.runner.device.type != "cuda":
             return None
-        if self._pool is None:
-            self._pool = torch.cuda.MemPool()
-        return self._pool.id
+        if lane not in self._pools:
+            self._pools[lane] = torch.cuda.MemPool()
+        return self._pools[lane].id
 
     def _capture_pass(self, cache, ids: torch.Tensor, num_logits: int) -> Graph | None:
         r = self.runner
         # buffers of the graph's own: a caller's tensor of ids, already on the device, is not kept (nor written)
         buffers = ids.to(r.device, copy=True), torch.full((1,), cache.length, dtype=torch.long, device=r.device)
         k, v = cache.k, cache.v  # the slab's tensors, which the graph serves whichever cache holds them
-        key = (len(ids), num_logits)
-        # The graphs of a shape share one output, the first's (replays never overlap, and each is copied out at once):
-        # kept per graph, the outputs of every slab's graphs would take memory no budget counts.
+        lane = self._lane(cache.slab)
+        key = (lane, len(ids), num_logits)
+        # The graphs of a lane and shape share one output, the first's (their replays never overlap, and each is
+        # copied out at once): kept per graph, every slab's graphs' outputs would take memory no budget counts.
         shared = self._outputs.get(key)
 
         def run() -> torch.Tensor:
@@ -217,7 +241,7 @@ class CudaGraphs:
             return logits if shared is None else shared.copy_(logits)
 
         try:
-            replay, out = self._capture(run, self._pool_id())
+            replay, out = self._capture(run, self._pool_id(lane))
         except Exception as e:  # a kernel that cannot be captured: the server still serves, eagerly
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("a CUDA graph could not be captured; every pass runs eagerly: %s", self.failed)
@@ -227,3 +251,27 @@ class CudaGraphs:
         if self.captured == 1:
             log.info("CUDA graphs: captured the first (%d rows, %d logits rows)", len(ids), num_logits)
         return Graph(replay, *buffers, out)
+
+
+class CudaStreams:
+    """Where lanes replay: a CUDA stream each, started after what the current stream has queued (the pass's ids,
+    the caches' writes) and joined by it before anything reads the outputs. ``each`` runs the calls in order,
+    each on its lane's stream; a test's stand-in runs them in order and records the lanes."""
+
+    def __init__(self):
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def each(self, lanes: list[int], calls: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+        main = torch.cuda.current_stream()
+        streams = {lane: self._streams.setdefault(lane, torch.cuda.Stream()) for lane in lanes}
+        for stream in streams.values():
+            stream.wait_stream(main)
+        outs = []
+        for lane, call in zip(lanes, calls):
+            with torch.cuda.stream(streams[lane]):
+                out = call()
+            out.record_stream(main)  # made on the lane's stream, read on the current one: not reused before then
+            outs.append(out)
+        for stream in streams.values():
+            main.wait_stream(stream)
+        return outs

@@ -19,11 +19,12 @@ import torch
 class Slab:
     """Keys and values [layers, kv heads, capacity, head dim] of one cache, and the CUDA graphs captured on them."""
 
-    __slots__ = ("graphs", "k", "v")
+    __slots__ = ("graphs", "k", "lane", "v")
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
         self.graphs: dict = {}  # (rows, logits rows) -> a cuda_graphs.Graph on these addresses
+        self.lane: int | None = None  # where its graphs replay (cuda_graphs.CudaGraphs), given at its first capture
 
     @property
     def capacity(self) -> int:
