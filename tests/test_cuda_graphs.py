@@ -16,7 +16,7 @@ import specdec.runners
 from conftest import eventually, make_stack, stop_stack
 from specdec.costs import PassCosts
 from specdec.runners import LeanLlamaRunner, make_runner
-from specdec.runners.cuda_graphs import EAGER_EVERY, MAX_ROWS, CudaGraphs, static_pass
+from specdec.runners.cuda_graphs import EAGER_EVERY, EXPLORE_WITHIN, MAX_ROWS, CudaGraphs, static_pass
 from specdec.runners.kv_cache import Slabs
 from specdec.server_metrics import PASS_WAYS
 
@@ -267,20 +267,26 @@ def test_several_sessions_run_as_their_graphs_in_turn_where_the_measured_costs_s
         batch([1, 1, 1])  # replays only: the pass's time is the sessions' graphs' cost, shared as they were priced
         assert graphs.timed([1, 1, 1], 0.030) == "in_turn" and graphs.graphed.seconds[1][1] > 0.003  # each 10 ms
         graphs.graphed.seconds[1] = (1, 0.003)
-        graphs._turns = EAGER_EVERY - 1  # one pass in EAGER_EVERY that could run in turn runs eagerly: measured again
+        graphs._turns = EAGER_EVERY - 1  # the pass that would explore: eager, 30 ms, is past EXPLORE_WITHIN of 9 ms
         batch([1, 1, 1])
-        assert graphs.way == "eager" and (graphs.captured, graphs.replayed) == (3, 6)
+        assert graphs.way == "in_turn" and (graphs.captured, graphs.replayed) == (3, 9)
+        assert EXPLORE_WITHIN * 3 * 0.003 < 0.030
+        graphs.eager.seconds[3] = (3, 0.015)  # within it: one pass in EAGER_EVERY runs eagerly, measured again
+        graphs._turns = EAGER_EVERY - 1
+        batch([1, 1, 1])
+        assert graphs.way == "eager" and (graphs.captured, graphs.replayed) == (3, 9)
+        graphs.eager.seconds[3] = (3, 0.030)
         batch([5, 1, 1])  # a verify among them: priced by its graphed cost, the eager pass by its sessions
-        assert graphs.way == "in_turn" and (graphs.captured, graphs.replayed) == (4, 9)
+        assert graphs.way == "in_turn" and (graphs.captured, graphs.replayed) == (4, 12)
         batch([1, 1])  # 2 sessions, whose eager pass is not measured yet: eagerly, which measures it
-        assert graphs.way == "eager" and (graphs.captured, graphs.replayed) == (4, 9)
+        assert graphs.way == "eager" and (graphs.captured, graphs.replayed) == (4, 12)
         assert graphs.timed([1, 1], 0.025) == "eager" and graphs.eager.seconds[2] == (2, 0.025)
         batch([5, 1])
-        assert graphs.way == "in_turn" and graphs.replayed == 11
+        assert graphs.way == "in_turn" and graphs.replayed == 14
         # were the eager passes cheaper (as a larger model's are, from about 4 sessions)
         graphs.eager.seconds.update({2: (2, 0.004), 3: (3, 0.005)})
         batch([1, 1, 1])
-        assert graphs.way == "eager" and graphs.replayed == 11
+        assert graphs.way == "eager" and graphs.replayed == 14
         # the engine's timing of each pass feeds the table of the way it ran; a pass that captured a graph is no cost
         assert graphs.timed([1, 1, 1], 0.007) == "eager" and graphs.eager.seconds[3][1] > 0.005
         eager_costs = dict(graphs.eager.seconds)

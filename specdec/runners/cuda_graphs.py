@@ -34,8 +34,12 @@ log = logging.getLogger(__name__)
 # A step (1 row), a verify of K + 1 rows (K up to 15); a wider pass is a prefill, whose launches its rows amortize.
 MAX_ROWS = 16
 # One pass of several sessions in this many that would replay their graphs in turn runs eagerly instead, so that the
-# eager pass's cost, which the choice compares with, follows the load rather than its first measure.
+# eager pass's cost, which the choice compares with, follows the load rather than its first measure; but only while
+# that cost is within EXPLORE_WITHIN times the in-turn pass's. Further off, a measure could not change the choice, and
+# each one stalls every session of the pass for an eager pass: on an H100 (2026-11-26) the p99 inter-token latency
+# at 4-16 streams was that pass, 77-114 ms against a p50 of 11-44 ms.
 EAGER_EVERY = 64
+EXPLORE_WITHIN = 2.0
 
 
 def static_pass(runner, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, num_logits: int):
@@ -165,7 +169,9 @@ class CudaGraphs:
         in_turn = sum(self.graphed.at(n)[0] for n in ns)  # one after another: the upper bound of lanes at once
         if self.lanes > 1 and width_of(len(ns)) in self.turns.seconds:
             in_turn = self.turns.at(len(ns))[0]
-        return self._turns % EAGER_EVERY != 0 and in_turn < self.eager.at(len(ns))[0]
+        eager = self.eager.at(len(ns))[0]
+        explore = self._turns % EAGER_EVERY == 0 and eager < EXPLORE_WITHIN * in_turn
+        return in_turn < eager and not explore
 
     def timed(self, ns: list[int], seconds: float) -> str:
         """Learns the cost of the last pass (of ns rows a session); how it ran: eager, graphed, in_turn, or captured
