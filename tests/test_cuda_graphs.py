@@ -22,10 +22,10 @@ from specdec.server_metrics import PASS_WAYS
 
 
 def running_capture(captures: list):
-    """capture(run, pool) as cuda_capture returns it, on the CPU: the pass runs once now, and again at each replay
+    """capture(run, pool, stream) as cuda_capture returns it, on the CPU: the pass runs once now, and again at each replay
     into the same output tensor."""
 
-    def capture(run, pool):
+    def capture(run, pool, stream):
         captures.append(pool)
         out = run()
         return (lambda: out.copy_(run())), out
@@ -348,11 +348,44 @@ def test_with_lanes_sessions_replay_on_their_slab_s_lane_each_lane_with_its_own_
         graphed.graphs = None
 
 
+def test_lanes_go_to_the_slabs_of_the_lane_the_fewest_held_slabs_are_in(runners):
+    """A slab's lane is the least held one at its first capture, and a kept slab is taken from the least held lane,
+    so that the sessions of a pass spread over the lanes whichever sessions ended."""
+    slabs = Slabs(1, 1, 2, torch.float32, "cpu", recycle=True)
+    a, b, c = (slabs.take(4) for _ in range(3))
+    assert [slabs.assign_lane(s, 2) for s in (a, b, c)] == [0, 1, 0]
+    slabs.give(b)
+    slabs.give(a)  # kept: b (lane 1), then a (lane 0); held: c (lane 0)
+    assert slabs.take(4) is b and slabs.live == {0: 1, 1: 1}
+    slabs.give(c)
+    d = slabs.take(8)  # a new capacity: a new slab, whose first capture finds lane 0 held by none
+    assert slabs.assign_lane(d, 2) == 0
+
+    graphed = runners[1]
+    graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]), lanes=2, streams=RecordingStreams())
+    try:
+        graphs.graphed.observe(1, 0.003)
+        graphs.eager.observe(3, 0.030)
+        graphs.eager.observe(2, 0.020)
+        caches = [graphed.new_cache() for _ in range(3)]
+        for i in range(3):
+            graphed.forward(caches[i], list(range(10 + i, 30)), 1)
+        graphed.forward_batch(caches, [[5], [6], [7]], [1, 1, 1])
+        assert [c.slab.lane for c in caches] == [0, 1, 0]
+        del caches[0], caches[1]  # the two sessions of lane 0 end
+        longer = graphed.new_cache()  # a session past the first capacity: a new slab
+        graphed.forward(longer, list(range(1, 300)), 1)
+        graphed.forward_batch([caches[0], longer], [[5], [6]], [1, 1])
+        assert longer.slab.lane == 0 and caches[0].slab.lane == 1  # given in turn, it would have shared lane 1
+    finally:
+        graphed.graphs = None
+
+
 def test_a_pass_that_cannot_be_captured_runs_eagerly_and_so_do_all_after_it(runners, caplog):
     eager, graphed = runners
     attempts = []
 
-    def failing(run, pool):
+    def failing(run, pool, stream):
         attempts.append(1)
         raise RuntimeError("operation not permitted when stream is capturing")
 

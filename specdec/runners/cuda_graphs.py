@@ -92,24 +92,26 @@ class Graph:
     out: torch.Tensor  # the logits the replay writes
 
 
-def cuda_capture(run: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor]:
-    """(replay, output) of run() captured as a CUDA graph in the memory pool `pool`, after one run on a side stream
-    as torch.cuda.graphs asks (the run writes what the replay writes again: the keys and values of the same rows)."""
-    stream = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(stream)
-    with torch.cuda.stream(side):
+def cuda_capture(run: Callable[[], torch.Tensor], pool, stream) -> tuple[Callable[[], None], torch.Tensor]:
+    """(replay, output) of run() captured as a CUDA graph in the memory pool `pool` on `stream`, after one run on that
+    stream as torch.cuda.graphs asks (the run writes what the replay writes again: the keys and values of the same
+    rows). The stream is one a lane keeps: cuBLAS keeps a workspace a stream, whose address the graph holds, so
+    graphs replayed at once must have been captured on streams of their own, and a new stream a capture would
+    leave a workspace each (32 MiB on an H100) that no budget counts."""
+    current = torch.cuda.current_stream()
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
         run()
-    stream.wait_stream(side)
+    current.wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         out = run()
     return graph.replay, out
 
 
 class CudaGraphs:
     """The runner's graphed passes: ``run`` runs a pass as graphs where it can be, ``timed`` learns what passes cost
-    each way. capture(run, pool): how a pass is captured (``cuda_capture``; a test's stand-in runs it eagerly).
+    each way. capture(run, pool, stream): how a pass is captured (``cuda_capture``; a test's stand-in runs it eagerly).
 
     A pass of several sessions runs as each session's graph in turn where their measured costs add up to less than
     an eager pass of as many sessions: on an H100 (2026-11-26) the embedded target's eager pass of 4 sessions took
@@ -121,9 +123,9 @@ class CudaGraphs:
         self.runner, self.max_rows, self._capture = runner, max_rows, capture
         runner.slabs.recycle = True  # a slab's graphs serve the caches that take it after its first
         # Graphs of one lane share a memory pool and outputs, so they replay one after another; lanes replay at once.
-        # A slab's lane is given at its first capture, in turn, and kept with its graphs.
-        self.lanes, self._next_lane = lanes, 0
-        self._streams = streams if streams is not None else CudaStreams()
+        # A slab's lane is given at its first capture (kv_cache.Slabs.assign_lane) and kept with its graphs.
+        self.lanes = lanes
+        self._streams = streams if streams is not None else CudaStreams(lanes)
         self._pools: dict[int, object] = {}  # lane -> the torch.cuda.MemPool its graphs are captured in
         self.turns = PassCosts()  # with lanes: in-turn passes' seconds by sessions (they overlap, so no sum prices one)
         self.captured = self.replayed = 0
@@ -167,8 +169,8 @@ class CudaGraphs:
             return False
         self._turns += 1
         in_turn = sum(self.graphed.at(n)[0] for n in ns)  # one after another: the upper bound of lanes at once
-        if self.lanes > 1 and width_of(len(ns)) in self.turns.seconds:
-            in_turn = self.turns.at(len(ns))[0]
+        if self.lanes > 1 and width_of(len(ns)) in self.turns.seconds:  # lanes at once, as measured: never dearer
+            in_turn = min(in_turn, self.turns.at(len(ns))[0])
         eager = self.eager.at(len(ns))[0]
         explore = self._turns % EAGER_EVERY == 0 and eager < EXPLORE_WITHIN * in_turn
         return in_turn < eager and not explore
@@ -216,9 +218,7 @@ class CudaGraphs:
         return graph.out.clone()  # the output buffer is the graph's: the next replay writes it
 
     def _lane(self, slab) -> int:
-        if slab.lane is None:
-            slab.lane, self._next_lane = self._next_lane, (self._next_lane + 1) % self.lanes
-        return slab.lane
+        return slab.lane if slab.lane is not None else self.runner.slabs.assign_lane(slab, self.lanes)
 
     def _pool_id(self, lane: int):
         """The memory pool a lane's graphs are captured in: one a lane, as its graphs never run at once (graphs in one
@@ -247,7 +247,8 @@ class CudaGraphs:
             return logits if shared is None else shared.copy_(logits)
 
         try:
-            replay, out = self._capture(run, self._pool_id(lane))
+            stream = self._streams.stream(lane) if r.device.type == "cuda" else None
+            replay, out = self._capture(run, self._pool_id(lane), stream)
         except Exception as e:  # a kernel that cannot be captured: the server still serves, eagerly
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("a CUDA graph could not be captured; every pass runs eagerly: %s", self.failed)
@@ -260,24 +261,33 @@ class CudaGraphs:
 
 
 class CudaStreams:
-    """Where lanes replay: a CUDA stream each, started after what the current stream has queued (the pass's ids,
-    the caches' writes) and joined by it before anything reads the outputs. ``each`` runs the calls in order,
-    each on its lane's stream; a test's stand-in runs them in order and records the lanes."""
+    """A CUDA stream a lane, made once: its graphs are captured on it, and a pass's sessions replay on theirs, started
+    after what the current stream has queued (the pass's ids, the caches' writes) and joined by it before anything
+    reads the outputs, even where a replay fails. ``each`` runs the calls in order, each on its lane's stream; a
+    test's stand-in runs them in order and records the lanes."""
 
-    def __init__(self):
-        self._streams: dict[int, torch.cuda.Stream] = {}
+    def __init__(self, lanes: int):
+        self.lanes = lanes
+        self._streams: list[torch.cuda.Stream] = []
+
+    def stream(self, lane: int) -> torch.cuda.Stream:
+        if not self._streams:  # made together, so that the streams torch hands out in turn are distinct
+            self._streams = [torch.cuda.Stream() for _ in range(self.lanes)]
+        return self._streams[lane]
 
     def each(self, lanes: list[int], calls: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
         main = torch.cuda.current_stream()
-        streams = {lane: self._streams.setdefault(lane, torch.cuda.Stream()) for lane in lanes}
+        streams = {lane: self.stream(lane) for lane in lanes}
         for stream in streams.values():
             stream.wait_stream(main)
         outs = []
-        for lane, call in zip(lanes, calls):
-            with torch.cuda.stream(streams[lane]):
-                out = call()
-            out.record_stream(main)  # made on the lane's stream, read on the current one: not reused before then
-            outs.append(out)
-        for stream in streams.values():
-            main.wait_stream(stream)
+        try:
+            for lane, call in zip(lanes, calls):
+                with torch.cuda.stream(streams[lane]):
+                    out = call()
+                out.record_stream(main)  # made on the lane's stream, read on the current one: not reused before then
+                outs.append(out)
+        finally:
+            for stream in streams.values():
+                main.wait_stream(stream)
         return outs
