@@ -381,6 +381,36 @@ def test_lanes_go_to_the_slabs_of_the_lane_the_fewest_held_slabs_are_in(runners)
         graphed.graphs = None
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_sessions_replayed_in_lanes_at_once_compute_bit_for_bit_what_each_computes_replayed_alone(
+    device, tiny_draft, tokenizer
+):
+    """Eight sessions in four lanes, step after step: the logits of the pass replayed in turn, on four streams at once
+    on a GPU, equal those of the same sessions' twins replayed one by one. A race between lanes (a shared workspace,
+    pool or output) shows here. On the CPU it runs the stand-ins; on a card, CUDA's capture and streams."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA's graphs and streams need a CUDA device (tools/gpu_smoke.py's card)")
+    runner = make_runner(tiny_draft, len(tokenizer), 1024, "lean", device=device, cuda_graphs=4)
+    if device == "cpu":
+        runner.graphs = fresh_graphs(runner, running_capture([]), lanes=4, streams=RecordingStreams())
+    graphs = runner.graphs
+    graphs.graphed.observe(1, 0.001)
+    graphs.eager.observe(8, 1.0)  # in turn, by these prices, and never explored eagerly
+    together, alone = [runner.new_cache() for _ in range(8)], [runner.new_cache() for _ in range(8)]
+    for i, (t, a) in enumerate(zip(together, alone)):
+        prompt = list(range(20 + 3 * i, 60 + 5 * i))
+        runner.forward(t, prompt, 1)
+        runner.forward(a, prompt, 1)
+    for step in range(6):
+        ids = [[(11 * i + 7 * step) % 900 + 2] for i in range(8)]
+        got = runner.forward_batch(together, ids, [1] * 8)
+        assert graphs.way == "in_turn" and sorted(c.slab.lane for c in together) == [0, 0, 1, 1, 2, 2, 3, 3]
+        for i, cache in enumerate(alone):
+            want = runner.forward(cache, ids[i], 1)
+            assert graphs.way == "graphed"
+            assert torch.equal(got[i], want.reshape(got[i].shape)), f"session {i}, step {step}"
+
+
 def test_a_pass_that_cannot_be_captured_runs_eagerly_and_so_do_all_after_it(runners, caplog):
     eager, graphed = runners
     attempts = []
