@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 
 from bench.load import run_jobs
-from bench.metrics import delta, leviathan_alpha, mean_step_s, scrape_all
+from bench.metrics import delta, leviathan_alpha, mean_step_s, scrape_all, value
 from bench.services import machine, save, start_services, stop_services
 from specdec import models
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
@@ -54,8 +54,9 @@ def sender(address: str, k: int | None, tokens: int, temperature: float, top_p: 
 
 
 def one_run(services, jobs: list, tokens: int, k: int) -> dict:
-    """Per mode: tokens/s one request at a time at K = 0 and with adaptive K, alpha at K = k, and each server's
-    one-token step (the target's from its K = 0 steps, the draft's from its drafting) with c, their ratio."""
+    """Per mode: tokens/s one request at a time at K = 0 and with adaptive K, alpha at K = k and how far its rounds'
+    guesses held, and each server's one-token step (the target's from its K = 0 steps, the draft's from its
+    drafting) with c, their ratio."""
     _, address, urls, (auto_address, _), _ = services
     out = {}
     for mode, (temperature, top_p) in MODES.items():
@@ -68,7 +69,21 @@ def one_run(services, jobs: list, tokens: int, k: int) -> dict:
         alpha = leviathan_alpha(sum(r["accepted"] for r in fixed), sum(r["rejected"] for r in fixed))
         out[mode] = {"k0_tokens_per_s": rate["k0"], "auto_tokens_per_s": rate["auto"], "alpha": alpha}
         out[mode]["speedup"] = rate["auto"] / rate["k0"]
-        out[mode].update(step_costs(delta(before, scrape_all(urls))))
+        metrics = delta(before, scrape_all(urls))
+        out[mode].update(step_costs(metrics) | accepted_through(metrics, k))
+    return out
+
+
+def accepted_through(metrics: dict, k: int) -> dict:
+    """The share of the fixed-K rounds whose drafted tokens 1..i were all accepted, for i = 1..k (the orchestrator's
+    per-position counters): how far the draft's guesses hold, the first position alone beside alpha."""
+    out = {}
+    for i in range(1, k + 1):
+        drafted = value(metrics, "specdec_draft_tokens_per_position_total", position=str(i))
+        if drafted:
+            out[f"accepted_through_{i}"] = (
+                value(metrics, "specdec_accepted_tokens_per_position_total", position=str(i)) / drafted
+            )
     return out
 
 
