@@ -13,8 +13,9 @@ the slab: with graphs, slabs are recycled, so the next request, or a cache grown
 an earlier one captured. A pass of several sessions replays their graphs one after another where that measures
 cheaper than one eager pass (``CudaGraphs.in_turn``); with lanes, the graphs of sessions in different lanes replay
 on streams of their own, at once (a small model's graph is a chain of tiny kernels that leaves most of the card
-idle). Passes of more than ``MAX_ROWS`` rows a session, or with a head's features, run eagerly. The numbers are the eager pass's up to rounding: attention takes another kernel
-(memory-efficient, masked) than the eager pass's (flash, the keys so far).
+idle). Passes of more than ``MAX_ROWS`` rows a session, or with a head's features, run eagerly. The numbers are the
+eager pass's up to rounding: attention takes another kernel (memory-efficient, masked) than the eager pass's (flash,
+the keys so far).
 """
 
 from __future__ import annotations
