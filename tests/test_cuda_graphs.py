@@ -22,8 +22,8 @@ from specdec.server_metrics import PASS_WAYS
 
 
 def running_capture(captures: list):
-    """capture(run, pool, stream) as cuda_capture returns it, on the CPU: the pass runs once now, and again at each replay
-    into the same output tensor."""
+    """capture(run, pool, stream) as cuda_capture returns it, on the CPU: the pass runs once now, and again at each
+    replay into the same output tensor."""
 
     def capture(run, pool, stream):
         captures.append(pool)

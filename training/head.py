@@ -244,7 +244,8 @@ def save(head: Head, target, kept: list[int], out: Path, spec: str = models.DEFA
 
 def most_frequent(tokens: list[int], answers: list[list[int]], n: int) -> list[int]:
     """The n of `tokens` the answers hold most often (ties to the lower id), in id order: the head's output layer
-    is most of its step (13,146 rows of 576 against 4.2 M multiply-adds in the rest), and the rarest rows add the least acceptance."""
+    is most of its step (13,146 rows of 576 against 4.2 M multiply-adds in the rest), and the rarest rows add the
+    least acceptance."""
     counts = Counter(t for a in answers for t in a)
     return sorted(sorted(tokens, key=lambda t: (-counts[t], t))[:n])
 
