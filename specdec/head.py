@@ -184,9 +184,22 @@ def save_head(
     data = config.to_dict()
     data.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
     data["specdec_head"] = {"kind": KIND, "target": target, "feature_fingerprint": feature_fingerprint}
-    (folder / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    _write_config(folder, data)
     save_file({k: v.detach().to("cpu", dtype).contiguous() for k, v in weights.items()}, str(folder / WEIGHTS))
     return folder
+
+
+def rescore(folder, token_ids: list[int]) -> None:
+    """A head's folder made to score `token_ids`: the output rows are the target's, taken at load, so only the
+    config changes; q is renormalized over what is scored."""
+    folder = Path(folder)
+    data = json.loads((folder / "config.json").read_text())
+    data["specdec_output_token_ids"] = sorted(token_ids)
+    _write_config(folder, data)
+
+
+def _write_config(folder: Path, data: dict) -> None:
+    (folder / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def load_head(folder, dtype: str = "float32", device: str = "cpu"):

@@ -287,7 +287,8 @@ def test_a_head_scores_the_tokens_its_answers_hold_most_often_and_rescoring_chan
     order, never a token outside them; --stage rows writes that list into a trained head's config and nothing else."""
     import json
 
-    from training.head import most_frequent, rescore
+    from specdec.head import rescore
+    from training.head import most_frequent
 
     answers = [[5, 9, 9, 3, 7], [9, 3, 11, 11, 11, 4]]  # 9 and 11: three times; 3 twice; 4, 5, 7 once; 11 not scored
     assert most_frequent([3, 4, 5, 7, 9], answers, 3) == [3, 4, 9]  # 9, 3, then the lowest id of those seen once

@@ -36,7 +36,7 @@ from torch import nn
 
 from specdec import models
 from specdec.features import fingerprint
-from specdec.head import head_config, save_head
+from specdec.head import head_config, rescore, save_head
 from specdec.runners.lean_llama import LeanLlamaRunner, rope
 from training import distill
 from training.common import SEED, log
@@ -264,14 +264,6 @@ def stage_data(args, tokenizer) -> tuple[list[dict], list[int]]:
     if args.scored_tokens:
         kept = most_frequent(kept, [d["completion"] for d in data], args.scored_tokens)
     return as_records(data), kept
-
-
-def rescore(out: Path, kept: list[int]) -> None:
-    """A trained head's folder made to score `kept`: the output rows are the target's, taken at load, so only the
-    config changes; q is renormalized over what is scored."""
-    config = json.loads((out / "config.json").read_text())
-    config["specdec_output_token_ids"] = kept
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def main(argv=None) -> None:

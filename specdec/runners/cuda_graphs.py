@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -159,9 +160,7 @@ class CudaGraphs:
         if len(ns) == 1 or self.lanes == 1:
             return [self._replay(g, c, i) for g, c, i in zip(graphs, caches, ids)]
         lanes = [c.slab.lane for c in caches]
-        return self._streams.each(
-            lanes, [lambda g=g, c=c, i=i: self._replay(g, c, i) for g, c, i in zip(graphs, caches, ids)]
-        )
+        return self._streams.each(lanes, [partial(self._replay, g, c, i) for g, c, i in zip(graphs, caches, ids)])
 
     def in_turn(self, ns: list[int]) -> bool:
         """Whether sessions of ns rows run cheaper as their graphs in turn than in one eager pass, by the costs
