@@ -95,16 +95,17 @@ class Graph:
 
 
 def cuda_capture(run: Callable[[], torch.Tensor], pool, stream) -> tuple[Callable[[], None], torch.Tensor]:
-    """(replay, output) of run() captured as a CUDA graph in the memory pool `pool` on `stream`, after one run on that
-    stream as torch.cuda.graphs asks (the run writes what the replay writes again: the keys and values of the same
-    rows). The stream is one a lane keeps: cuBLAS keeps a workspace a stream, whose address the graph holds, so
-    graphs replayed at once must have been captured on streams of their own, and a new stream a capture would
-    leave a workspace each (32 MiB on an H100) that no budget counts."""
-    current = torch.cuda.current_stream()
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        run()
-    current.wait_stream(stream)
+    """(replay, output) of run() captured as a CUDA graph in the memory pool `pool` on `stream`, after one run (the
+    warm-up torch.cuda.graphs asks for; it writes what the replay writes again: the keys and values of the same rows).
+    The stream is one a lane keeps, and nothing but its graphs' captures and replays runs on it. cuBLAS keeps a
+    workspace a stream, whose address a graph holds, so graphs replayed at once must have been captured on streams of
+    their own (a new stream a capture would leave a workspace each, 32 MiB on an H100, that no budget counts). The
+    warm-up runs on the current stream, so that the lane stream's workspace is made during its first capture, in the
+    lane's pool: torch 2.11 frees a stream's workspace with any graph captured on it (a dropped slab's), and made
+    eagerly, in the device's general memory, it would be taken by other tensors while the lane's other graphs still
+    write to it; in the pool it is scratch only the lane's graphs use, and they never run at once."""
+    run()
+    stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         out = run()
