@@ -15,7 +15,7 @@ from draft_service.servicer import DraftServicer
 from orchestrator import head_draft
 from specdec import features, head, models
 from specdec.config import ConfigError
-from specdec.runners.lean_llama import LeanLlamaRunner
+from specdec.runners.lean_llama import LeanLlamaRunner, TorchLayerOps
 from specdec.v1 import draft_pb2, draft_pb2_grpc, generation_pb2 as gen_pb, model_server_pb2 as ms
 from target_service.servicer import TargetServicer
 from test_exactness import PROMPTS, chat_ids
@@ -124,6 +124,22 @@ def test_the_head_runner_computes_fc_then_one_llama_layer_then_its_norm(head_mod
         g = head_model.model(inputs_embeds=x0[None], position_ids=torch.arange(5)[None]).last_hidden_state[0]
     torch.testing.assert_close(norms[0], g[-3:], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[0], head_model.lm_head(g[-2:]), atol=1e-3, rtol=1e-4)
+
+
+def test_a_head_on_int8_products_mixes_its_input_on_fc_s_int8_rows_row_by_row(head_model, target_model):
+    """With the draft's int8 products, fc runs on int8 rows too (one scale per output row, as the layer's): the mix
+    is [E(t) ; f] times the dequantized rows, and a row's mix is the same alone as among others, bit for bit."""
+    runner = LeanLlamaRunner(head_model, target_model.config.vocab_size, 256, matmul="fewrow", quantize="int8")
+    if runner.layer_ops is TorchLayerOps:
+        pytest.skip("specdec's CPU kernels are not built here")
+    q, scale = runner.mix
+    assert q.dtype == torch.int8 and scale.shape == (head_model.config.hidden_size,)
+    ids, feats = [5, 17, 300], torch.randn(3, head_model.config.hidden_size)
+    mixed = runner._mixed(runner.embed[ids], [feats], [3])
+    x = torch.cat([target_model.model.embed_tokens.weight[ids], feats], 1)
+    torch.testing.assert_close(mixed, x @ (q[:, : x.shape[1]].float() * scale[:, None]).T, atol=1e-4, rtol=1e-4)
+    for i in range(3):
+        assert torch.equal(runner._mixed(runner.embed[ids[i : i + 1]], [feats[i : i + 1]], [1])[0], mixed[i])
 
 
 def test_features_round_trip_as_bf16_rows():

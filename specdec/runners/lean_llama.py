@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from specdec.runners.forms import quantize_rows
 from specdec.runners.kernels import kernels_for
 from specdec.runners.kv_cache import LeanCache, Slabs
 from specdec.runners.products import ACTIVATION_BITS, SMALL_PASS_ROWS, TIMED_ROWS, LayerWeights, Plan, make_plan
@@ -134,7 +135,7 @@ class LeanLlamaRunner:
         self._scored_ids_on_device = None if self.scored_ids is None else self.scored_ids.to(self.device)
         move = functools.partial(_to_device, device=self.device)
         self.embed, self.layers, self.norm, self.lm_head = _llama_weights(model, vocab_size, self.scored_ids, move)
-        self.mix, self._mix_product = _input_mix(model, move)
+        self.mix, self._mix_product = _input_mix(model, move, quantize)
         self.cos, self.sin = _rotary_tables(model, max_len, self.dtype, move)
         self.quantize = quantize
         self.activations = activations
@@ -390,15 +391,21 @@ def _llama_weights(model, vocab_size: int, scored_ids: torch.Tensor | None, move
     return embed, layers, move(m.norm.weight), lm_head
 
 
-def _input_mix(model, move):
+def _input_mix(model, move, quantize: str = "none"):
     """A head draft's fc ([hidden, 2 hidden]) and the product that applies it, or (None, None). On specdec's CPU
-    kernels where they take it, so that a row's input is the same whatever pass it is in (batch invariance)."""
+    kernels where they take it, so that a row's input is the same whatever pass it is in (batch invariance); on
+    int8 rows where the runner's products are (a draft's numbers change only q): in float32 fc was a third of the
+    bytes a head's step reads."""
     head = getattr(model, "specdec_head", None)
     if head is None:
         return None, None
     fc = move(head.fc)
     kernels = kernels_for(fc)
-    return fc, (kernels.few_rows if kernels is not None else F.linear)
+    if kernels is None:
+        return fc, F.linear
+    if quantize == "int8":
+        return quantize_rows(fc), lambda x, rows: kernels.few_rows_int8(x, *rows)
+    return fc, kernels.few_rows
 
 
 def _rotary_tables(model, max_len: int, dtype, move) -> tuple[torch.Tensor, torch.Tensor]:
