@@ -15,6 +15,7 @@ import torch
 
 import specdec.runners
 from conftest import eventually, make_stack, stop_stack
+from specdec import head
 from specdec.costs import PassCosts
 from specdec.runners import LeanLlamaRunner, make_runner
 from specdec.runners.cuda_graphs import EAGER_EVERY, EXPLORE_WITHIN, MAX_ROWS, CudaGraphs, static_pass
@@ -29,7 +30,13 @@ def running_capture(captures: list):
     def capture(run, pool, stream):
         captures.append(pool)
         out = run()
-        return (lambda: out.copy_(run())), out
+
+        def replay():
+            for buffer, value in zip(out, run()):
+                if buffer is not None:
+                    buffer.copy_(value)
+
+        return replay, out
 
     return capture
 
@@ -87,7 +94,7 @@ def test_a_pass_at_a_position_on_the_device_over_the_whole_capacity_equals_the_e
         want = runner.forward(eager, ids, logits_rows)
         static.reserve(n)
         start = torch.tensor([static.length])
-        got = static_pass(runner, static.k, static.v, torch.tensor(ids), start, logits_rows)
+        got, _ = static_pass(runner, static.k, static.v, torch.tensor(ids), start, logits_rows)
         static.length += n
         close(got, want)
         assert static.k.shape == eager.k.shape
@@ -130,7 +137,7 @@ def test_graphs_are_captured_once_per_cache_slab_and_shape_and_again_once_the_ca
         assert (graphs.captured, graphs.replayed) == (1, 5)
         ids = torch.tensor([3, 4])  # ids given as a tensor where the graph's input lives: copied, never kept
         close(graphed.forward(cache, ids, 2), eager.forward(plain, [3, 4], 2))
-        assert cache.slab.graphs[(2, 2)].ids.data_ptr() != ids.data_ptr()
+        assert cache.slab.graphs[(2, 2, 0)].ids.data_ptr() != ids.data_ptr()
         assert (graphs.captured, graphs.replayed) == (2, 6)
         both(5, 5)  # a verify of K = 4
         both(5, 1)  # the same rows, another number of logits rows: another graph
@@ -218,7 +225,7 @@ def test_recycled_slabs_serve_any_order_of_takes_and_gives_within_the_most_the_c
         assert held_now + slabs.kept_tokens() <= max(peak, 2048 + 256)
 
 
-def test_wider_passes_features_and_several_sessions_before_their_costs_are_known_stay_eager(runners, tokenizer):
+def test_wider_passes_and_several_sessions_before_their_costs_are_known_stay_eager(runners, tokenizer):
     eager, graphed = runners
     graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]))
     try:
@@ -233,11 +240,48 @@ def test_wider_passes_features_and_several_sessions_before_their_costs_are_known
         wide = list(range(60, 60 + MAX_ROWS + 1))
         close(graphed.forward(caches[0], wide, 2), eager.forward(plains[0], wide, 2))
         assert graphs.replayed == 0
-        assert graphs.run([caches[0]], [[1]], [1], None, [None], None) is None  # a head's features
-        assert graphs.run([caches[0]], [[1]], [1], None, None, [1]) is None  # a target's features asked for
+        assert graphs.run([caches[0]], [[1]], [1], None, [None], None) is None  # features a plain model cannot read
         assert caches[0].length == plains[0].length and graphs.captured == 0
     finally:
         graphed.graphs = None
+
+
+@pytest.mark.parametrize("kind", ["head", "target"])
+def test_a_head_s_features_and_a_target_s_final_norm_rows_go_through_its_graphs_as_through_the_eager_pass(
+    kind, tiny_draft, tokenizer
+):
+    """A head's passes read its features from a graph's buffer and give back its predicted feature; a target that
+    keeps features gets every fed row's final norm from its graphs. Alone and two sessions in turn, steps and verifies,
+    each equals the eager pass (up to the attention kernel's rounding), replayed, not eager."""
+    model = head.random_head(tiny_draft, "tiny", seed=0) if kind == "head" else tiny_draft
+    eager, graphed = (make_runner(model, len(tokenizer), 1024, "lean", "linear") for _ in range(2))
+    graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]))
+    rng = torch.Generator().manual_seed(0)
+    feats = lambda n: torch.randn(n, model.config.hidden_size, generator=rng) if kind == "head" else None
+
+    def both(caches, ids, logits_rows, norm_rows):
+        kw = {"features_in": [feats(len(t)) for t in ids] if kind == "head" else None, "norm_rows": norm_rows}
+        want = eager.forward_batch(caches[0], ids, logits_rows, **kw)
+        got = graphed.forward_batch(caches[1], ids, logits_rows, **kw)
+        for g, w in zip(got[0] + got[1], want[0] + want[1]):
+            assert (g is None) == (w is None)
+            if w is not None:
+                close(g, w)
+
+    caches = [[r.new_cache() for _ in range(2)] for r in (eager, graphed)]
+    both(caches, [list(range(5, 45)), list(range(50, 70))], [1, 1], [1, 1])  # prefills: eager on both
+    for n, logits_rows, norm_rows in [(1, 1, 1), (5, 5, 5), (3, 1, 3), (1, 1, 0)]:
+        ids = [int(i) for i in torch.randint(2, 900, (n,), generator=rng)]
+        both([[c[0]] for c in caches], [ids], [logits_rows], [norm_rows])
+        assert graphs.way == "graphed"
+    graphs.eager.observe(2, 1.0)  # two sessions in turn from here, by these prices
+    for n in (1, 4):
+        graphs.graphed.observe(n, 0.001)
+    for n in (1, 4):
+        ids = [[int(i) for i in torch.randint(2, 900, (n,), generator=rng)] for _ in range(2)]
+        both(caches, ids, [n, 1], [n, 0])
+        assert graphs.way == "in_turn"
+    assert graphs.replayed >= 8 and caches[0][1].length == caches[1][1].length
 
 
 def test_several_sessions_run_as_their_graphs_in_turn_where_the_measured_costs_say_that_is_cheaper(runners, tokenizer):
@@ -264,7 +308,7 @@ def test_several_sessions_run_as_their_graphs_in_turn_where_the_measured_costs_s
         batch([1, 1, 1])
         assert graphs.way == "in_turn" and (graphs.captured, graphs.replayed) == (3, 3)
         # the three graphs of one shape write one output, the first's, each copied out before the next replay
-        assert len({c.slab.graphs[(1, 1)].out.data_ptr() for c in caches}) == 1
+        assert len({c.slab.graphs[(1, 1, 0)].out.data_ptr() for c in caches}) == 1
         batch([1, 1, 1])  # replays only: the pass's time is the sessions' graphs' cost, shared as they were priced
         assert graphs.timed([1, 1, 1], 0.030) == "in_turn" and graphs.graphed.seconds[1][1] > 0.003  # each 10 ms
         graphs.graphed.seconds[1] = (1, 0.003)
@@ -334,7 +378,7 @@ def test_with_lanes_sessions_replay_on_their_slab_s_lane_each_lane_with_its_own_
         graphs.eager.observe(3, 0.030)
         batch()
         assert graphs.way == "in_turn" and [c.slab.lane for c in caches] == [0, 1, 0] and streams.passes == [[0, 1, 0]]
-        outputs = [c.slab.graphs[(1, 1)].out.data_ptr() for c in caches]
+        outputs = [c.slab.graphs[(1, 1, 0)].out.data_ptr() for c in caches]
         assert outputs[0] == outputs[2] != outputs[1]
         batch()  # replays only: its time is the in-turn pass's
         assert graphs.timed([1, 1, 1], 0.004) == "in_turn" and graphs.turns.seconds[3] == (3, 0.004)

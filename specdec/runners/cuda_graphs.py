@@ -13,7 +13,8 @@ the slab: with graphs, slabs are recycled, so the next request, or a cache grown
 an earlier one captured. A pass of several sessions replays their graphs one after another where that measures
 cheaper than one eager pass (``CudaGraphs.in_turn``); with lanes, the graphs of sessions in different lanes replay
 on streams of their own, at once (a small model's graph is a chain of tiny kernels that leaves most of the card
-idle). Passes of more than ``MAX_ROWS`` rows a session, or with a head's features, run eagerly. The numbers are the
+idle). A head's features go into a graph's own buffer, and the final-norm rows a pass asks for (a target's
+features, a head's predicted one) come out of one. Passes of more than ``MAX_ROWS`` rows a session run eagerly. The numbers are the
 eager pass's up to rounding: attention takes another kernel (memory-efficient, masked) than the eager pass's (flash,
 the keys so far).
 """
@@ -44,10 +45,20 @@ EAGER_EVERY = 64
 EXPLORE_WITHIN = 2.0
 
 
-def static_pass(runner, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, num_logits: int):
-    """The logits [num_logits, vocab or scored] (float32) of appending ids ([n] on the device) at position pos ([1]
-    on the device) to the cache whose keys and values are k, v ([layers, kv heads, capacity, head dim], room for the
-    n rows reserved): the runner's eager pass in shapes fixed by n and the capacity, with no value read on the host."""
+def static_pass(
+    runner,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    num_logits: int,
+    feats: torch.Tensor | None = None,
+    norm_rows: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits [num_logits, vocab or scored] float32, the final-norm output of the last norm_rows rows or None) of
+    appending ids ([n] on the device) at position pos ([1] on the device) to the cache whose keys and values are k, v
+    ([layers, kv heads, capacity, head dim], room for the n rows reserved), a head's features feats ([n, hidden])
+    beside them: the runner's eager pass in shapes fixed by n and the capacity, with no value read on the host."""
     from specdec.runners.lean_llama import TorchLayerOps
 
     n, capacity = ids.shape[0], k.shape[2]
@@ -58,11 +69,16 @@ def static_pass(runner, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, pos
     linear, layers, lm_head = form.products
     ops, eps, h = TorchLayerOps, runner.eps, runner.n_heads
     x = runner.embed[ids]
+    if feats is not None:  # a head's input, as LeanLlamaRunner._mixed
+        x = runner._mix_product(torch.cat([x, feats], dim=1), runner.mix)
     for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(layers):
         att = attend_masked(linear(ops.rms_norm(x, ln1, eps), wqkv), k[i], v[i], cos, sin, positions, allowed, h)
         x = x + linear(att, wo)
         x = x + linear(ops.silu_mul(linear(ops.rms_norm(x, ln2, eps), wgu)), wd)
-    return linear(ops.rms_norm(x[n - num_logits :], runner.norm, eps), lm_head).float()
+    keep = max(num_logits, norm_rows)  # the final norm once over the rows either needs, as the eager pass
+    normed = ops.rms_norm(x[n - keep :], runner.norm, eps)
+    logits = linear(normed[keep - num_logits :], lm_head).float()
+    return logits, normed[keep - norm_rows :] if norm_rows else None
 
 
 def attend_masked(qkv, k, v, cos, sin, positions, allowed, n_heads: int) -> torch.Tensor:
@@ -91,7 +107,9 @@ class Graph:
     replay: Callable[[], None]  # runs the captured pass on the buffers below
     ids: torch.Tensor  # [n] the tokens, on the device
     pos: torch.Tensor  # [1] the first position, on the device
+    feats: torch.Tensor | None  # [n, hidden] a head's features beside the tokens, on the device
     out: torch.Tensor  # the logits the replay writes
+    norms: torch.Tensor | None  # the final-norm rows it writes, where the pass asks for them
 
 
 def cuda_capture(run: Callable[[], torch.Tensor], pool, stream) -> tuple[Callable[[], None], torch.Tensor]:
@@ -136,32 +154,39 @@ class CudaGraphs:
         self.graphed, self.eager = PassCosts(), PassCosts()  # one session's replays by rows; eager by sessions
         self.way = "eager"  # how the last pass ran: eager, graphed (one session), in_turn (several)
         self._captured_before = 0  # the captures before the last pass
-        self._outputs: dict[tuple[int, int, int], torch.Tensor] = {}  # (lane, rows, logits rows) -> the logits written
+        # (lane, rows, logits rows, norm rows) -> (the logits, the final-norm rows or None) its graphs write
+        self._outputs: dict[tuple[int, int, int, int], tuple] = {}
         self._turns = 0  # passes of several sessions that could run in turn
 
     def describe(self) -> str:
         lanes = f", several sessions' in {self.lanes} lanes at once" if self.lanes > 1 else ""
         return f"each session's passes of 1-{self.max_rows} rows replayed as CUDA graphs{lanes}"
 
-    def run(self, caches, token_ids, num_logits, plan, features_in, norm_rows) -> list[torch.Tensor] | None:
+    def run(self, caches, token_ids, num_logits, plan, features_in, norm_rows):
         """The logits of the pass (its rooms reserved) replayed as graphs, a [num_logits[i], vocab or scored] per
-        session, the caches' lengths moved on; None: run it eagerly (a pass graphs do not take, or one whose
-        capture failed, said once in the log; nothing of it has run)."""
+        session, the caches' lengths moved on, and with norm_rows (logits, norms) as the eager pass returns them;
+        None: run it eagerly (a pass graphs do not take, or one whose capture failed, said once in the log; nothing
+        of it has run). A head's features_in go into its graphs' own buffer (zeros where a session has none)."""
         self.way, self._captured_before = "eager", self.captured
         ns = [len(t) for t in token_ids]
-        if self.failed or plan is not None or features_in is not None or norm_rows is not None:
-            return None
+        if self.failed or plan is not None or (features_in is not None and self.runner.mix is None):
+            return None  # (features for a model that reads none: the eager pass says why not)
         if not 0 < max(ns) <= self.max_rows or (len(ns) > 1 and not self.in_turn(ns)):
             return None
         ids = self._on_device(token_ids, ns)
-        graphs = [self._graph(c, i, k) for c, i, k in zip(caches, ids, num_logits)]  # every capture before a replay
+        feats = self._features(features_in, ns)
+        norms = norm_rows or [0] * len(ns)
+        graphs = [self._graph(c, i, k, m) for c, i, k, m in zip(caches, ids, num_logits, norms)]  # captures first
         if any(g is None for g in graphs):
             return None
         self.way = "graphed" if len(ns) == 1 else "in_turn"
+        calls = [partial(self._replay, g, c, i, f) for g, c, i, f in zip(graphs, caches, ids, feats)]
         if len(ns) == 1 or self.lanes == 1:
-            return [self._replay(g, c, i) for g, c, i in zip(graphs, caches, ids)]
-        lanes = [c.slab.lane for c in caches]
-        return self._streams.each(lanes, [partial(self._replay, g, c, i) for g, c, i in zip(graphs, caches, ids)])
+            outs = [call() for call in calls]
+        else:
+            outs = self._streams.each([c.slab.lane for c in caches], calls)
+        logits = [out for out, _ in outs]
+        return logits if norm_rows is None else (logits, [normed for _, normed in outs])
 
     def in_turn(self, ns: list[int]) -> bool:
         """Whether sessions of ns rows run cheaper as their graphs in turn than in one eager pass, by the costs
@@ -193,9 +218,11 @@ class CudaGraphs:
             self.eager.observe(len(ns), seconds)
         return self.way
 
-    def _graph(self, cache, ids: torch.Tensor, num_logits: int) -> Graph | None:
-        key = (len(ids), num_logits)
-        if (graph := cache.slab.graphs.get(key)) is None and (graph := self._capture_pass(cache, ids, num_logits)):
+    def _graph(self, cache, ids: torch.Tensor, num_logits: int, norm_rows: int) -> Graph | None:
+        key = (len(ids), num_logits, norm_rows)
+        if (graph := cache.slab.graphs.get(key)) is None and (
+            graph := self._capture_pass(cache, ids, num_logits, norm_rows)
+        ):
             cache.slab.graphs[key] = graph
         return graph
 
@@ -210,13 +237,32 @@ class CudaGraphs:
             flat = flat.pin_memory().to(device, non_blocking=True)
         return list(flat.split(ns))
 
-    def _replay(self, graph: Graph, cache, ids: torch.Tensor) -> torch.Tensor:
+    def _features(self, features_in, ns: list[int]) -> list[torch.Tensor | None]:
+        """A head's input features of each session's rows on the device (zeros where a session has none), in one
+        copy as the ids; None a session for a model that reads none."""
+        r = self.runner
+        if r.mix is None:
+            return [None] * len(ns)
+        rows = [
+            torch.zeros(n, r.embed.shape[1]) if f is None else torch.as_tensor(f).float().cpu()
+            for f, n in zip(features_in or [None] * len(ns), ns)
+        ]
+        flat = torch.cat(rows)
+        if r.device.type == "cuda":
+            flat = flat.pin_memory().to(r.device, non_blocking=True)
+        return list(flat.to(r.dtype).split(ns))
+
+    def _replay(self, graph: Graph, cache, ids: torch.Tensor, feats: torch.Tensor | None):
+        """(logits, final-norm rows or None) of one session's graph, copied out of its buffers, which the next
+        replay writes."""
         graph.ids.copy_(ids)
         graph.pos.fill_(cache.length)
+        if graph.feats is not None:
+            graph.feats.copy_(feats)
         graph.replay()
         self.replayed += 1
         cache.length += len(ids)
-        return graph.out.clone()  # the output buffer is the graph's: the next replay writes it
+        return graph.out.clone(), None if graph.norms is None else graph.norms.clone()
 
     def _lane(self, slab) -> int:
         return slab.lane if slab.lane is not None else self.runner.slabs.assign_lane(slab, self.lanes)
@@ -232,33 +278,36 @@ class CudaGraphs:
             self._pools[lane] = torch.cuda.MemPool()
         return self._pools[lane].id
 
-    def _capture_pass(self, cache, ids: torch.Tensor, num_logits: int) -> Graph | None:
+    def _capture_pass(self, cache, ids: torch.Tensor, num_logits: int, norm_rows: int) -> Graph | None:
         r = self.runner
         # buffers of the graph's own: a caller's tensor of ids, already on the device, is not kept (nor written)
         buffers = ids.to(r.device, copy=True), torch.full((1,), cache.length, dtype=torch.long, device=r.device)
+        feats = None if r.mix is None else torch.zeros(len(ids), r.embed.shape[1], dtype=r.dtype, device=r.device)
         k, v = cache.k, cache.v  # the slab's tensors, which the graph serves whichever cache holds them
         lane = self._lane(cache.slab)
-        key = (lane, len(ids), num_logits)
+        key = (lane, len(ids), num_logits, norm_rows)
         # The graphs of a lane and shape share one output, the first's (their replays never overlap, and each is
         # copied out at once): kept per graph, every slab's graphs' outputs would take memory no budget counts.
         shared = self._outputs.get(key)
 
-        def run() -> torch.Tensor:
-            logits = static_pass(r, k, v, *buffers, num_logits)
-            return logits if shared is None else shared.copy_(logits)
+        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
+            logits, normed = static_pass(r, k, v, *buffers, num_logits, feats, norm_rows)
+            if shared is None:
+                return logits, normed
+            return shared[0].copy_(logits), None if normed is None else shared[1].copy_(normed)
 
         try:
             stream = self._streams.stream(lane) if r.device.type == "cuda" else None
-            replay, out = self._capture(run, self._pool_id(lane), stream)
+            replay, (out, normed) = self._capture(run, self._pool_id(lane), stream)
         except Exception as e:  # a kernel that cannot be captured: the server still serves, eagerly
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("a CUDA graph could not be captured; every pass runs eagerly: %s", self.failed)
             return None
-        self._outputs.setdefault(key, out)
+        self._outputs.setdefault(key, (out, normed))
         self.captured += 1
         if self.captured == 1:
             log.info("CUDA graphs: captured the first (%d rows, %d logits rows)", len(ids), num_logits)
-        return Graph(replay, *buffers, out)
+        return Graph(replay, *buffers, feats, out, normed)
 
 
 class CudaStreams:
@@ -276,7 +325,7 @@ class CudaStreams:
             self._streams = [torch.cuda.Stream() for _ in range(self.lanes)]
         return self._streams[lane]
 
-    def each(self, lanes: list[int], calls: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+    def each(self, lanes: list[int], calls: list[Callable[[], tuple]]) -> list[tuple]:
         main = torch.cuda.current_stream()
         streams = {lane: self.stream(lane) for lane in lanes}
         for stream in streams.values():
@@ -286,7 +335,9 @@ class CudaStreams:
             for lane, call in zip(lanes, calls):
                 with torch.cuda.stream(streams[lane]):
                     out = call()
-                out.record_stream(main)  # made on the lane's stream, read on the current one: not reused before then
+                for t in out:
+                    if t is not None:  # made on the lane's stream, read on the current one: not reused before then
+                        t.record_stream(main)
                 outs.append(out)
         finally:
             for stream in streams.values():

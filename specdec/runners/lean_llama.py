@@ -264,7 +264,10 @@ class LeanLlamaRunner:
         self._reserve(caches, ns, norm_rows)
         graphs = self.graphs
         if graphs and (graphed := graphs.run(caches, token_ids, num_logits, plan, features_in, norm_rows)) is not None:
-            return graphed if self.scored_ids is None or scored_only else [self._widen(out) for out in graphed]
+            logits, norms = graphed if norm_rows is not None else (graphed, None)
+            if self.scored_ids is not None and not scored_only:
+                logits = [self._widen(out) for out in logits]
+            return logits if norm_rows is None else (logits, norms)
         rows = sum(ns)
         plan = self.plan if plan is None else plan
         form = plan.by_rows[rows] if rows <= SMALL_PASS_ROWS else plan.long
