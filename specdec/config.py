@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from specdec.models import DEFAULT_TARGET, DTYPES
 from specdec.runners.products import ACTIVATIONS, MATMUL_FORMS, QUANTIZE
 
+# CUDA's default CUDA_DEVICE_MAX_CONNECTIONS: the streams whose work a card runs at once
+MAX_LANES = 8
+
 # The embedded default draft: distilled from the embedded target by training/distill.py, shipped in models/.
 DEFAULT_DRAFT = "embedded:smollm2-135m-draft"
 
@@ -182,6 +185,11 @@ class ModelServerConfig:
         for name in ("max_sessions", "max_draft_tokens", "max_sparse_support", "cuda_graph_lanes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.cuda_graph_lanes > MAX_LANES:
+            raise ConfigError(
+                f"--cuda-graph-lanes must be at most {MAX_LANES}, not {self.cuda_graph_lanes}: a card runs at most "
+                "CUDA_DEVICE_MAX_CONNECTIONS streams' work at once (8 unless set), more lanes only queue"
+            )
         counts = (
             "max_tokens",
             "max_model_len",

@@ -53,6 +53,13 @@ def test_int8_weights_are_refused_where_they_cannot_run(argv, match):
         parse(ModelServerConfig, argv, role="draft")
 
 
+@pytest.mark.parametrize("lanes, match", [("0", "at least 1"), ("9", "at most 8, not 9")])
+def test_cuda_graph_lanes_are_refused_outside_what_a_card_runs_at_once(lanes, match):
+    with pytest.raises(ConfigError, match=match):
+        parse(ModelServerConfig, ["--cuda-graph-lanes", lanes], role="target")
+    assert parse(ModelServerConfig, ["--cuda-graph-lanes", "8"], role="target").cuda_graph_lanes == 8
+
+
 def test_bad_environment_value_is_named(monkeypatch):
     monkeypatch.setenv("SPECDEC_ORCHESTRATOR_PORT", "fifty")
     with pytest.raises(ConfigError, match="SPECDEC_ORCHESTRATOR_PORT"):
