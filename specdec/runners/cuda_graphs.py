@@ -8,7 +8,8 @@ and TGI run their decode steps.
 A graph replays fixed addresses and shapes. So the pass it captures (``static_pass``) reads its tokens and its first
 position from buffers on the device, writes the new keys and values by index, and attends over the cache's whole
 capacity under a mask of the positions so far (the keys past them are zeros: a cache's slab is zeroed). A graph is
-captured per cache slab (specdec/runners/kv_cache.py) and per (rows, logits rows) on the first such pass, and kept with
+captured per cache slab (specdec/runners/kv_cache.py) and per (rows, logits rows, final-norm rows) on the first such
+pass, and kept with
 the slab: with graphs, slabs are recycled, so the next request, or a cache grown into a kept slab, replays the graphs
 an earlier one captured. A pass of several sessions replays their graphs one after another where that measures
 cheaper than one eager pass (``CudaGraphs.in_turn``); with lanes, the graphs of sessions in different lanes replay
@@ -176,7 +177,7 @@ class CudaGraphs:
         ids = self._on_device(token_ids, ns)
         feats = self._features(features_in, ns)
         norms = norm_rows or [0] * len(ns)
-        graphs = [self._graph(c, i, k, m) for c, i, k, m in zip(caches, ids, num_logits, norms)]  # captures first
+        graphs = [self._graph(*args) for args in zip(caches, ids, num_logits, norms, feats)]  # captures first
         if any(g is None for g in graphs):
             return None
         self.way = "graphed" if len(ns) == 1 else "in_turn"
@@ -218,10 +219,10 @@ class CudaGraphs:
             self.eager.observe(len(ns), seconds)
         return self.way
 
-    def _graph(self, cache, ids: torch.Tensor, num_logits: int, norm_rows: int) -> Graph | None:
+    def _graph(self, cache, ids: torch.Tensor, num_logits: int, norm_rows: int, feats) -> Graph | None:
         key = (len(ids), num_logits, norm_rows)
         if (graph := cache.slab.graphs.get(key)) is None and (
-            graph := self._capture_pass(cache, ids, num_logits, norm_rows)
+            graph := self._capture_pass(cache, ids, num_logits, norm_rows, feats)
         ):
             cache.slab.graphs[key] = graph
         return graph
@@ -247,14 +248,16 @@ class CudaGraphs:
             torch.zeros(n, r.embed.shape[1]) if f is None else torch.as_tensor(f).float().cpu()
             for f, n in zip(features_in or [None] * len(ns), ns)
         ]
-        flat = torch.cat(rows)
+        flat = torch.cat(rows).to(r.dtype)  # rounded as the eager pass's .to(device, dtype) rounds, on the host
         if r.device.type == "cuda":
             flat = flat.pin_memory().to(r.device, non_blocking=True)
-        return list(flat.to(r.dtype).split(ns))
+        return list(flat.split(ns))
 
     def _replay(self, graph: Graph, cache, ids: torch.Tensor, feats: torch.Tensor | None):
-        """(logits, final-norm rows or None) of one session's graph, copied out of its buffers, which the next
-        replay writes."""
+        """(logits, final-norm rows or None) of one session's graph, copied out of its buffers at once, on the
+        replay's stream: a lane's graphs share their scratch (an older graph's cuBLAS workspace, once torch freed it
+        with a dropped graph, may lie under a newer one's buffers), so nothing a replay wrote is read after the next
+        replay of its lane, and every input buffer is written before its own replay."""
         graph.ids.copy_(ids)
         graph.pos.fill_(cache.length)
         if graph.feats is not None:
@@ -278,11 +281,12 @@ class CudaGraphs:
             self._pools[lane] = torch.cuda.MemPool()
         return self._pools[lane].id
 
-    def _capture_pass(self, cache, ids: torch.Tensor, num_logits: int, norm_rows: int) -> Graph | None:
+    def _capture_pass(self, cache, ids: torch.Tensor, num_logits: int, norm_rows: int, feats) -> Graph | None:
         r = self.runner
         # buffers of the graph's own: a caller's tensor of ids, already on the device, is not kept (nor written)
         buffers = ids.to(r.device, copy=True), torch.full((1,), cache.length, dtype=torch.long, device=r.device)
-        feats = None if r.mix is None else torch.zeros(len(ids), r.embed.shape[1], dtype=r.dtype, device=r.device)
+        # the pass's own features, so that the warm-up and the capture write the keys and values the replay writes
+        feats = None if feats is None else feats.to(r.device, copy=True)
         k, v = cache.k, cache.v  # the slab's tensors, which the graph serves whichever cache holds them
         lane = self._lane(cache.slab)
         key = (lane, len(ids), num_logits, norm_rows)

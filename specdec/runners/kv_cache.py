@@ -23,7 +23,7 @@ class Slab:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
-        self.graphs: dict = {}  # (rows, logits rows) -> a cuda_graphs.Graph on these addresses
+        self.graphs: dict = {}  # (rows, logits rows, final-norm rows) -> a cuda_graphs.Graph on these addresses
         self.lane: int | None = None  # where its graphs replay (cuda_graphs.CudaGraphs), given at its first capture
 
     @property
