@@ -361,7 +361,7 @@ class Engine:
                 **extra,
             )
             logits, norms = out if "norm_rows" in extra else (out, [None] * len(pieces))
-            logits = to_host(logits)
+            logits, norms = to_host(logits), to_host(norms)
         seconds = time.perf_counter() - start
         self.passes += 1
         self.last_pass_s, self.last_rows = seconds, rows

@@ -265,6 +265,9 @@ def test_the_host_boundary_copies_a_devices_logits_once_and_leaves_cpu_ones_alon
     assert all(a is b for a, b in zip(to_host(cpu), cpu))
     moved = to_host([t.as_subclass(DeviceTensor) for t in cpu])
     assert [type(t) for t in moved] == [torch.Tensor] * 2 and [t.shape[0] for t in moved] == [2, 1]
+    norms = to_host([None, cpu[0].as_subclass(DeviceTensor), None, cpu[1].as_subclass(DeviceTensor)])  # some asked none
+    assert norms[0] is None and norms[2] is None and [type(t) for t in norms[1::2]] == [torch.Tensor] * 2
+    assert torch.equal(norms[1], cpu[0]) and torch.equal(norms[3], cpu[1]) and to_host([None, None]) == [None, None]
 
 
 def test_strict_attention_leaves_a_gpu_pass_only_the_fused_kernels_and_changes_nothing_on_cpu():

@@ -53,15 +53,18 @@ def make_runner(
     return CausalLMRunner(model, vocab_size, device)
 
 
-def to_host(logits: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The host boundary: a pass's logits ([rows, columns] per session, one width) as CPU tensors, in one copy.
+def to_host(rows: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The host boundary: a pass's outputs ([rows, columns] per session, one width and dtype; None where a session
+    asked for none, as final-norm rows) as CPU tensors, in one copy.
 
-    Runners leave their outputs on their device; the engine calls this once per pass, and everything after it
-    (sampling, supports, responses) works on CPU tensors. On a GPU the copy also waits for the pass, so the
-    pass's measured time is the device's work, not the launches'."""
-    if all(t.device.type == "cpu" for t in logits):
-        return [t.cpu() for t in logits]  # the same tensors: no copy
-    return list(torch.cat(logits).cpu().split([t.shape[0] for t in logits]))
+    Runners leave their outputs on their device; the engine calls this once per pass for its logits and once for
+    its final-norm rows, and everything after it (sampling, supports, responses, features) works on CPU tensors. On
+    a GPU the copy also waits for the pass, so the pass's measured time is the device's work, not the launches'."""
+    present = [t for t in rows if t is not None]
+    if all(t.device.type == "cpu" for t in present):
+        return [None if t is None else t.cpu() for t in rows]  # the same tensors: no copy
+    host = iter(torch.cat(present).cpu().split([t.shape[0] for t in present]))
+    return [None if t is None else next(host) for t in rows]
 
 
 def attention_kernels(device, strict: bool):
