@@ -6,7 +6,8 @@ Builds Llama-3.2-1B (the draft) and Llama-3.2-3B (the target) from their publish
 configurations with random weights: the real weights cannot be downloaded here, and
 random weights take exactly as long. Times, with the runner the model servers use
 (the lean Llama forward), after a prefill of --context tokens:
-- one draft step and one target step: c = draft step / target step;
+- one draft step and one target step: c = draft step / target step; the same for a
+  one-layer head that reads the 3B's features (specdec/head.py, random weights too);
 - one target pass over n = 1..9 new tokens: the verify cost of K = n - 1 drafts,
   relative to one step (about 1 while the pass is bound by reading the weights).
 Then projects, for acceptance rates that Llama 3.2 1B/3B pairs are reported to reach
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from bench.metrics import expected_tokens_per_round, leviathan_bound
+from specdec.head import head_weights, random_head
 from specdec.runners.cuda_graphs import CudaGraphs
 
 _ROPE = {
@@ -74,6 +76,8 @@ CONFIGS = {
     ),
 }
 PUBLISHED_ALPHAS = (0.6, 0.7, 0.8, 0.9)
+# tokens a head scores: a quarter of Llama 3's 128,256, about the share the embedded head's 8,192 are of 49,152
+HEAD_SCORED = 32768
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -193,22 +197,46 @@ def profile(
     for role, name in (("draft", "Llama-3.2-1B"), ("target", "Llama-3.2-3B")):
         model = build(cfgs[name], DTYPES[dtype], device)
         result["models"][name]["parameters"] = sum(p.numel() for p in model.parameters())
-        runner = make_runner(model, cfgs[name]["vocab_size"], context + 64, "auto")
-        ks = range(max_k + 1) if role == "target" else (0,)
-        timings[role] = {k: pass_ms(runner, k + 1, context, reps, sync) for k in ks}  # K drafts: K + 1 tokens
-        if device.startswith("cuda") and graphs is not None:
-            try:
-                graphs[role] = {k: graph_pass_ms(runner, k + 1, context, reps) for k in ks}
-            except Exception as e:  # the eager profile stands on its own; say why the graphs are missing
-                result["graphs_error"] = f"{type(e).__name__}: {e}"
-                graphs = None
-        del runner, model
+        runners = {role: make_runner(model, cfgs[name]["vocab_size"], context + 64, "auto")}
+        if role == "target":  # the draft issue 41 builds for it: one layer that reads its features
+            drafter = head_for(model)
+            result["models"]["head"] = {"parameters": head_parameters(drafter), "scored": len(head_scored(model))}
+            runners["head"] = make_runner(drafter, cfgs[name]["vocab_size"], context + 64, "auto", device=device)
+        for each, runner in runners.items():
+            ks = range(max_k + 1) if each == "target" else (0,)
+            timings[each] = {k: pass_ms(runner, k + 1, context, reps, sync) for k in ks}  # K drafts: K + 1 tokens
+            if device.startswith("cuda") and graphs is not None:
+                try:
+                    graphs[each] = {k: graph_pass_ms(runner, k + 1, context, reps) for k in ks}
+                except Exception as e:  # the eager profile stands on its own; say why the graphs are missing
+                    result["graphs_error"] = f"{type(e).__name__}: {e}"
+                    graphs = None
+        del runners, model
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     result.update(summarize(timings, overhead_ms, max_k))
+    result["head"] = summarize({"draft": timings["head"], "target": timings["target"]}, overhead_ms, max_k)
     if graphs:
         result["graphs"] = summarize(graphs, overhead_ms, max_k)
+        result["head_graphs"] = summarize({"draft": graphs["head"], "target": graphs["target"]}, overhead_ms, max_k)
     return result
+
+
+def head_scored(target) -> range:
+    """The tokens a head for target scores: HEAD_SCORED of them (the first ids here; a trained head keeps the most
+    frequent, training.head --scored-tokens), as the embedded head scores 8,192 of 49,152."""
+    return range(min(HEAD_SCORED, target.config.vocab_size))
+
+
+def head_for(target):
+    """A one-layer head (specdec/head.py, EAGLE-1 style) for target with random weights: the target's attention
+    layout and MLP width, fc over [embedding ; feature], the target's output rows over head_scored."""
+    return random_head(target, "Llama-3.2-3B", output_token_ids=head_scored(target))
+
+
+def head_parameters(drafter) -> int:
+    """A head's own parameters: fc, its layer and norm (the embedding and the output rows are the target's)."""
+    return sum(t.numel() for t in head_weights(drafter).values())
 
 
 def _section(r: dict, overhead_ms: float) -> list[str]:
@@ -250,6 +278,18 @@ def markdown(r: dict) -> str:
         lines += _section(r["graphs"], r["overhead_ms"])
     elif "graphs_error" in r:
         lines += ["", f"CUDA graphs: not measured ({r['graphs_error']})."]
+    head = r["models"]["head"]
+    lines += [
+        "",
+        f"## A one-layer head drafting for the 3B (specdec/head.py: {head['parameters'] / 1e6:.1f} M parameters of its"
+        f" own, the target's output rows over {head['scored']} tokens; the target's verify without its features)",
+        "",
+        "Eager:",
+        "",
+        *_section(r["head"], r["overhead_ms"]),
+    ]
+    if "head_graphs" in r:
+        lines += ["", "As CUDA graphs:", "", *_section(r["head_graphs"], r["overhead_ms"])]
     return "\n".join(lines) + "\n"
 
 

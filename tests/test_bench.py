@@ -33,6 +33,12 @@ def test_a_shrunk_profile_times_every_k_and_projects_the_best_one():
     for p in r["projection"].values():
         assert p["best_projected"] == max(v["projected"] for v in p["per_k"].values())
     assert "Projected" in markdown(r) and "shrunk 32x" in markdown(r)
+    head = r["head"]  # a one-layer head for the 3B, timed against the same target steps
+    assert head["target_step_ms"] == r["target_step_ms"] and head["c"] == pytest.approx(
+        head["draft_step_ms"] / r["target_step_ms"]
+    )
+    assert 0 < r["models"]["head"]["parameters"] < r["models"]["Llama-3.2-1B"]["parameters"]
+    assert "one-layer head drafting for the 3B" in markdown(r)
 
 
 def _run(tokens, seconds, accepted=0, drafted=0, rejected=0, rounds=1, lookup_tokens=0, lookup_accepted=0, decode=None):
