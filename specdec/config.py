@@ -18,6 +18,7 @@ from specdec.runners.products import ACTIVATIONS, MATMUL_FORMS, QUANTIZE
 
 # CUDA's default CUDA_DEVICE_MAX_CONNECTIONS: the streams whose work a card runs at once
 MAX_LANES = 8
+MAX_GRAPH_ROWS = 16  # specdec.runners.cuda_graphs.MAX_ROWS: the widest pass graphs take
 
 # The embedded default draft: distilled from the embedded target by training/distill.py, shipped in models/.
 DEFAULT_DRAFT = "embedded:smollm2-135m-draft"
@@ -157,11 +158,22 @@ class ModelServerConfig:
         "with --cuda-graphs, replay several sessions' graphs on this many CUDA streams at once (a lane each, "
         "its own memory pool); 1 replays them one after another; more is not yet measured on a card",
     )
+    cuda_graph_rows: int = _option(
+        0,
+        "with --cuda-graphs, replay every pass of up to R rows a session as the graph of exactly R rows (the rest "
+        "padding) and several sessions' passes always in turn, so that a position's logits are the same from a "
+        "step, a verify or a batch: greedy output equal to the target alone in bfloat16 (set R to the largest K + "
+        "1), at R rows' cost a step; not yet measured on a card; 0: each pass its own rows",
+    )
     prefix_cache_tokens: int = _option(
         2048,
         "KV tokens kept of prompt prefixes that new sessions share (a chat template's opening, a rebuilt "
         "session's history), where the runner is batch-invariant; 0 turns it off",
     )
+
+    def graph_options(self) -> dict:
+        """make_runner's CUDA graph arguments: lanes (0: no graphs) and fixed rows."""
+        return {"cuda_graphs": self.cuda_graph_lanes if self.cuda_graphs else 0, "graph_rows": self.cuda_graph_rows}
 
     def validate(self) -> None:
         if self.role not in ("draft", "target"):
@@ -185,6 +197,8 @@ class ModelServerConfig:
         for name in ("max_sessions", "max_draft_tokens", "max_sparse_support", "cuda_graph_lanes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 <= self.cuda_graph_rows <= MAX_GRAPH_ROWS:
+            raise ConfigError(f"--cuda-graph-rows must be 0 to {MAX_GRAPH_ROWS}, not {self.cuda_graph_rows}")
         if self.cuda_graph_lanes > MAX_LANES:
             raise ConfigError(
                 f"--cuda-graph-lanes must be at most {MAX_LANES}, not {self.cuda_graph_lanes}: a card runs at most "

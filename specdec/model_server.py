@@ -68,7 +68,7 @@ class ModelServer:
             gguf,
             device=cfg.device,
             activations=activations,
-            cuda_graphs=cfg.cuda_graph_lanes if cfg.cuda_graphs else 0,
+            **cfg.graph_options(),
         )
         on_cpu = self.runner.device.type == "cpu"
         max_batch_tokens = cfg.max_batch_tokens or MAX_BATCH_TOKENS["cpu" if on_cpu else "accelerator"]

@@ -60,6 +60,14 @@ def test_cuda_graph_lanes_are_refused_outside_what_a_card_runs_at_once(lanes, ma
     assert parse(ModelServerConfig, ["--cuda-graph-lanes", "8"], role="target").cuda_graph_lanes == 8
 
 
+def test_cuda_graph_rows_are_refused_past_the_widest_pass_graphs_take():
+    with pytest.raises(ConfigError, match="--cuda-graph-rows must be 0 to 16, not 17"):
+        parse(ModelServerConfig, ["--cuda-graph-rows", "17"], role="target")
+    cfg = parse(ModelServerConfig, ["--cuda-graph-rows", "9", "--cuda-graph-lanes", "2"], role="target")
+    assert cfg.graph_options() == {"cuda_graphs": 2, "graph_rows": 9}
+    assert parse(ModelServerConfig, ["--cuda-graphs", "false"], role="target").graph_options()["cuda_graphs"] == 0
+
+
 def test_bad_environment_value_is_named(monkeypatch):
     monkeypatch.setenv("SPECDEC_ORCHESTRATOR_PORT", "fifty")
     with pytest.raises(ConfigError, match="SPECDEC_ORCHESTRATOR_PORT"):

@@ -284,6 +284,53 @@ def test_a_head_s_features_and_a_target_s_final_norm_rows_go_through_its_graphs_
     assert graphs.replayed >= 8 and caches[0][1].length == caches[1][1].length
 
 
+def test_with_fixed_rows_every_pass_replays_one_shape_and_computes_what_the_eager_pass_does(runners, tokenizer):
+    """--cuda-graph-rows R: steps, verifies of up to R rows and several sessions' passes (in turn, before any cost
+    is known) all replay graphs of exactly R rows with every row's logits; each session gets the eager pass's
+    logits and final-norm rows for its own rows, its length moved by them alone. Wider passes, and a pass with no
+    room left to pad, run eagerly."""
+    eager, graphed = runners
+    rows = 5
+    graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]), rows=rows)
+    try:
+        caches, plains = [graphed.new_cache() for _ in range(2)], [eager.new_cache() for _ in range(2)]
+        prompts = [list(range(10, 40)), list(range(50, 70))]
+        for got, want in zip(
+            graphed.forward_batch(caches, prompts, [1, 1]), eager.forward_batch(plains, prompts, [1, 1])
+        ):
+            close(got, want)
+        rng = random.Random(1)
+        for n, logits_rows, norm_rows, sessions in [
+            (1, 1, 0, 1),
+            (5, 5, 5, 1),
+            (3, 1, 3, 1),
+            (1, 1, 1, 2),
+            (4, 4, 0, 2),
+        ]:
+            ids = [[rng.randrange(2, 900) for _ in range(n)] for _ in range(sessions)]
+            kw = {"norm_rows": [norm_rows] * sessions}
+            got, got_norms = graphed.forward_batch(caches[:sessions], ids, [logits_rows] * sessions, **kw)
+            want, want_norms = eager.forward_batch(plains[:sessions], ids, [logits_rows] * sessions, **kw)
+            assert graphs.way == ("graphed" if sessions == 1 else "in_turn")
+            for g, w, g_norms, w_norms in zip(got, want, got_norms, want_norms):
+                close(g, w)
+                assert (g_norms is None) == (w_norms is None)
+                if w_norms is not None:
+                    close(g_norms, w_norms)
+            assert [c.length for c in caches] == [c.length for c in plains]
+        assert {key for c in caches for key in c.slab.graphs} == {(rows, rows, 0), (rows, rows, rows)}
+        wide = list(range(100, 100 + rows + 1))
+        close(graphed.forward(caches[0], wide, 1), eager.forward(plains[0], wide, 1))
+        assert graphs.way == "eager"
+        assert "graphs of 5 rows" in graphs.describe()
+        near_end = graphed.new_cache()
+        graphed.forward(near_end, list(range(graphed.max_len - rows + 1)), 1)  # fewer than R rows left
+        graphed.forward(near_end, [7], 1)
+        assert graphs.way == "eager"
+    finally:
+        graphed.graphs = None
+
+
 def test_several_sessions_run_as_their_graphs_in_turn_where_the_measured_costs_say_that_is_cheaper(runners, tokenizer):
     eager, graphed = runners
     captures = []

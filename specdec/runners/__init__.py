@@ -27,6 +27,7 @@ def make_runner(
     device=None,
     activations: str = "float32",
     cuda_graphs: int = 0,
+    graph_rows: int = 0,
 ):
     """kind: hf (the stock transformers forward), lean (Llama only), auto (lean for Llama, else hf).
     matmul: the lean runner's product form for steps and verify passes; quantize: none, or int8 products
@@ -35,7 +36,8 @@ def make_runner(
     where the model is); a model loaded on the CPU for a GPU runner is prepared there and moved once.
     activations: float32, or int8 (the lean runner's products on 8-bit activations, specdec.runners.products).
     cuda_graphs: on a CUDA device, the lean runner replays one session's few-row passes as CUDA graphs
-    (specdec.runners.cuda_graphs), several sessions' in this many lanes at once (True: one); 0 or False: none.
+    (specdec.runners.cuda_graphs), several sessions' in this many lanes at once (True: one); 0 or False: none;
+    graph_rows: every such pass as the graph of exactly this many rows (CudaGraphs' rows; 0: its own rows).
 
     The host's kernels are built here if they are not yet (30-45 s, once per machine): a server samples on the host
     whatever its device, and the build belongs to its start, not to its first request."""
@@ -45,7 +47,7 @@ def make_runner(
     if kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama"):
         runner = LeanLlamaRunner(model, vocab_size, max_len, matmul, quantize, gguf, device, activations)
         if cuda_graphs and runner.device.type == "cuda":
-            runner.graphs = CudaGraphs(runner, lanes=int(cuda_graphs))
+            runner.graphs = CudaGraphs(runner, lanes=int(cuda_graphs), rows=graph_rows)
         return runner
     for name, value, plain in (("quantize", quantize, "none"), ("activations", activations, "float32")):
         if value != plain:

@@ -141,8 +141,16 @@ class CudaGraphs:
     An eager pass of few rows a session is priced by its sessions, not its rows: on a GPU its cost is each
     session's attention and launches (4 sessions' steps 31.4 ms, their verifies of 5 rows 35.4)."""
 
-    def __init__(self, runner, max_rows: int = MAX_ROWS, capture=cuda_capture, lanes: int = 1, streams=None):
+    def __init__(
+        self, runner, max_rows: int = MAX_ROWS, capture=cuda_capture, lanes: int = 1, streams=None, rows: int = 0
+    ):
         self.runner, self.max_rows, self._capture = runner, max_rows, capture
+        # rows > 0: every pass of up to `rows` rows a session replays the graph of exactly `rows` (its own rows
+        # first, the rest padding), with every row's logits, and several sessions' passes always in turn. A graph
+        # fixes its kernels and their order of summation, and a row's sums do not depend on the other rows of a
+        # GEMM, so a position's logits are the same from a step, any row of a verify, or a batch: greedy output is
+        # the target's alone in bfloat16 too, at `rows` rows' cost a step.
+        self.rows = rows
         runner.slabs.recycle = True  # a slab's graphs serve the caches that take it after its first
         # Graphs of one lane share a memory pool and outputs, so they replay one after another; lanes replay at once.
         # A slab's lane is given at its first capture (kv_cache.Slabs.assign_lane) and kept with its graphs.
@@ -161,6 +169,8 @@ class CudaGraphs:
 
     def describe(self) -> str:
         lanes = f", several sessions' in {self.lanes} lanes at once" if self.lanes > 1 else ""
+        if self.rows:
+            return f"each session's passes of 1-{self.rows} rows replayed as CUDA graphs of {self.rows} rows{lanes}"
         return f"each session's passes of 1-{self.max_rows} rows replayed as CUDA graphs{lanes}"
 
     def run(self, caches, token_ids, num_logits, plan, features_in, norm_rows):
@@ -172,16 +182,24 @@ class CudaGraphs:
         ns = [len(t) for t in token_ids]
         if self.failed or plan is not None or (features_in is not None and self.runner.mix is None):
             return None  # (features for a model that reads none: the eager pass says why not)
-        if not 0 < max(ns) <= self.max_rows or (len(ns) > 1 and not self.in_turn(ns)):
+        if not 0 < max(ns) <= (self.rows or self.max_rows) or (len(ns) > 1 and not (self.rows or self.in_turn(ns))):
             return None
-        ids = self._on_device(token_ids, ns)
-        feats = self._features(features_in, ns)
         norms = norm_rows or [0] * len(ns)
+        shapes = list(zip(ns, num_logits, norms))  # the session's rows, and what it asks of them
+        if self.rows:  # one shape for every pass: room for the padding, and every row's logits (and norms)
+            if any(c.length + self.rows > self.runner.max_len for c in caches):
+                return None  # (the context's last rows: no room to pad)
+            for c in caches:
+                c.reserve(self.rows)
+            token_ids = [_as_list(t) + [0] * (self.rows - n) for t, n in zip(token_ids, ns)]
+            ns, num_logits, norms = [self.rows] * len(ns), [self.rows] * len(ns), [self.rows if m else 0 for m in norms]
+        ids = self._on_device(token_ids, ns)
+        feats = self._features(features_in, [n for n, _, _ in shapes], ns)
         graphs = [self._graph(*args) for args in zip(caches, ids, num_logits, norms, feats)]  # captures first
         if any(g is None for g in graphs):
             return None
         self.way = "graphed" if len(ns) == 1 else "in_turn"
-        calls = [partial(self._replay, g, c, i, f) for g, c, i, f in zip(graphs, caches, ids, feats)]
+        calls = [partial(self._replay, *args) for args in zip(graphs, caches, ids, feats, shapes)]
         if len(ns) == 1 or self.lanes == 1:
             outs = [call() for call in calls]
         else:
@@ -238,22 +256,22 @@ class CudaGraphs:
             flat = flat.pin_memory().to(device, non_blocking=True)
         return list(flat.split(ns))
 
-    def _features(self, features_in, ns: list[int]) -> list[torch.Tensor | None]:
-        """A head's input features of each session's rows on the device (zeros where a session has none), in one
-        copy as the ids; None a session for a model that reads none."""
+    def _features(self, features_in, ns: list[int], widths: list[int]) -> list[torch.Tensor | None]:
+        """A head's input features of each session's ns[i] rows on the device, zeros where a session has none and
+        past its rows up to widths[i] (padding), in one copy as the ids; None a session for a model that reads none."""
         r = self.runner
         if r.mix is None:
             return [None] * len(ns)
-        rows = [
-            torch.zeros(n, r.embed.shape[1]) if f is None else torch.as_tensor(f).float().cpu()
-            for f, n in zip(features_in or [None] * len(ns), ns)
-        ]
+        rows = [torch.zeros(w, r.embed.shape[1]) for w in widths]
+        for row, f, n in zip(rows, features_in or [None] * len(ns), ns):
+            if f is not None:
+                row[:n] = torch.as_tensor(f).float().cpu()
         flat = torch.cat(rows).to(r.dtype)  # rounded as the eager pass's .to(device, dtype) rounds, on the host
         if r.device.type == "cuda":
             flat = flat.pin_memory().to(r.device, non_blocking=True)
-        return list(flat.split(ns))
+        return list(flat.split(widths))
 
-    def _replay(self, graph: Graph, cache, ids: torch.Tensor, feats: torch.Tensor | None):
+    def _replay(self, graph: Graph, cache, ids: torch.Tensor, feats: torch.Tensor | None, shape: tuple[int, int, int]):
         """(logits, final-norm rows or None) of one session's graph, copied out of its buffers at once, on the
         replay's stream: a lane's graphs share their scratch (an older graph's cuBLAS workspace, once torch freed it
         with a dropped graph, may lie under a newer one's buffers), so nothing a replay wrote is read after the next
@@ -264,8 +282,12 @@ class CudaGraphs:
             graph.feats.copy_(feats)
         graph.replay()
         self.replayed += 1
-        cache.length += len(ids)
-        return graph.out.clone(), None if graph.norms is None else graph.norms.clone()
+        n, logits_rows, norm_rows = shape  # the session's own rows: all of its graph's, or its first n of `rows`
+        cache.length += n
+        out, normed = graph.out, graph.norms if norm_rows else None
+        if self.rows:  # a padded graph's outputs are of every row
+            out, normed = out[n - logits_rows : n], None if normed is None else normed[n - norm_rows : n]
+        return out.clone(), None if normed is None else normed.clone()
 
     def _lane(self, slab) -> int:
         return slab.lane if slab.lane is not None else self.runner.slabs.assign_lane(slab, self.lanes)
@@ -312,6 +334,10 @@ class CudaGraphs:
         if self.captured == 1:
             log.info("CUDA graphs: captured the first (%d rows, %d logits rows)", len(ids), num_logits)
         return Graph(replay, *buffers, feats, out, normed)
+
+
+def _as_list(ids) -> list[int]:
+    return ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
 
 
 class CudaStreams:
