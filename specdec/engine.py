@@ -248,6 +248,8 @@ class Engine:
             self._queue = [f for f in self._queue if not f.future.done()]  # cancelled callers
             pieces = plan_pass(self._queue, self.max_batch_tokens)
             pieces = [p for p in pieces if p.feed.scored_only == pieces[0].feed.scored_only]  # one kind a pass
+            if (graphs := getattr(self.runner, "graphs", None)) is not None:  # one graph shape a pass, where fixed
+                pieces = [p for p, keep in zip(pieces, graphs.one_shape([p.n for p in pieces])) if keep]
             if pieces:
                 self._pass(pieces)
                 self._queue = [f for f in self._queue if not f.future.done()]

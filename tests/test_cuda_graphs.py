@@ -331,6 +331,30 @@ def test_with_fixed_rows_every_pass_replays_one_shape_and_computes_what_the_eage
         graphed.graphs = None
 
 
+def test_with_fixed_rows_passes_in_turn_before_any_price_are_timed_and_prefills_take_passes_of_their_own(runners):
+    """Fixed rows run several sessions in turn before any graphed pass was priced: their time is shared evenly (a
+    proportional share of nothing divided by zero). And a planned pass holds either the pieces that fit the graphs or
+    the longer ones, in turn where both wait, so that a prefill queued beside steps does not make them eager."""
+    _, graphed = runners
+    graphs = graphed.graphs = fresh_graphs(graphed, running_capture([]), rows=4)
+    try:
+        caches = [graphed.new_cache() for _ in range(2)]
+        graphed.forward_batch(caches, [list(range(10, 30)), list(range(40, 52))], [1, 1])
+        graphs.timed([20, 12], 0.01)
+        ways = []
+        for step in range(3):
+            graphed.forward_batch(caches, [[5 + step], [9 + step]], [1, 1])
+            ways.append(graphs.timed([1, 1], 0.004))
+        assert ways == ["captured", "in_turn", "in_turn"] and graphs.graphed.at(1)[0] == pytest.approx(0.002)
+        assert graphs.one_shape([1, 4, 40]) == [True, True, False]  # the steps and verifies first
+        assert graphs.one_shape([1, 4, 40]) == [False, False, True]  # then the prefill
+        assert graphs.one_shape([1, 3]) == [True, True] and graphs.one_shape([40, 60]) == [True, True]
+        graphs.rows = 0
+        assert graphs.one_shape([1, 4, 40]) == [True, True, True]  # without fixed rows, one pass as planned
+    finally:
+        graphed.graphs = None
+
+
 def test_several_sessions_run_as_their_graphs_in_turn_where_the_measured_costs_say_that_is_cheaper(runners, tokenizer):
     eager, graphed = runners
     captures = []

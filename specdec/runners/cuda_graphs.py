@@ -151,6 +151,7 @@ class CudaGraphs:
         # GEMM, so a position's logits are the same from a step, any row of a verify, or a batch: greedy output is
         # the target's alone in bfloat16 too, at `rows` rows' cost a step.
         self.rows = rows
+        self._mixed_passes = 0  # passes whose pieces fit the fixed rows and did not (one_shape's turns)
         runner.slabs.recycle = True  # a slab's graphs serve the caches that take it after its first
         # Graphs of one lane share a memory pool and outputs, so they replay one after another; lanes replay at once.
         # A slab's lane is given at its first capture (kv_cache.Slabs.assign_lane) and kept with its graphs.
@@ -207,6 +208,16 @@ class CudaGraphs:
         logits = [out for out, _ in outs]
         return logits if norm_rows is None else (logits, [normed for _, normed in outs])
 
+    def one_shape(self, ns: list[int]) -> list[bool]:
+        """Which of a planned pass's pieces (of ns rows) it runs: all, but with fixed rows either those that fit the
+        graphs (steps, verifies) or the longer ones (prefills), in turn where both wait. One longer piece would make
+        the whole pass eager, and the steps and verifies in it would leave the one shape their positions come from."""
+        fit = [n <= self.rows for n in ns]
+        if not self.rows or all(fit) or not any(fit):
+            return [True] * len(ns)
+        self._mixed_passes += 1
+        return [f == (self._mixed_passes % 2 == 1) for f in fit]
+
     def in_turn(self, ns: list[int]) -> bool:
         """Whether sessions of ns rows run cheaper as their graphs in turn than in one eager pass, by the costs
         measured (eagerly, which measures it, until an eager pass of about as many sessions has been)."""
@@ -230,9 +241,9 @@ class CudaGraphs:
         elif self.way == "in_turn" and self.lanes > 1:
             self.turns.observe(len(ns), seconds)
         elif self.way == "in_turn":  # each session's share, in proportion to what its graph was priced at
-            priced = [self.graphed.at(n)[0] for n in ns]
+            priced = [self.graphed.at(n)[0] for n in ns]  # (none yet with fixed rows, which never wait for prices)
             for n, share in zip(ns, priced):
-                self.graphed.observe(n, seconds * share / sum(priced))
+                self.graphed.observe(n, seconds * share / sum(priced) if sum(priced) else seconds / len(ns))
         elif self.way == "eager" and max(ns) <= self.max_rows:  # a prefill's piece is no guide to a few rows'
             self.eager.observe(len(ns), seconds)
         return self.way
