@@ -14,11 +14,8 @@ import os
 from dataclasses import dataclass, field
 
 from specdec.models import DEFAULT_TARGET, DTYPES
+from specdec.runners.cuda_graphs import MAX_LANES, MAX_ROWS
 from specdec.runners.products import ACTIVATIONS, MATMUL_FORMS, QUANTIZE
-
-# CUDA's default CUDA_DEVICE_MAX_CONNECTIONS: the streams whose work a card runs at once
-MAX_LANES = 8
-MAX_GRAPH_ROWS = 16  # specdec.runners.cuda_graphs.MAX_ROWS: the widest pass graphs take
 
 # The embedded default draft: distilled from the embedded target by training/distill.py, shipped in models/.
 DEFAULT_DRAFT = "embedded:smollm2-135m-draft"
@@ -197,8 +194,8 @@ class ModelServerConfig:
         for name in ("max_sessions", "max_draft_tokens", "max_sparse_support", "cuda_graph_lanes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        if not 0 <= self.cuda_graph_rows <= MAX_GRAPH_ROWS:
-            raise ConfigError(f"--cuda-graph-rows must be 0 to {MAX_GRAPH_ROWS}, not {self.cuda_graph_rows}")
+        if not 0 <= self.cuda_graph_rows <= MAX_ROWS:
+            raise ConfigError(f"--cuda-graph-rows must be 0 to {MAX_ROWS}, not {self.cuda_graph_rows}")
         if self.cuda_graph_lanes > MAX_LANES:
             raise ConfigError(
                 f"--cuda-graph-lanes must be at most {MAX_LANES}, not {self.cuda_graph_lanes}: a card runs at most "

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 # A step (1 row), a verify of K + 1 rows (K up to 15); a wider pass is a prefill, whose launches its rows amortize.
 MAX_ROWS = 16
+# Lanes at most: a card runs at most CUDA_DEVICE_MAX_CONNECTIONS streams' work at once (8 unless set).
+MAX_LANES = 8
 # One pass of several sessions in this many that would replay their graphs in turn runs eagerly instead, so that the
 # eager pass's cost, which the choice compares with, follows the load rather than its first measure; but only while
 # that cost is within EXPLORE_WITHIN times the in-turn pass's. Further off, a measure could not change the choice, and
@@ -69,9 +71,7 @@ def static_pass(
     form = runner.plan.by_rows[n] if n <= SMALL_PASS_ROWS else runner.plan.long
     linear, layers, lm_head = form.products
     ops, eps, h = TorchLayerOps, runner.eps, runner.n_heads
-    x = runner.embed[ids]
-    if feats is not None:  # a head's input, as LeanLlamaRunner._mixed
-        x = runner._mix_product(torch.cat([x, feats], dim=1), runner.mix)
+    x = runner._mixed(runner.embed[ids], None if feats is None else [feats], [n])  # a head's input; else embeddings
     for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(layers):
         att = attend_masked(linear(ops.rms_norm(x, ln1, eps), wqkv), k[i], v[i], cos, sin, positions, allowed, h)
         x = x + linear(att, wo)
