@@ -3,13 +3,15 @@ the target alone, greedy and sampled, each ratio taken within one rep.
 
     python -m bench.drafts --draft models/smollm2-draft --draft models/smollm2-head [--prompts 12] [--tokens 96]
     python -m bench.drafts --draft models/smollm2-draft --draft-activations float32 --draft-activations int8
+    python -m bench.drafts --draft models/smollm2-head --draft-env '' --draft-env SPECDEC_DRAFT_QUANTIZE=int4
 
 Each draft gets its own services (`specdec up` and the adaptive orchestrator, bench/services.py), all running at
 once on the same target model; the arms run one after the other within a rep, every draft in turn, so the
 machine's drift hits them all. The prompts are the training generator's held-out ones (training/prompts.py), which
 no draft trained on. alpha = accepted / (accepted + rounds ending in a rejection), at --k with prompt lookup off.
 Each --draft-activations value runs every draft again with its server's activations set so (an arm is named
-"draft@activations" then).
+"draft@activations" then); each --draft-env value, settings NAME=VALUE[,NAME=VALUE] for the services ('' for none),
+likewise (an arm "draft@settings").
 """
 
 from __future__ import annotations
@@ -100,10 +102,23 @@ def spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
+def make_arms(drafts: list[str], activations: list[str], envs: list[str]) -> dict[str, tuple[str, dict]]:
+    """name -> (draft, the services' extra settings): each draft, times each activations value ("draft@int8"),
+    times each settings string "NAME=VALUE[,NAME=VALUE]" ("draft@NAME=VALUE"; '' for none)."""
+    arms = {d: (d, {}) for d in drafts}
+    if activations:
+        arms = {f"{d}@{a}": (d, {"SPECDEC_DRAFT_ACTIVATIONS": a}) for d in drafts for a in activations}
+    if envs:
+        extra = {spec: dict(kv.split("=", 1) for kv in spec.split(",") if kv) for spec in envs}
+        arms = {f"{n}@{spec}": (d, {**env, **extra[spec]}) for n, (d, env) in arms.items() for spec in envs}
+    return arms
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", action="append", required=True, help="a draft model (repeatable)")
     p.add_argument("--draft-activations", action="append", help="the draft server's --activations (repeatable)")
+    p.add_argument("--draft-env", action="append", help="the services' settings NAME=VALUE[,...] (repeatable)")
     p.add_argument("--target", default=models.DEFAULT_TARGET)
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--tokens", type=int, default=96)
@@ -114,9 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jobs = list(enumerate(make_prompts(args.prompts, seed=7, held_out=True)))
-    arms = {d: (d, {}) for d in args.draft}  # name: (draft, the services' extra settings)
-    if args.draft_activations:
-        arms = {f"{d}@{a}": (d, {"SPECDEC_DRAFT_ACTIVATIONS": a}) for d in args.draft for a in args.draft_activations}
+    arms = make_arms(args.draft, args.draft_activations or [], args.draft_env or [])
     services = {
         name: start_services(d, args.target, out / f"services-{i}.log", env=env)
         for i, (name, (d, env)) in enumerate(arms.items())

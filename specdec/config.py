@@ -95,15 +95,16 @@ class ModelServerConfig:
     )
     quantize: str = _option(
         "auto",
-        "lean runner's weights on CPU: int8 (per-row scales) or none; auto = int8 for a draft on CPU "
-        "in float32, none otherwise (a draft's numbers change q, not the output)",
+        "lean runner's weights on CPU: int8 (per-row scales), int4 (Q4_1 blocks of 32, multiplied with "
+        "quantized activations) or none; auto = int8 for a draft on CPU in float32, none otherwise (a draft's "
+        "numbers change q, not the output)",
     )
     activations: str = _option(
         "auto",
         "lean runner's activations on CPU: int8 or int16 (quantized per row in blocks of 32 for every product, "
         "multiplied in integers with the GGUF file's blocks or the draft's int8 rows; AVX-512 VNNI, AVX-VNNI or "
         "AVX2), float32, or auto (for a target from a GGUF file on a CPU with AVX-512 VNNI, the form the file "
-        "passed the quality gate with, `specdec gate`; float32 otherwise)",
+        "passed the quality gate with, `specdec gate`; int8 for int4 weights; float32 otherwise)",
     )
     host: str = field(default="0.0.0.0", metadata={"help": "address to bind"})
     port: int = field(default=50053, metadata={"help": "gRPC port (0 picks a free one)"})
@@ -183,8 +184,16 @@ class ModelServerConfig:
             raise ConfigError(f"--quantize must be {_one_of(('auto', *QUANTIZE))}, not {self.quantize!r}")
         if self.activations not in ("auto", *ACTIVATIONS):
             raise ConfigError(f"--activations must be {_one_of(('auto', *ACTIVATIONS))}, not {self.activations!r}")
-        if self.quantize == "int8" and (not self.device.startswith("cpu") or self.dtype not in ("float32", "auto")):
-            raise ConfigError(f"--quantize int8 runs on CPU from float32 weights, not {self.device} {self.dtype}")
+        if self.quantize in ("int8", "int4") and (
+            not self.device.startswith("cpu") or self.dtype not in ("float32", "auto")
+        ):
+            raise ConfigError(
+                f"--quantize {self.quantize} runs on CPU from float32 weights, not {self.device} {self.dtype}"
+            )
+        if self.quantize == "int4" and self.activations == "float32":
+            raise ConfigError(
+                "--quantize int4 multiplies with quantized activations: --activations int8, int16 or auto"
+            )
         if self.dtype not in ("auto", *DTYPES):
             raise ConfigError(f"--dtype must be one of auto, {', '.join(DTYPES)}, not {self.dtype!r}")
         if not 0 <= self.memory_fraction < 1:

@@ -55,9 +55,9 @@ class ModelServer:
         self.vocab_size = len(tokenizer)
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(cfg.max_model_len or limit, limit)
-        quantize = resolve_quantize(cfg.quantize, cfg.role, model, cfg.device, cfg.runner)
-        gguf = models.gguf_file(cfg.model)
-        activations = resolve_activations(cfg.activations, cfg.role, model, cfg.device, cfg.runner, gguf, cfg.matmul)
+        gguf, where = models.gguf_file(cfg.model), (model, cfg.device, cfg.runner)
+        quantize = resolve_quantize(cfg.quantize, cfg.role, *where)
+        activations = resolve_activations(cfg.activations, cfg.role, *where, gguf, cfg.matmul, quantize)
         self.runner = make_runner(
             model,
             self.vocab_size,

@@ -267,3 +267,17 @@ def test_the_load_report_names_the_card_and_how_each_server_s_passes_ran():
     md = markdown(report | {"forward": {}, "passes": passes})
     assert md.startswith("# specdec bench --concurrency: NVIDIA H100 80GB HBM3 (host: EPYC, 16 cores)")
     assert "target: 40 in_turn, 3 eager; draft: 12 graphed" in md
+
+
+def test_draft_arms_cross_each_draft_with_each_activations_value_and_settings_string():
+    from bench.drafts import make_arms
+
+    assert make_arms(["a", "b"], [], []) == {"a": ("a", {}), "b": ("b", {})}
+    arms = make_arms(["a"], ["int8"], ["", "SPECDEC_DRAFT_QUANTIZE=int4,X=1"])
+    assert arms == {
+        "a@int8@": ("a", {"SPECDEC_DRAFT_ACTIVATIONS": "int8"}),
+        "a@int8@SPECDEC_DRAFT_QUANTIZE=int4,X=1": (
+            "a",
+            {"SPECDEC_DRAFT_ACTIVATIONS": "int8", "SPECDEC_DRAFT_QUANTIZE": "int4", "X": "1"},
+        ),
+    }

@@ -43,12 +43,14 @@ def test_unknown_product_form_is_refused_at_start_up():
 @pytest.mark.parametrize(
     "argv, match",
     [
-        (["--quantize", "int4"], "--quantize must be auto, none or int8"),
+        (["--quantize", "int2"], "--quantize must be auto, none, int8 or int4"),
         (["--quantize", "int8", "--device", "cuda"], "runs on CPU from float32 weights"),
         (["--quantize", "int8", "--dtype", "bfloat16"], "runs on CPU from float32 weights"),
+        (["--quantize", "int4", "--device", "cuda"], "runs on CPU from float32 weights"),
+        (["--quantize", "int4", "--activations", "float32"], "multiplies with quantized activations"),
     ],
 )
-def test_int8_weights_are_refused_where_they_cannot_run(argv, match):
+def test_quantized_weights_are_refused_where_they_cannot_run(argv, match):
     with pytest.raises(ConfigError, match=match):
         parse(ModelServerConfig, argv, role="draft")
 

@@ -142,6 +142,24 @@ def test_a_head_on_int8_products_mixes_its_input_on_fc_s_int8_rows_row_by_row(he
         assert torch.equal(runner._mixed(runner.embed[ids[i : i + 1]], [feats[i : i + 1]], [1])[0], mixed[i])
 
 
+def test_a_head_on_int4_weights_mixes_its_input_on_fc_s_q4_1_blocks_row_by_row(head_model, target_model):
+    """With --quantize int4, fc takes the layer's form too: Q4_1 blocks with x quantized per row (few_rows_q8), the
+    mix is their reference product, and a row's mix is the same alone as among others, bit for bit."""
+    from specdec.runners import q8_blocks
+
+    try:
+        runner = LeanLlamaRunner(head_model, target_model.config.vocab_size, 256, quantize="int4", activations="int8")
+    except ValueError as e:  # no specdec kernels, or a CPU without AVX2
+        pytest.skip(str(e))
+    assert runner.mix.format == "Q4_1" and runner.plan.long.name == "q4_1-q8"
+    ids, feats = [5, 17, 300], torch.randn(3, head_model.config.hidden_size)
+    mixed = runner._mixed(runner.embed[ids], [feats], [3])
+    x = torch.cat([target_model.model.embed_tokens.weight[ids], feats], 1)
+    torch.testing.assert_close(mixed, q8_blocks.reference(x, runner.mix), atol=1e-4, rtol=1e-4)
+    for i in range(3):
+        assert torch.equal(runner._mixed(runner.embed[ids[i : i + 1]], [feats[i : i + 1]], [1])[0], mixed[i])
+
+
 def test_features_round_trip_as_bf16_rows():
     t = torch.randn(3, 8)
     data = features.encode(t)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import specdec.runners.products as product_forms
 from conftest import KERNEL_FORMS, built_kernels, can_run, kernel_runner
 from specdec import models
-from specdec.runners import CausalLMRunner, make_runner, resolve_quantize
+from specdec.runners import CausalLMRunner, make_runner, resolve_activations, resolve_quantize
 from specdec.runners.lean_llama import LeanLlamaRunner, TorchLayerOps
 from specdec.runners.products import (
     FORMS,
@@ -481,10 +481,12 @@ def test_int8_keeps_the_restricted_output_vocabulary(tiny_draft, tokenizer):
     assert torch.isfinite(logits[:, 1000:5000]).all()
 
 
-def test_int8_is_refused_where_it_cannot_run(tiny_draft, tokenizer):
+def test_quantized_weights_are_refused_where_they_cannot_run(tiny_draft, tokenizer):
     import copy
 
     with pytest.raises(ValueError, match="quantize must be one of"):
+        LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, quantize="int2")
+    with pytest.raises(ValueError, match="int4 weights are multiplied with quantized activations"):
         LeanLlamaRunner(tiny_draft, len(tokenizer), max_len=64, quantize="int4")
     with pytest.raises(ValueError, match="from float32 weights"):
         LeanLlamaRunner(copy.deepcopy(tiny_draft).to(torch.bfloat16), len(tokenizer), max_len=64, quantize="int8")
@@ -498,3 +500,9 @@ def test_auto_quantizes_only_a_float32_draft_on_cpu(tiny_draft):
     assert resolve_quantize("auto", "target", tiny_draft) == "none"
     assert resolve_quantize("none", "draft", tiny_draft) == "none"
     assert resolve_quantize("int8", "target", tiny_draft) == "int8"  # asked for explicitly
+
+
+def test_auto_activations_give_int4_weights_8_bit_activations_and_a_draft_float32_otherwise(tiny_draft):
+    assert resolve_activations("auto", "draft", tiny_draft, quantize="int4") == "int8"
+    assert resolve_activations("auto", "draft", tiny_draft, quantize="int8") == "float32"
+    assert resolve_activations("int16", "draft", tiny_draft, quantize="int4") == "int16"  # asked for explicitly

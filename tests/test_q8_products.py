@@ -133,6 +133,62 @@ def test_q4_1s_minimum_term_takes_the_blocks_integer_sum(kernels, isas, bits):
         torch.testing.assert_close(got, want[:, None].expand(2, n), rtol=1e-6, atol=0)
 
 
+def test_q4_1_quantization_writes_blocks_llama_cpp_reads_each_weight_within_half_a_step():
+    """A draft's int4 weights (forms.quantize_q4_1) are GGUF Q4_1 blocks: laid out as a file's, gguf's own
+    dequantizer gives back every weight within half its block's step (d / 2, plus fp16's rounding of d and m)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from specdec.runners.forms import quantize_q4_1
+
+    w = torch.randn(24, 96) * torch.rand(24, 1)
+    w[3, :32] = 0.25  # a constant block: d 0, every weight its minimum
+    q, scales = quantize_q4_1(w)
+    d, m = scales.reshape(24, 3, 2).unbind(-1)
+    file_blocks = torch.cat([scales.reshape(24, 3, 2).half().view(torch.uint8), q.reshape(24, 3, 16)], dim=-1)
+    values = torch.from_numpy(dequantize(file_blocks.reshape(24, 60).numpy(), GGMLQuantizationType.Q4_1))
+    step = d.repeat_interleave(32, dim=1)
+    assert (values - w).abs().le(0.51 * step + 1e-3 * m.abs().repeat_interleave(32, dim=1)).all()
+    assert torch.equal(values[3, :32], w[3, :32])
+    assert float((values - w).abs().mean() / step.mean()) < 0.3  # rounded to the nearest level, not truncated
+    assert np.array_equal(scales.numpy(), scales.half().float().numpy())  # the file's fp16 values
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("width", [64, 84])  # 84: the last block of a row is padded with zeros
+def test_a_draft_on_int4_weights_gives_each_row_what_it_gets_alone(tokenizer, isas, bits, width):
+    """Q4_1 weights packed for few_rows_q8: a verify of 5 rows equals 5 one-row steps bit for bit, and the model
+    stays the float one within 4 bits' rounding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.runners import LeanLlamaRunner
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=2,
+        num_attention_heads=width // 16 if width % 16 == 0 else 3,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+    tiny_draft = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    runner = LeanLlamaRunner(tiny_draft, len(tokenizer), 256, quantize="int4", activations=f"int{bits}")
+    assert runner.plan.long.name == f"q4_1-q{bits}" and runner.batch_invariant
+    assert runner.numerics == f"float32, int4 weights, {bits}-bit activations"
+    ids = list(range(100, 130))
+    runner.forward(cache := runner.new_cache(), ids[:20], 1)
+    verify = runner.forward(cache, ids[20:25], 5)
+    runner.forward(cache := runner.new_cache(), ids[:20], 1)
+    assert torch.equal(verify, torch.cat([runner.forward(cache, [t], 1) for t in ids[20:25]]))
+    float_runner = LeanLlamaRunner(tiny_draft, len(tokenizer), 256, matmul="linear")
+    p = float_runner.forward(float_runner.new_cache(), ids, 1).softmax(-1)
+    q = runner.forward(runner.new_cache(), ids, 1).softmax(-1)
+    assert float(0.5 * (p - q).abs().sum()) < 0.1  # total variation: the same model, within 4 bits' rounding
+
+
 def _gate_report(int8_top1: float, int16_top1: float) -> dict:
     texts = lambda top1: {
         text: {"positions": 10, "top1_agreement": top1, "mean_kl": 0.0, "perplexity_change": 0.001}

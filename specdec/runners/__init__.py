@@ -93,14 +93,24 @@ def resolve_quantize(quantize: str, role: str, model, device=None, kind: str = "
 
 
 def resolve_activations(
-    activations: str, role: str, model, device=None, kind: str = "auto", gguf: str | None = None, matmul: str = "auto"
+    activations: str,
+    role: str,
+    model,
+    device=None,
+    kind: str = "auto",
+    gguf: str | None = None,
+    matmul: str = "auto",
+    quantize: str = "none",
 ) -> str:
     """auto: for a target, the quantized activations its GGUF file passed the quality gate with (specdec.runners.gate;
     int8 before int16, the faster), where the lean runner serves it on CPU in float32 under --matmul auto and the CPU
-    has AVX-512 VNNI; else float32. A draft stays float32 (below). Any other value stays as asked (an impossible
-    one fails at load, saying why)."""
+    has AVX-512 VNNI; else float32. A draft stays float32 (below), but for int4 weights (`quantize`, resolved), which
+    are multiplied with 8-bit activations only. Any other value stays as asked (an impossible one fails at load,
+    saying why)."""
     if activations != "auto":
         return activations
+    if quantize == "int4":
+        return "int8"
     weight = next(model.parameters())
     on_cpu = torch.device(device if device is not None else weight.device).type == "cpu"
     lean = kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama")

@@ -54,6 +54,22 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return F.pad(q, (0, -w.shape[1] % 16)).contiguous(), scale
 
 
+def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float weights -> GGUF Q4_1 blocks of 32 along the input, as gguf_blocks splits a file's: (q [out,
+    blocks * 16] uint8, input j of a block in the low nibble of byte j and input j + 16 in its high one; scales
+    [out, blocks * 2] float32, d and m per block, fp16 values). w ~ d q + m with q in 0..15, m the block's least
+    value and d its range over 15, both rounded to fp16 as a file stores them, and q the nearest level of those.
+    Inputs past the last whole block are padded with zeros (few_rows_q8 pads x so)."""
+    w = F.pad(w.float(), (0, -w.shape[1] % 32))
+    blocks = w.reshape(w.shape[0], -1, 32)
+    m = blocks.amin(dim=-1).half().float()
+    d = ((blocks.amax(dim=-1) - m) / 15).half().float()
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round((blocks - m[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.uint8)
+    packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(w.shape[0], -1)
+    return packed.contiguous(), torch.stack([d, m], dim=-1).reshape(w.shape[0], -1).contiguous()
+
+
 def pack_int8(w: torch.Tensor):
     """[out, in] float weights -> fbgemm's packed int8 form: symmetric, one scale per output row."""
     w = w.float()

@@ -20,7 +20,16 @@ from torch.nn.attention.bias import causal_lower_right
 from specdec.runners.forms import quantize_rows
 from specdec.runners.kernels import kernels_for
 from specdec.runners.kv_cache import LeanCache, Slabs
-from specdec.runners.products import ACTIVATION_BITS, SMALL_PASS_ROWS, TIMED_ROWS, LayerWeights, Plan, make_plan
+from specdec.runners.products import (
+    ACTIVATION_BITS,
+    SMALL_PASS_ROWS,
+    TIMED_ROWS,
+    LayerWeights,
+    Plan,
+    check_weights,
+    make_plan,
+)
+from specdec.runners.q8_blocks import q8_kernels, quantized
 from specdec.runners.vocab import output_token_ids
 
 
@@ -135,7 +144,7 @@ class LeanLlamaRunner:
         self._scored_ids_on_device = None if self.scored_ids is None else self.scored_ids.to(self.device)
         move = functools.partial(_to_device, device=self.device)
         self.embed, self.layers, self.norm, self.lm_head = _llama_weights(model, vocab_size, self.scored_ids, move)
-        self.mix, self._mix_product = _input_mix(model, move, quantize)
+        self.mix, self._mix_product = _input_mix(model, move, quantize, activations)
         self.cos, self.sin = _rotary_tables(model, max_len, self.dtype, move)
         self.quantize = quantize
         self.activations = activations
@@ -158,7 +167,7 @@ class LeanLlamaRunner:
             timed_rows=tuple(n for n in TIMED_ROWS if n <= max_len) or (max_len,),
             activations=activations,
         )
-        if quantize == "int8":  # the runner keeps the int8 weights alone, no float copy of the matrices
+        if quantize in ("int8", "int4"):  # the runner keeps the int8 weights alone, no float copy of the matrices
             self.layers, self.lm_head = self.plan.long.products.layers, self.plan.long.products.head
 
     def _scratch_pass(self, context: int = 64):
@@ -192,8 +201,8 @@ class LeanLlamaRunner:
         """What a pass's numbers are (ModelInfo.numerics): the weights' dtype and what quantizes the products'
         operands. The product forms of one setting give the same values up to float rounding."""
         parts = [str(self.dtype).removeprefix("torch.")]
-        if self.quantize == "int8":
-            parts.append("int8 weights")
+        if self.quantize != "none":
+            parts.append(f"{self.quantize} weights")
         if self.activations != "float32":
             parts.append(f"{ACTIVATION_BITS[self.activations]}-bit activations")
         return ", ".join(parts)
@@ -394,11 +403,11 @@ def _llama_weights(model, vocab_size: int, scored_ids: torch.Tensor | None, move
     return embed, layers, move(m.norm.weight), lm_head
 
 
-def _input_mix(model, move, quantize: str = "none"):
+def _input_mix(model, move, quantize: str = "none", activations: str = "float32"):
     """A head draft's fc ([hidden, 2 hidden]) and the product that applies it, or (None, None). On specdec's CPU
     kernels where they take it, so that a row's input is the same whatever pass it is in (batch invariance); on
-    int8 rows where the runner's products are (a draft's numbers change only q): in float32 fc was a third of the
-    bytes a head's step reads."""
+    the quantized weights the runner's products take (a draft's numbers change only q): in float32 fc was a third
+    of the bytes a head's step reads."""
     head = getattr(model, "specdec_head", None)
     if head is None:
         return None, None
@@ -406,6 +415,11 @@ def _input_mix(model, move, quantize: str = "none"):
     kernels = kernels_for(fc)
     if kernels is None:
         return fc, F.linear
+    if quantize == "int4":  # the layers' form (products.make_plan): Q4_1 blocks, x quantized per row
+        check_weights(quantize, activations)
+        bits = ACTIVATION_BITS[activations]
+        _, isa = q8_kernels(fc, bits)
+        return quantized(fc, quantize, isa, bits), lambda x, w: w.product(kernels, x)
     if quantize == "int8":
         return quantize_rows(fc), lambda x, rows: kernels.few_rows_int8(x, *rows)
     return fc, kernels.few_rows

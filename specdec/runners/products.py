@@ -50,10 +50,10 @@ SMALL_PASS_ROWS = 32
 FORMS = ("linear", "weights-first", "onednn", "fewrow", "gguf")
 MATMUL_FORMS = ("auto", *FORMS)
 TIMED_ROWS = (1, 2, 3, 4, 6, 9, 16, SMALL_PASS_ROWS)  # row counts `auto` times; the ones between take the next up
-QUANTIZE = ("none", "int8")
+QUANTIZE = ("none", "int8", "int4")  # int4: Q4_1 blocks, with quantized activations only
 # Product forms in specdec's kernel: each output row is summed on its own, in an order that depends on nothing
 # but the row (products.cpp), so a row's result is the one it gets alone, whatever the pass's width.
-ROW_INDEPENDENT = ("fewrow", "gguf", "int8", "gguf-q8", "int8-q8", "gguf-q16", "int8-q16")
+ROW_INDEPENDENT = ("fewrow", "gguf", "int8", *(f"{w}-q{b}" for w in ("gguf", "int8", "q4_1") for b in (8, 16)))
 INT8_FORMS = {"int8": "specdec's kernel", "fbgemm": "fbgemm"}  # the forms on int8 weights, by what runs them
 # The activations of the products: float32, or quantized per row in blocks of 32 (kernels/q8_products.cpp) to 8 bits
 # or to 16, on the GGUF file's blocks ("gguf-q8", "gguf-q16") or on int8 weights ("int8-q8", "int8-q16").
@@ -159,7 +159,9 @@ _STACKED = {
     "fewrow": lambda w: ([w], "fewrow"),
     "int8": lambda w: (list(w), "int8"),  # (q, scale)
     "gguf": lambda w: (list(w[:2]), w[2]),  # (q, scales, format)
-    **{f"{weights}-q{bits}": lambda w: w.stacked for weights in ("gguf", "int8") for bits in (8, 16)},  # Q8Weights
+    **{
+        f"{weights}-q{bits}": lambda w: w.stacked for weights in ("gguf", "int8", "q4_1") for bits in (8, 16)
+    },  # Q8Weights
 }
 
 
@@ -258,7 +260,7 @@ def make_plan(
     vocabulary (no gguf form then); run_pass(plan, n): one whole pass of n rows under a plan, on a scratch
     session, for `auto`'s timing of timed_rows; activations: float32, int8 or int16 (every pass in a q8 form).
     Raises ValueError for a form, quantization or activations that cannot run."""
-    _check(matmul, quantize, head)
+    _check(matmul, quantize, head, activations)
     with_stack = lambda name, products: Form(name, products, _stack(layer_kernels, name, products, n_heads, eps))
     if quantize == "int8" or activations in ACTIVATION_BITS:
         if activations in ACTIVATION_BITS:
@@ -302,14 +304,15 @@ def _timed_plan(forms: dict[str, Form], run_pass, rows: tuple[int, ...]) -> tupl
     return chosen, timings
 
 
-def _check(matmul: str, quantize: str, head: torch.Tensor) -> None:
+def _check(matmul: str, quantize: str, head: torch.Tensor, activations: str) -> None:
     if matmul not in MATMUL_FORMS:
         raise ValueError(f"matmul must be one of {', '.join(MATMUL_FORMS)}, not {matmul!r}")
     if quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
     where = f"{head.device.type} {head.dtype}"
-    if quantize == "int8" and not cpu_float32(head):
-        raise ValueError(f"int8 products run on CPU from float32 weights, not {where}")
+    if quantize != "none" and not cpu_float32(head):
+        raise ValueError(f"{quantize} products run on CPU from float32 weights, not {where}")
+    check_weights(quantize, activations)
     if matmul in ("onednn", "fewrow", "gguf") and not cpu_float32(head):
         raise ValueError(f"matmul {matmul} runs on CPU on float32 weights, not {where}")
     if matmul == "onednn" and not torch.backends.mkldnn.is_available():
@@ -339,16 +342,12 @@ def _q8_products(
     bits: int = 8,
 ) -> tuple[str, Products]:
     """Every product with x quantized to `bits` (8 or 16), in the best instruction-set form this CPU runs: on the
-    int8 rows a draft is quantized to (int8-qB), else on the GGUF file's blocks (gguf-qB)."""
-    kernels = kernels_for(head)
-    isas = list(kernels.q8_isas()) if kernels is not None else []
-    if not isas:
-        raise ValueError(f"int{bits} activations need specdec's CPU kernels on a CPU with AVX2 or VNNI; use float32")
-    isa = isas[0]
+    weights a draft is quantized to (int8-qB, q4_1-qB: q8_weights), else on the GGUF file's blocks (gguf-qB)."""
+    kernels, isa = q8_blocks.q8_kernels(head, bits)
     product = lambda x, w: w.product(kernels, x)
-    if quantize == "int8":
-        pack = lambda w: q8_blocks.pack_int8_rows(*quantize_rows(w), w.shape[1]).with_isa(isa, bits)
-        name, products = f"int8-q{bits}", packed(product, pack, layers, head)
+    if quantize in q8_blocks.QUANTIZED:
+        pack = lambda w: q8_blocks.quantized(w, quantize, isa, bits)
+        name, products = f"{q8_blocks.QUANTIZED[quantize]}-q{bits}", packed(product, pack, layers, head)
     else:
         blocks = _gguf_products(kernels, layers, head, gguf, restricted, n_heads, n_kv, required=True)[0]
         pack_blocks = lambda b: (q8_blocks.pack_q4_1 if b[2] == "Q4_1" else q8_blocks.pack_q8_0)(b[0], b[1])
@@ -356,6 +355,12 @@ def _q8_products(
         name, products = f"gguf-q{bits}", packed(product, pack, blocks.layers, blocks.head)
     log.info("lean runner: products with %d-bit activations (%s, %s)", bits, name, isa)
     return name, products
+
+
+def check_weights(quantize: str, activations: str) -> None:
+    """Raises ValueError where the weights cannot be multiplied with the activations: int4 needs quantized ones."""
+    if quantize == "int4" and activations not in ACTIVATION_BITS:
+        raise ValueError(f"int4 weights are multiplied with quantized activations (int8 or int16), not {activations}")
 
 
 def _candidates(

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.runners.forms import quantize_q4_1, quantize_rows
+from specdec.runners.kernels import kernels_for
+
 BLOCK, TILE = 32, 16
 
 
@@ -96,6 +99,29 @@ def pack_int8_rows(q: torch.Tensor, scale: torch.Tensor, k: int) -> Q8Weights:
     values = torch.zeros(q.shape[0], width, dtype=torch.int8)
     values[:, :k] = q[:, :k]
     return _pack_signed(values, scale[:, None].expand(-1, width // BLOCK).float())
+
+
+# A draft's --quantize, as the products with quantized activations take it: the weights' part of the form's name.
+QUANTIZED = {"int8": "int8", "int4": "q4_1"}
+
+
+def quantized(w: torch.Tensor, quantize: str, isa: str, bits: int) -> Q8Weights:
+    """A draft's float matrix [n, k] quantized as --quantize says, in few_rows_q8's tiles: int8 rows (one scale a
+    row, pack_int8_rows) or Q4_1 blocks of 32 (a scale and a minimum a block: 0.625 bytes a weight to int8's 1.19
+    in these tiles)."""
+    if quantize == "int8":
+        return pack_int8_rows(*quantize_rows(w), w.shape[1]).with_isa(isa, bits)
+    return pack_q4_1(*quantize_q4_1(w)).with_isa(isa, bits)
+
+
+def q8_kernels(w: torch.Tensor, bits: int):
+    """(specdec's kernels, the best instruction-set form of few_rows_q8 this CPU runs) for weights like w.
+    Raises ValueError where there is none."""
+    kernels = kernels_for(w)
+    isas = list(kernels.q8_isas()) if kernels is not None else []
+    if not isas:
+        raise ValueError(f"int{bits} activations need specdec's CPU kernels on a CPU with AVX2 or VNNI; use float32")
+    return kernels, isas[0]
 
 
 def _pack_signed(values: torch.Tensor, d: torch.Tensor) -> Q8Weights:
