@@ -153,6 +153,8 @@ KERNEL_FORMS = {
     "int8-q8": (False, dict(quantize="int8", activations="int8")),
     "gguf-q16": (True, dict(activations="int16")),
     "int8-q16": (False, dict(quantize="int8", activations="int16")),
+    "q4_1-q8": (False, dict(quantize="int4", activations="int8")),
+    "q4_1-q16": (False, dict(quantize="int4", activations="int16")),
 }
 
 

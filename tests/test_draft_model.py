@@ -7,8 +7,9 @@ import os
 import pytest
 import torch
 
+from conftest import built_kernels
 from specdec import models
-from specdec.runners import make_runner
+from specdec.runners import make_runner, resolve_activations
 from training.prompts import make_prompts
 
 DRAFT = "embedded:smollm2-135m-draft"
@@ -46,10 +47,13 @@ def answers(target_model, tokenizer):
     return out
 
 
-@pytest.mark.parametrize("quantize", ["none", "int8"])  # int8: as the draft service runs it on CPU
+@pytest.mark.parametrize("quantize", ["none", "int8", "int4"])  # int8, int4: as the draft service runs it on CPU
 def test_draft_agrees_with_the_target_on_held_out_prompts(draft, answers, tokenizer, quantize):
     """Teacher-forced on the target's own greedy answers: the draft's argmax equals the target's (alpha at T = 0)."""
-    runner = make_runner(draft, len(tokenizer), 4096, "auto", quantize=quantize)
+    activations = resolve_activations("auto", "draft", draft, quantize=quantize)
+    if quantize == "int4":
+        built_kernels()
+    runner = make_runner(draft, len(tokenizer), 4096, "auto", quantize=quantize, activations=activations)
     agree = total = 0
     for ids, answer in answers:
         logits = runner.forward(runner.new_cache(), ids + answer[:-1], len(answer))  # [len(answer), vocab]

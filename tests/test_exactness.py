@@ -55,7 +55,7 @@ def test_prompts_are_long_enough(tokenizer):
 def test_greedy_output_equals_target_alone(partial_stack, reference, k, threshold, lookup):
     """threshold: the draft stops a round early on low confidence, so rounds propose different numbers of tokens.
     lookup: rounds whose suffix repeats propose the tokens that followed it instead of the draft's."""
-    assert partial_stack.draft.runner.quantize == "int8"  # as deployed on CPU: the draft's products in int8
+    assert partial_stack.draft.runner.quantize in ("int8", "int4")  # as deployed on CPU: the draft's quantized
     looked = accepted = rejected = 0
     for text, expected in zip(PROMPTS, reference):
         ids, _, stats = partial_stack.generate(

@@ -349,14 +349,14 @@ class EvictingTarget(_Recorder, TargetServicer):
 
 
 # A seeded sampled request replays token for token only where a rebuilt session (one prefill) gives the draft
-# probabilities the original (steps and catch-ups) gave to float rounding. The int8 draft as deployed does, in
-# specdec's kernel, which keeps x in float32; fbgemm's int8 product, the fallback where the kernels cannot be built,
-# quantizes each pass on its own range, so a rebuild moves q by ~1e-2 and may change which tokens a seed draws,
+# probabilities the original (steps and catch-ups) gave to float rounding. The quantized draft as deployed does,
+# in specdec's kernels, which sum each row on its own; fbgemm's int8 product, the fallback where the kernels cannot
+# be built, quantizes each pass on its own range, so a rebuild moves q by ~1e-2 and may change which tokens a seed draws,
 # never their distribution (specdec/runners/products.py, int8_linear). There both stacks run a float draft.
 def replaying_draft_cfg() -> dict:
     from specdec.runners.kernels import cpu_kernels
 
-    return {"quantize": "int8" if cpu_kernels() is not None else "none"}
+    return {"quantize": "auto" if cpu_kernels() is not None else "none"}
 
 
 @pytest.fixture(scope="module")

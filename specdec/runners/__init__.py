@@ -81,15 +81,17 @@ def attention_kernels(device, strict: bool):
 
 
 def resolve_quantize(quantize: str, role: str, model, device=None, kind: str = "auto") -> str:
-    """auto: int8 for a draft on CPU in float32 when the lean runner serves it, else none. A draft's
-    numbers only change q, which the ratio test accounts for, so the output stays exact; a target's
-    numbers are the output, so auto leaves them alone."""
+    """auto: for a draft on CPU in float32 when the lean runner serves it, int4 where the CPU has AUTO_ISA (Q4_1
+    blocks with 8-bit activations), else int8; none otherwise. A draft's numbers only change q, which the ratio
+    test accounts for, so the output stays exact; a target's numbers are the output, so auto leaves them alone."""
     if quantize != "auto":
         return quantize
     weight = next(model.parameters())
     on_cpu = torch.device(device if device is not None else weight.device).type == "cpu"
     lean = kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama")
-    return "int8" if role == "draft" and lean and on_cpu and weight.dtype == torch.float32 else "none"
+    if not (role == "draft" and lean and on_cpu and weight.dtype == torch.float32):
+        return "none"
+    return "int4" if has_auto_isa() else "int8"
 
 
 def resolve_activations(
@@ -123,15 +125,21 @@ def gated_activations(gguf: str | None) -> str:
     """The activations auto gives a float32 target from this GGUF file on this CPU: the form the file passed the
     quality gate with (int8 before int16, the faster), where the CPU has AUTO_ISA; else float32."""
     from specdec.runners import gate
-    from specdec.runners.kernels import cpu_kernels
 
     if gguf is None:
         return "float32"
-    kernels = cpu_kernels()
-    if kernels is None or list(kernels.q8_isas())[:1] != [AUTO_ISA]:
+    if not has_auto_isa():
         return "float32"
     passed = gate.passed(gguf)
     return next((form for form in ("int8", "int16") if form in passed), "float32")
+
+
+def has_auto_isa() -> bool:
+    """Whether the best form of the quantized-activation products on this CPU is AUTO_ISA."""
+    from specdec.runners.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    return kernels is not None and list(kernels.q8_isas())[:1] == [AUTO_ISA]
 
 
 # auto's rules beyond the gate, measured (docs/performance.md):
@@ -139,5 +147,8 @@ def gated_activations(gguf: str | None) -> str:
 #   and 0.33-0.36 with 16-bit ones, against 0.74-0.77 with float32 ones; in the 256-bit forms (AVX-VNNI, AVX2) the
 #   layers' products at 8 rows cost 6.8-7.8 ms with 8 bits and 9.6-11.8 with 16, against 6.3 in float32 (2026-11-26).
 # - a draft: its numbers only change q; through the services (2026-11-26) the embedded draft's step, bound by
-#   reading its int8 weights, gained nothing from 8-bit activations, and its greedy alpha was 0.005 lower.
+#   reading its int8 weights, gained nothing from 8-bit activations, and its greedy alpha was 0.005 lower. On Q4_1
+#   blocks (0.625 bytes a weight) it reads half the bytes: one stream with adaptive K 1.07x greedy and 1.11x at
+#   T = 0.7 the int8 draft's, alpha 0.03-0.04 lower (2026-11-26, Xeon with AVX-512 VNNI; int4 in the 256-bit forms
+#   is not measured, so those CPUs keep int8).
 AUTO_ISA = "avx512-vnni"
