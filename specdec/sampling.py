@@ -137,5 +137,16 @@ def sample_sparse(token_ids: np.ndarray, probs: np.ndarray, u: float) -> int:
 def support(probs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """A distribution's nonzero entries, ids ascending: (ids int64, probs float64). probs: [vocab] on CPU.
     sample_sparse on them draws what sample_dense draws on the whole row, for the same u."""
-    ids = torch.nonzero(probs, as_tuple=True)[0]
-    return ids.numpy().astype(np.int64), probs[ids].numpy().astype(np.float64)
+    return supports(probs[None])[0]
+
+
+def supports(probs: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+    """support of each row of probs [n, vocab] on CPU: specdec's CPU kernel (``support_rows``), else torch."""
+    kernels = kernels_for(probs)
+    if kernels is not None:
+        return [(ids.numpy(), p.numpy()) for ids, p in kernels.support_rows(probs)]
+    out = []
+    for row in probs:
+        ids = torch.nonzero(row, as_tuple=True)[0]
+        out.append((ids.numpy().astype(np.int64), row[ids].numpy().astype(np.float64)))
+    return out

@@ -14,7 +14,7 @@ import grpc
 from specdec import features, logprobs
 from specdec.errors import ServiceError, invalid
 from specdec.model_server import CallStats, ModelServer, SessionRpcs
-from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, support, uniform
+from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, supports, uniform
 from specdec.v1 import target_pb2, target_pb2_grpc
 
 
@@ -103,7 +103,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # [K+1, vocab]
         s.keep_probs(probs, len(s.tokens) - len(drafts))
         resp.draft_token_probs.extend(probs[i, x].item() for i, x in enumerate(drafts))
-        found = [support(row) for row in probs]
+        found = supports(probs)
         resp.distributions.extend(core.sparse(f) for f in found)
         if not resp.distributions[-1].complete:  # the orchestrator would have to fetch it for the bonus token
             resp.bonus_token_id = sample_sparse(*found[-1], uniform(params.seed, len(s.tokens), Purpose.RESAMPLE))

@@ -91,6 +91,20 @@ def test_the_argmax_kernel_is_torch_argmax_with_the_first_of_ties():
     assert argmax_rows(tied) == [1, 0]
 
 
+def test_the_support_kernel_gives_each_rows_nonzero_entries_as_torch_finds_them():
+    kernels = built_kernels()
+    g = torch.Generator().manual_seed(0)
+    for vocab in (49152, 37, 1):
+        probs = logits_to_probs(torch.randn(4, vocab, generator=g) * 4, 0.7, top_p=0.9)
+        probs[1] = 0.0  # a row with nothing: empty ids
+        if vocab > 20:
+            probs[2, [0, 15, 16, vocab - 1]] = torch.tensor([1e-38, 0.5, 1e-45, 0.25])  # block edges, denormals
+        for row, (ids, p) in zip(probs, kernels.support_rows(probs)):
+            expected = torch.nonzero(row, as_tuple=True)[0]
+            assert ids.dtype == torch.int64 and p.dtype == torch.float64
+            assert torch.equal(ids, expected) and torch.equal(p, row[expected].double())
+
+
 def test_uniform_is_a_pure_function_and_differs_by_position_and_purpose():
     assert uniform(7, 100, Purpose.ACCEPT) == uniform(7, 100, Purpose.ACCEPT)
     draws = {uniform(7, 100, p) for p in Purpose} | {uniform(7, 101, Purpose.ACCEPT), uniform(8, 100, Purpose.ACCEPT)}

@@ -22,6 +22,7 @@ torch::Tensor attend_batch(torch::Tensor qkv, std::vector<torch::Tensor> ks, std
 torch::Tensor silu_mul(torch::Tensor gu);
 torch::Tensor sampling_probs(torch::Tensor logits, double temperature, int64_t top_k, double top_p);
 torch::Tensor argmax_rows(torch::Tensor logits);
+std::vector<std::pair<torch::Tensor, torch::Tensor>> support_rows(torch::Tensor probs);
 void mask_rows(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor columns);
 
 // The products, attention and a pass's layers work on tensors alone and let go of the GIL while they run: the
@@ -45,6 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of side-by-side gate and up projections");
   m.def("sampling_probs", &sampling_probs, "temperature, top-k, top-p and softmax of each row of logits");
   m.def("argmax_rows", &argmax_rows, "the index of each row's largest value, the first of ties");
+  m.def("support_rows", &support_rows, "each row's nonzero entries: (ids int64, probs float64), ids ascending");
   m.def("mask_rows", &mask_rows, "-inf where a grammar's packed bitmask refuses a row's token, in place");
   py::class_<LayerStack>(m, "LayerStack", "all the layers of a Llama pass in one call, products in these kernels")
       .def(py::init<std::vector<torch::Tensor>, std::vector<std::vector<torch::Tensor>>, std::vector<std::string>,
