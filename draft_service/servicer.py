@@ -134,7 +134,7 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
                 if min_confidence:
                     confidence *= top_probability(logits[0])
             else:
-                probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)[0]
+                probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)[0]
                 columns, p = support(probs)
                 found = (columns if self.ids is None else self.column_tokens[columns], p)  # ids stay ascending
                 x = sample_sparse(*found, uniform(params.seed, position, Purpose.DRAFT))

@@ -68,6 +68,7 @@ class Generation:
             top_p=spec.sampling.top_p,
             top_k=spec.sampling.top_k,
             seed=spec.sampling.seed,
+            min_p=spec.sampling.min_p,
         )
 
     async def run(self):

@@ -85,7 +85,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         cfg = self.cfg
         if bool(req.prompt) == bool(req.messages):
             raise invalid("set exactly one of prompt (non-empty text) and messages")
-        temperature, top_p, top_k = self._sampling_fields(req)
+        temperature, top_p, top_k, min_p = self._sampling_fields(req)
         k, adaptive, confidence, lookup_min = self._speculation_fields(req)
         if req.HasField("max_tokens") and req.max_tokens < 1:
             raise invalid("max_tokens must be at least 1")
@@ -110,7 +110,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return GenerationSpec(
             ids,
             max_tokens,
-            SamplingParams(temperature, top_p, top_k, seed),
+            SamplingParams(temperature, top_p, top_k, seed, min_p),
             k,  # adaptive K chooses within 0..k
             list(req.stop),
             min_confidence=confidence,
@@ -138,8 +138,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             for i in range(1, n)
         ]
 
-    def _sampling_fields(self, req: gen_pb.GenerateRequest) -> tuple[float, float, int]:
-        """temperature, top_p and top_k, the request's or the defaults; raises INVALID_ARGUMENT."""
+    def _sampling_fields(self, req: gen_pb.GenerateRequest) -> tuple[float, float, int, float]:
+        """temperature, top_p, top_k and min_p, the request's or the defaults; raises INVALID_ARGUMENT."""
         cfg = self.cfg
         temperature = req.temperature if req.HasField("temperature") else cfg.temperature
         top_p = req.top_p if req.HasField("top_p") else cfg.top_p
@@ -150,7 +150,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise invalid(f"top_p must be in (0, 1], got {top_p}")
         if top_k < 0:
             raise invalid(f"top_k must be >= 0 (0 disables it), got {top_k}")
-        return temperature, top_p, top_k
+        if not (math.isfinite(req.min_p) and 0 <= req.min_p <= 1):
+            raise invalid(f"min_p must be in [0, 1] (0 disables it), got {req.min_p}")
+        return temperature, top_p, top_k, req.min_p
 
     def _speculation_fields(self, req: gen_pb.GenerateRequest) -> tuple[int, bool, float, int]:
         """K, whether adaptive speculation may change it, the draft's confidence threshold and prompt lookup's

@@ -231,9 +231,9 @@ class ModelServer:
 
     # -- shared pieces of the model RPCs ---------------------------------------
     def sampling(self, p: pb.SamplingParams) -> SamplingParams:
-        if p.temperature < 0 or not 0 < p.top_p <= 1:
-            raise invalid(f"temperature must be >= 0 and top_p in (0, 1]; got {p.temperature}, {p.top_p}")
-        return SamplingParams(p.temperature, p.top_p, p.top_k, p.seed)
+        if p.temperature < 0 or not 0 < p.top_p <= 1 or not 0 <= p.min_p <= 1:
+            raise invalid(f"temperature >= 0, top_p in (0, 1], min_p in [0, 1]: {p.temperature}, {p.top_p}, {p.min_p}")
+        return SamplingParams(p.temperature, p.top_p, p.top_k, p.seed, p.min_p)
 
     def check_tokens(self, ids) -> list[int]:
         ids = list(ids)

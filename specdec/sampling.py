@@ -9,6 +9,7 @@ it or on how many times a session was rebuilt.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -65,24 +67,38 @@ def top_probability(logits: torch.Tensor) -> float:
     return float(torch.exp(logits.max() - torch.logsumexp(logits, dim=0)))
 
 
-def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, then softmax. logits: [n, vocab] -> probs [n, vocab] float32.
+def logits_to_probs(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
+    """Temperature, then min-p and top-k, then top-p, then softmax. logits: [n, vocab] -> probs [n, vocab] float32.
 
-    Top-k keeps every token tied with the k-th; top-p keeps the smallest set of
-    most likely tokens whose mass reaches top_p. temperature must be > 0.
-    specdec's CPU kernel (``sampling_probs``) does it on CPU, in a few passes over
-    each row; elsewhere, and as its reference, ``logits_to_probs_torch``.
+    Min-p keeps the tokens at least min_p times as likely as the most likely one, at the temperature (vLLM's and
+    llama.cpp's), and top-k every token tied with the k-th: both keep the most likely tokens, so their order does not
+    matter. Top-p keeps the smallest set of most likely tokens whose mass, among those kept, reaches top_p.
+    temperature must be > 0. specdec's CPU kernel (``sampling_probs``) does it on CPU, in a few passes over each
+    row; elsewhere, and as its reference, ``logits_to_probs_torch``.
     """
     kernels = kernels_for(logits)
     if kernels is not None:
-        return kernels.sampling_probs(logits, temperature, top_k, top_p)
-    return logits_to_probs_torch(logits, temperature, top_k, top_p)
+        return kernels.sampling_probs(logits, temperature, top_k, top_p, min_p_floor(min_p))
+    return logits_to_probs_torch(logits, temperature, top_k, top_p, min_p)
 
 
-def logits_to_probs_torch(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def min_p_floor(min_p: float) -> float:
+    """How far below the row's best scaled score (logits / temperature) min-p keeps a token: log(min_p), -inf for
+    0. One float32 value for the kernel and the reference alike, so their supports agree at the boundary."""
+    return float(torch.tensor(math.log(min_p) if min_p > 0 else float("-inf"), dtype=torch.float32))
+
+
+def logits_to_probs_torch(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
     """logits_to_probs in torch ops: any device and dtype."""
     x = logits.float() / temperature  # [n, vocab]
     vocab = x.shape[-1]
+    if min_p > 0:
+        floor = x.amax(dim=-1, keepdim=True) + min_p_floor(min_p)  # float32, as the kernel adds them
+        x = x.masked_fill(x < floor, float("-inf"))
     if 0 < top_k < vocab:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # [n, 1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -100,7 +100,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
             s.keep_probs(None)
             resp.argmax_token_ids.extend(to_first_mismatch(picks if picks is not None else argmax_rows(logits), drafts))
             return resp
-        probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # [K+1, vocab]
+        probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)  # [K+1, vocab]
         s.keep_probs(probs, len(s.tokens) - len(drafts))
         resp.draft_token_probs.extend(probs[i, x].item() for i, x in enumerate(drafts))
         found = supports(probs)

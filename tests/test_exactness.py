@@ -284,6 +284,22 @@ def test_same_seed_same_output(request, stack_name, top_p, lookup):
         assert stats.lookup_accepted_tokens < stats.lookup_tokens  # a lookup token was rejected and resampled
 
 
+def test_sampling_at_min_p_1_keeps_only_the_best_token_so_it_is_the_greedy_output(partial_stack, reference):
+    """min_p reaches both model servers' distributions: at 1 each row keeps only its most likely token (q and p alike),
+    so a sampled request with speculation is the target alone's greedy answer, token for token."""
+    ids, _, stats = partial_stack.generate(
+        messages=[("user", PROMPTS[1])],
+        max_tokens=MAX_TOKENS,
+        temperature=0.8,
+        top_p=0.9,
+        min_p=1.0,
+        seed=5,
+        num_speculative_tokens=4,
+    )
+    assert ids == reference[1]
+    assert stats.accepted_tokens > 0
+
+
 @pytest.mark.parametrize("runner", ["lean", "hf"])
 def test_a_restricted_draft_proposes_from_its_whole_vocabulary_distribution(tokenizer, tiny_draft, runner):
     """The draft service works on a restricted draft's scored columns only; what it sends must still be the

@@ -89,6 +89,11 @@ def test_a_text_completion_is_the_grpc_generations_text(api):
         model=model_id(api), prompt="The capital of France is", max_tokens=12, temperature=0, stream=True
     )
     assert "".join(ch.choices[0].text for ch in streamed) == text
+    # vLLM's min_p: at 1 a sampled completion keeps only each row's most likely token, the greedy answer
+    best = c.completions.create(
+        model=model_id(api), prompt="The capital of France is", max_tokens=12, temperature=0.9, extra_body={"min_p": 1}
+    )
+    assert best.choices[0].text == text
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ BAD = {  # field -> values that are wrong for it whatever else the body says
     "temperature": ["hot", -1, -0.5, True, [0.5], {"t": 1}, 1e300 * 10],
     "top_p": ["x", 0, -1, 1.5, 2, True, [1]],
     "top_k": ["x", -2, 2**40, 0.5, True, {}],
+    "min_p": ["x", -0.1, 1.5, True, [0.1]],
     "seed": [-1, 2**64, 2**70, 10**100, "1", 1.5, True, []],
     "n": [2**32, 10**6, 0, -1, "1", 1.5, [1], True],  # past --max-choices (8) too
     "stop": [5, [5], [None], {"a": 1}, [["x"]], True, [""]],

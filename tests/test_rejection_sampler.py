@@ -101,13 +101,13 @@ def test_draft_missing_target_tokens_is_still_exact():
     assert_matches(np.array([t[0] for _, t in out]), dense(p[0], VOCAB), "first token, narrow draft")
 
 
-def test_top_k_top_p_transformed_pair_is_exact():
-    """p and q after temperature, top-k and top-p, as the servers compute them."""
+def test_top_k_top_p_min_p_transformed_pair_is_exact():
+    """p and q after temperature, min-p, top-k and top-p, as the servers compute them."""
     g = torch.Generator().manual_seed(3)
     target_logits = torch.randn(3, 12, generator=g) * 2
     draft_logits = target_logits[:2] + torch.randn(2, 12, generator=g)  # a draft that roughly agrees
-    p = [rs.Dist.from_dense(r.double().numpy()) for r in logits_to_probs(target_logits, 0.8, top_k=6, top_p=0.9)]
-    q = [rs.Dist.from_dense(r.double().numpy()) for r in logits_to_probs(draft_logits, 0.8, top_k=4, top_p=0.8)]
+    p = [rs.Dist.from_dense(r.double().numpy()) for r in logits_to_probs(target_logits, 0.8, 6, 0.9, min_p=0.02)]
+    q = [rs.Dist.from_dense(r.double().numpy()) for r in logits_to_probs(draft_logits, 0.8, 4, 0.8, min_p=0.1)]
     assert all(len(d.token_ids) <= 6 for d in p) and all(len(d.token_ids) <= 4 for d in q)
     out = simulate(q, p)
     assert_matches(np.array([t[0] for _, t in out]), dense(p[0], 12), "first token, truncated")

@@ -11,6 +11,7 @@ from specdec.sampling import (
     argmax_rows,
     logits_to_probs,
     logits_to_probs_torch,
+    min_p_floor,
     sample_dense,
     sample_sparse,
     support,
@@ -23,7 +24,8 @@ def to_probs(request):
     """logits_to_probs as torch computes it, and as specdec's CPU kernel does (skipped where it cannot be built)."""
     if request.param == "torch":
         return logits_to_probs_torch
-    return built_kernels().sampling_probs
+    kernels = built_kernels()
+    return lambda logits, t, k, p, min_p=0.0: kernels.sampling_probs(logits, t, k, p, min_p_floor(min_p))
 
 
 def test_top_k_keeps_exactly_the_k_most_likely(to_probs):
@@ -42,6 +44,18 @@ def test_top_p_keeps_smallest_set_reaching_the_mass(to_probs):
     out = to_probs(probs.log(), 1.0, 0, 0.81)[0]
     assert torch.nonzero(out).flatten().tolist() == [0, 1, 2]
     assert torch.allclose(out[:3], torch.tensor([0.5, 0.3, 0.15]) / 0.95)
+
+
+def test_min_p_keeps_the_tokens_at_least_that_fraction_as_likely_as_the_best(to_probs):
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    out = to_probs(probs.log(), 1.0, 0, 1.0, 0.25)[0]  # keeps p >= 0.125
+    assert torch.nonzero(out).flatten().tolist() == [0, 1, 2]
+    assert torch.allclose(out[:3], torch.tensor([0.5, 0.3, 0.15]) / 0.95)
+    sharp = to_probs(probs.log(), 0.5, 0, 1.0, 0.3)[0]  # at T = 0.5 the ratios square: 1, 0.36, 0.09, 0.01
+    assert torch.nonzero(sharp).flatten().tolist() == [0, 1]
+    nucleus = to_probs(probs.log(), 1.0, 0, 0.8, 0.25)[0]  # top-p among those kept: 0.53 + 0.32 reaches 0.8
+    assert torch.nonzero(nucleus).flatten().tolist() == [0, 1]
+    assert torch.nonzero(to_probs(probs.log(), 1.0, 0, 1.0, 1.0)[0]).flatten().tolist() == [0]  # the best alone
 
 
 def test_temperature_sharpens(to_probs):
@@ -64,20 +78,24 @@ def test_the_sampling_kernel_is_the_torch_transform():
         for scale in (0.1, 2.0, 8.0):  # flat to peaky rows
             logits = torch.randn(3, vocab, generator=g) * scale
             logits[0, ::3] = float("-inf")
-            for temperature, top_k, top_p in [
-                (0.7, 0, 0.9),
-                (1.0, 0, 1.0),
-                (0.3, 0, 0.99),
-                (1.5, 50, 0.9),
-                (0.7, 5, 1.0),
-                (0.7, 100_000, 0.5),
+            for temperature, top_k, top_p, min_p in [
+                (0.7, 0, 0.9, 0.0),
+                (1.0, 0, 1.0, 0.0),
+                (0.3, 0, 0.99, 0.0),
+                (1.5, 50, 0.9, 0.0),
+                (0.7, 5, 1.0, 0.0),
+                (0.7, 100_000, 0.5, 0.0),
+                (0.7, 0, 0.9, 0.05),
+                (1.0, 0, 1.0, 0.01),
+                (1.5, 20, 0.95, 0.1),
+                (0.7, 0, 1.0, 1.0),
             ]:
-                fast = kernels.sampling_probs(logits, temperature, top_k, top_p)
-                slow = logits_to_probs_torch(logits, temperature, top_k, top_p)
-                assert torch.equal(fast > 0, slow > 0), (vocab, scale, temperature, top_k, top_p)
+                fast = kernels.sampling_probs(logits, temperature, top_k, top_p, min_p_floor(min_p))
+                slow = logits_to_probs_torch(logits, temperature, top_k, top_p, min_p)
+                assert torch.equal(fast > 0, slow > 0), (vocab, scale, temperature, top_k, top_p, min_p)
                 torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-5)
     with pytest.raises(RuntimeError, match="temperature > 0"):
-        kernels.sampling_probs(logits, 0.0, 0, 1.0)
+        kernels.sampling_probs(logits, 0.0, 0, 1.0, min_p_floor(0.0))
 
 
 def test_the_argmax_kernel_is_torch_argmax_with_the_first_of_ties():

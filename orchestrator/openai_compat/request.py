@@ -32,12 +32,11 @@ _INTS = {
     "min_tokens": (0, _U32),
     "n": (1, _U32),  # past --max-choices: refused by the orchestrator
 }
-_FLOATS = ("temperature", "top_p", "draft_confidence_threshold")
+_FLOATS = ("temperature", "top_p", "min_p", "draft_confidence_threshold")
 # Fields accepted at the value that changes nothing here (several spellings of nothing); others are refused.
 _NEUTRAL = {
     "best_of": (1,),
     "suffix": ("",),
-    "min_p": (0,),
     "functions": ([],),
     "function_call": ("none",),
     "use_beam_search": (False,),

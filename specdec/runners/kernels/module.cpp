@@ -20,7 +20,8 @@ torch::Tensor attend_batch(torch::Tensor qkv, std::vector<torch::Tensor> ks, std
                            torch::Tensor cos, torch::Tensor sin, std::vector<int64_t> starts, std::vector<int64_t> ns,
                            int64_t h);
 torch::Tensor silu_mul(torch::Tensor gu);
-torch::Tensor sampling_probs(torch::Tensor logits, double temperature, int64_t top_k, double top_p);
+torch::Tensor sampling_probs(torch::Tensor logits, double temperature, int64_t top_k, double top_p,
+                             double min_p_floor);
 torch::Tensor argmax_rows(torch::Tensor logits);
 std::vector<std::pair<torch::Tensor, torch::Tensor>> support_rows(torch::Tensor probs);
 void mask_rows(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor columns);
@@ -44,7 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "rotary embedding, KV-cache write and causal attention of a few new tokens", nogil());
   m.def("attend_batch", &attend_batch, "attend for several sessions' rows, each over its own cache, in one call", nogil());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of side-by-side gate and up projections");
-  m.def("sampling_probs", &sampling_probs, "temperature, top-k, top-p and softmax of each row of logits");
+  m.def("sampling_probs", &sampling_probs, "temperature, min-p, top-k, top-p and softmax of each row of logits");
   m.def("argmax_rows", &argmax_rows, "the index of each row's largest value, the first of ties");
   m.def("support_rows", &support_rows, "each row's nonzero entries: (ids int64, probs float64), ids ascending");
   m.def("mask_rows", &mask_rows, "-inf where a grammar's packed bitmask refuses a row's token, in place");

@@ -1,5 +1,5 @@
 // A server's per-pass work on its logits rows, in float32 on CPU: greedy's argmax, and sampling's
-// distribution (temperature, top-k, top-p, softmax) over the whole vocabulary.
+// distribution (temperature, min-p, top-k, top-p, softmax) over the whole vocabulary.
 //
 // In eager PyTorch the distribution of one 49,152-token row took 0.37 ms (most of it top-k searches
 // for the nucleus) and an argmax 0.07 ms, several times that in the services where the row is cold: a
@@ -29,7 +29,7 @@ static inline float exp_shifted(float x) { return x < -87.3f ? 0.0f : std::exp(x
 // token tied with the k-th; top-p keeps a token while the mass of the tokens more likely than it is below
 // top_p (so the smallest set of most likely tokens whose mass reaches top_p).
 static void row_probs(const float* logits, float* out, int64_t V, float temperature, int64_t top_k, float top_p,
-                      std::vector<float>& scratch, std::vector<std::pair<float, int64_t>>& found) {
+                      float min_p_floor, std::vector<float>& scratch, std::vector<std::pair<float, int64_t>>& found) {
   const int64_t V16 = V - V % 16;
   vec mv = vec{} - kInf;
   for (int64_t i = 0; i < V16; i += 16) {
@@ -42,11 +42,13 @@ static void row_probs(const float* logits, float* out, int64_t V, float temperat
     out[i] = logits[i] / temperature;
     mx = std::max(mx, out[i]);
   }
-  float floor = -kInf;  // scores below it are dropped; -inf scores always are
+  // Scores below the floor are dropped; -inf scores always are. Min-p: below the best by more than log(min_p)
+  // (min_p_floor, from specdec.sampling.min_p_floor: the same float32 the reference adds).
+  float floor = min_p_floor > -kInf ? mx + min_p_floor : -kInf;
   if (top_k > 0 && top_k < V) {
     scratch.assign(out, out + V);
     std::nth_element(scratch.begin(), scratch.begin() + (top_k - 1), scratch.end(), std::greater<float>());
-    floor = scratch[top_k - 1];
+    floor = std::max(floor, scratch[top_k - 1]);
   }
   // e = exp(x - max) where kept, else 0; the row's maximum has e = 1
   vec sv{};
@@ -112,12 +114,14 @@ static void row_probs(const float* logits, float* out, int64_t V, float temperat
   for (int64_t i = V16; i < V; i++) out[i] *= inv;
 }
 
-// logits [n, V] -> probs [n, V]; temperature > 0, top_k 0 (off) or more, top_p in (0, 1].
-torch::Tensor sampling_probs(torch::Tensor logits, double temperature, int64_t top_k, double top_p) {
+// logits [n, V] -> probs [n, V]; temperature > 0, top_k 0 (off) or more, top_p in (0, 1], min_p_floor log(min_p)
+// (-inf: off).
+torch::Tensor sampling_probs(torch::Tensor logits, double temperature, int64_t top_k, double top_p,
+                             double min_p_floor) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.device().is_cpu(),
               "sampling_probs: logits must be a float32 [n, vocab] tensor on CPU");
-  TORCH_CHECK(temperature > 0 && top_k >= 0 && top_p > 0 && top_p <= 1,
-              "sampling_probs: temperature > 0, top_k >= 0 and top_p in (0, 1]");
+  TORCH_CHECK(temperature > 0 && top_k >= 0 && top_p > 0 && top_p <= 1 && min_p_floor <= 0,
+              "sampling_probs: temperature > 0, top_k >= 0, top_p in (0, 1] and min_p_floor <= 0");
   logits = logits.contiguous();
   const int64_t n = logits.size(0), V = logits.size(1);
   auto probs = torch::empty_like(logits);
@@ -127,7 +131,8 @@ torch::Tensor sampling_probs(torch::Tensor logits, double temperature, int64_t t
     std::vector<float> scratch;
     std::vector<std::pair<float, int64_t>> found;
     for (int64_t r = begin; r < end; r++)
-      row_probs(lp + r * V, pp + r * V, V, (float)temperature, top_k, (float)top_p, scratch, found);
+      row_probs(lp + r * V, pp + r * V, V, (float)temperature, top_k, (float)top_p, (float)min_p_floor, scratch,
+                found);
   });
   return probs;
 }
