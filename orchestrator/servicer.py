@@ -83,8 +83,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def build_spec(self, req: gen_pb.GenerateRequest) -> GenerationSpec:
         """The request checked field by field; raises INVALID_ARGUMENT or OUT_OF_RANGE."""
         cfg = self.cfg
-        if bool(req.prompt) == bool(req.messages):
-            raise invalid("set exactly one of prompt (non-empty text) and messages")
+        if bool(req.prompt) + bool(req.messages) + bool(req.prompt_token_ids) != 1:
+            raise invalid("set exactly one of prompt (non-empty text), messages and prompt_token_ids")
         temperature, top_p, top_k, min_p = self._sampling_fields(req)
         k, adaptive, confidence, lookup_min = self._speculation_fields(req)
         if req.HasField("max_tokens") and req.max_tokens < 1:
@@ -196,6 +196,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return room if req.run_to_context_end else min(self.cfg.max_tokens, room)
 
     def _tokenize(self, req: gen_pb.GenerateRequest) -> list[int]:
+        if req.prompt_token_ids:
+            if max(req.prompt_token_ids) >= (vocab := len(self.tokenizer)):
+                raise invalid(f"prompt_token_ids must be below the vocabulary's size, {vocab}")
+            return list(req.prompt_token_ids)
         if req.prompt:
             return self.encode(req.prompt)
         return self.encode(messages=req.messages, tools=tooling.openai_tools(req))

@@ -76,7 +76,7 @@ def test_a_chat_completion_is_the_grpc_generations_text_streamed_or_not(api):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == stats.completion_tokens
 
 
-def test_a_text_completion_is_the_grpc_generations_text(api):
+def test_a_text_completion_is_the_grpc_generations_text(api, tokenizer):
     _, text, _ = api.generate(prompt="The capital of France is", max_tokens=12, temperature=0.0)
     c = client(api)
     assert (
@@ -89,6 +89,9 @@ def test_a_text_completion_is_the_grpc_generations_text(api):
         model=model_id(api), prompt="The capital of France is", max_tokens=12, temperature=0, stream=True
     )
     assert "".join(ch.choices[0].text for ch in streamed) == text
+    ids = tokenizer("The capital of France is", add_special_tokens=True)["input_ids"]  # as the orchestrator encodes it
+    by_ids = c.completions.create(model=model_id(api), prompt=ids, max_tokens=12, temperature=0, echo=True)
+    assert by_ids.choices[0].text == tokenizer.decode(ids) + text  # the same answer; echo gives the ids' text
     # vLLM's min_p: at 1 a sampled completion keeps only each row's most likely token, the greedy answer
     best = c.completions.create(
         model=model_id(api), prompt="The capital of France is", max_tokens=12, temperature=0.9, extra_body={"min_p": 1}

@@ -63,7 +63,7 @@ MESSAGE_BAD = [
     [{"role": "wizard", "content": "x"}],
     [{"role": "user", "content": [{"type": "text", "text": 5}]}],
 ]
-PROMPT_BAD = [5, [], [1.5], {}, ["a", "b"], "", [1, 2, 3], [[1]]]
+PROMPT_BAD = [5, [], [1.5], {}, ["a", "b"], "", [-1, 2], [[1], [2]], [2**40], [1, "a"], [10**7], [True]]
 NOT_OBJECTS = [
     b"",
     b"{",

@@ -41,6 +41,8 @@ def code_of(stack, **fields):
         (dict(prompt="hi", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(prompt="hi", top_k=-1), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(prompt="hi", min_p=1.5), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(prompt="hi", prompt_token_ids=[1, 2]), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(prompt_token_ids=[1, 10**7]), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(prompt="hi", min_p=-0.5), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(prompt="hi", min_p=float("nan")), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(prompt="hi", num_speculative_tokens=9), grpc.StatusCode.INVALID_ARGUMENT),

@@ -14,7 +14,7 @@ class Answer:
     def __init__(self, index: int, chat: bool, texts: lp.TokenTexts, req: gen_pb.GenerateRequest, calls=None):
         self.index = index
         self.chat = chat
-        self.echo = req.prompt if req.echo else None  # completions' echo: the prompt as sent comes first
+        self.echo = _prompt_text(req, texts) if req.echo else None  # completions' echo: the prompt comes first
         self.calls = calls  # (the model's tool format, the tools' names) where the answer is read for tool calls
         self.splitter = calls and tool_calls.CallStream(*calls)  # streaming only
         self.offsets = None if chat or not req.logprobs else lp.CompletionLogprobs(texts)
@@ -74,3 +74,8 @@ class Answer:
         self.stats = stats
         finish = "tool_calls" if self.splitter and self.splitter.found else out.finish_reason(stats)
         return out.chunk_choice(self.chat, finish=finish, index=self.index)
+
+
+def _prompt_text(req: gen_pb.GenerateRequest, texts: lp.TokenTexts) -> str:
+    """The prompt as sent, or the text of its token ids (as vLLM echoes them)."""
+    return req.prompt or texts.tokenizer.decode(list(req.prompt_token_ids))

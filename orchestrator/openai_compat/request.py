@@ -74,7 +74,11 @@ def generate_request(body, chat: bool, vocab: int | None = None) -> gen_pb.Gener
     if chat:
         req.messages.extend(messages(body.get("messages")))
     else:
-        req.prompt = prompt(body.get("prompt"))
+        text_or_ids = prompt(body.get("prompt"))
+        if isinstance(text_or_ids, str):
+            req.prompt = text_or_ids
+        else:
+            req.prompt_token_ids.extend(text_or_ids)  # the orchestrator checks them against the vocabulary
     ints = {name: integer(body, name, *bounds) for name, bounds in _INTS.items()}
     max_tokens = ints["max_completion_tokens"] if ints["max_completion_tokens"] is not None else ints["max_tokens"]
     if max_tokens is not None:
@@ -236,13 +240,16 @@ def _text(content, param: str) -> str:
     raise invalid(f"{param} must be a string or a list of text parts {{type: text, text}}", "messages")
 
 
-def prompt(value) -> str:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+def prompt(value) -> str | list[int]:
+    """One prompt: a non-empty string, or token ids (a list of integers, or a list of one such list)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise unsupported("prompt", "as token ids")
+        if not all(0 <= t <= _U32 for t in value):
+            raise invalid("prompt's token ids must be non-negative integers", "prompt")
+        return value
     if not isinstance(value, str) or not value:
-        raise invalid("prompt must be a non-empty string (one prompt per request)", "prompt")
+        raise invalid("prompt must be a non-empty string or token ids (one prompt per request)", "prompt")
     return value
 
 

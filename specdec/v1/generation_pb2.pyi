@@ -69,7 +69,7 @@ class ToolCall(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "num_speculative_tokens", "draft_confidence_threshold", "prompt_lookup_min", "run_to_context_end", "ignore_eos", "stop_token_ids", "min_tokens", "logprobs", "top_logprobs", "grammar", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "tools", "tool_choice", "tool_choice_function", "parallel_tool_calls", "n", "echo")
+    __slots__ = ("prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "prompt_token_ids", "seed", "stop", "num_speculative_tokens", "draft_confidence_threshold", "prompt_lookup_min", "run_to_context_end", "ignore_eos", "stop_token_ids", "min_tokens", "logprobs", "top_logprobs", "grammar", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "tools", "tool_choice", "tool_choice_function", "parallel_tool_calls", "n", "echo")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class GenerateRequest(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +114,7 @@ class GenerateRequest(_message.Message):
     top_p: float
     top_k: int
     min_p: float
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     num_speculative_tokens: int
@@ -135,7 +137,7 @@ class GenerateRequest(_message.Message):
     parallel_tool_calls: bool
     n: int
     echo: bool
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., draft_confidence_threshold: _Optional[float] = ..., prompt_lookup_min: _Optional[int] = ..., run_to_context_end: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[_model_server_pb2.Grammar, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., n: _Optional[int] = ..., echo: _Optional[bool] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., draft_confidence_threshold: _Optional[float] = ..., prompt_lookup_min: _Optional[int] = ..., run_to_context_end: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[_model_server_pb2.Grammar, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., n: _Optional[int] = ..., echo: _Optional[bool] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_tokens_per_round", "rejected_rounds", "time_to_first_token_seconds", "total_seconds", "seed", "lookup_rounds", "lookup_tokens", "lookup_accepted_tokens", "preemptions")
