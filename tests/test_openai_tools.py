@@ -251,10 +251,18 @@ def check_calls(calls, names=NAMES) -> None:
 
 
 def test_a_required_call_comes_back_as_tool_calls_valid_against_the_schema(api):
-    for seed in (1, 2):
-        answer = create(api, tools=TOOLS, tool_choice="required", temperature=1, seed=seed, max_tokens=300).choices[0]
+    """Sampled, one call (parallel_tool_calls false: the grammar ends the answer after it), whatever the seed; greedy,
+    as many as the model writes. Sampled with several allowed, this small model at T = 1 can repeat calls until
+    max_tokens, as vLLM's grammar of several calls would let it: the grammar bounds their form, not their count."""
+    for seed in (1, 2, 3):
+        fields = dict(temperature=1, seed=seed, max_tokens=300, parallel_tool_calls=False)
+        answer = create(api, tools=TOOLS, tool_choice="required", **fields).choices[0]
         assert answer.finish_reason == "tool_calls" and answer.message.content is None
+        assert len(answer.message.tool_calls) == 1
         check_calls(answer.message.tool_calls)
+    greedy = create(api, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=300).choices[0]
+    assert greedy.finish_reason == "tool_calls" and greedy.message.content is None
+    check_calls(greedy.message.tool_calls)
     named = create(api, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert len(named.choices[0].message.tool_calls) == 1
     check_calls(named.choices[0].message.tool_calls, ["get_time"])
