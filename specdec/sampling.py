@@ -87,7 +87,7 @@ def logits_to_probs(
 def min_p_floor(min_p: float) -> float:
     """How far below the row's best scaled score (logits / temperature) min-p keeps a token: log(min_p), -inf for
     0. One float32 value for the kernel and the reference alike, so their supports agree at the boundary."""
-    return float(torch.tensor(math.log(min_p) if min_p > 0 else float("-inf"), dtype=torch.float32))
+    return float(np.float32(math.log(min_p))) if min_p > 0 else float("-inf")
 
 
 def logits_to_probs_torch(

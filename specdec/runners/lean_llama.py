@@ -167,7 +167,7 @@ class LeanLlamaRunner:
             timed_rows=tuple(n for n in TIMED_ROWS if n <= max_len) or (max_len,),
             activations=activations,
         )
-        if quantize in ("int8", "int4"):  # the runner keeps the int8 weights alone, no float copy of the matrices
+        if quantize != "none":  # the runner keeps the quantized weights alone, no float copy of the matrices
             self.layers, self.lm_head = self.plan.long.products.layers, self.plan.long.products.head
 
     def _scratch_pass(self, context: int = 64):

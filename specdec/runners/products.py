@@ -51,12 +51,14 @@ FORMS = ("linear", "weights-first", "onednn", "fewrow", "gguf")
 MATMUL_FORMS = ("auto", *FORMS)
 TIMED_ROWS = (1, 2, 3, 4, 6, 9, 16, SMALL_PASS_ROWS)  # row counts `auto` times; the ones between take the next up
 QUANTIZE = ("none", "int8", "int4")  # int4: Q4_1 blocks, with quantized activations only
+# The activations of the products: float32, or quantized per row in blocks of 32 (kernels/q8_products.cpp) to 8 bits
+# or to 16, on the GGUF file's blocks ("gguf-q8", "gguf-q16") or on a draft's int8 rows or Q4_1 blocks ("int8-q8",
+# "q4_1-q16"...): Q8_FORMS.
+Q8_FORMS = tuple(f"{weights}-q{bits}" for weights in ("gguf", *q8_blocks.QUANTIZED.values()) for bits in (8, 16))
 # Product forms in specdec's kernel: each output row is summed on its own, in an order that depends on nothing
 # but the row (products.cpp), so a row's result is the one it gets alone, whatever the pass's width.
-ROW_INDEPENDENT = ("fewrow", "gguf", "int8", *(f"{w}-q{b}" for w in ("gguf", "int8", "q4_1") for b in (8, 16)))
+ROW_INDEPENDENT = ("fewrow", "gguf", "int8", *Q8_FORMS)
 INT8_FORMS = {"int8": "specdec's kernel", "fbgemm": "fbgemm"}  # the forms on int8 weights, by what runs them
-# The activations of the products: float32, or quantized per row in blocks of 32 (kernels/q8_products.cpp) to 8 bits
-# or to 16, on the GGUF file's blocks ("gguf-q8", "gguf-q16") or on int8 weights ("int8-q8", "int8-q16").
 ACTIVATION_BITS = {"int8": 8, "int16": 16}
 ACTIVATIONS = ("float32", *ACTIVATION_BITS)
 # A form this many times slower than the best at a row count after two sweeps is not timed again there.
@@ -159,9 +161,7 @@ _STACKED = {
     "fewrow": lambda w: ([w], "fewrow"),
     "int8": lambda w: (list(w), "int8"),  # (q, scale)
     "gguf": lambda w: (list(w[:2]), w[2]),  # (q, scales, format)
-    **{
-        f"{weights}-q{bits}": lambda w: w.stacked for weights in ("gguf", "int8", "q4_1") for bits in (8, 16)
-    },  # Q8Weights
+    **{name: lambda w: w.stacked for name in Q8_FORMS},  # Q8Weights
 }
 
 
@@ -342,7 +342,8 @@ def _q8_products(
     bits: int = 8,
 ) -> tuple[str, Products]:
     """Every product with x quantized to `bits` (8 or 16), in the best instruction-set form this CPU runs: on the
-    weights a draft is quantized to (int8-qB, q4_1-qB: q8_weights), else on the GGUF file's blocks (gguf-qB)."""
+    weights a draft is quantized to (int8-qB, q4_1-qB: q8_blocks.quantized), else on the GGUF file's blocks
+    (gguf-qB)."""
     kernels, isa = q8_blocks.q8_kernels(head, bits)
     product = lambda x, w: w.product(kernels, x)
     if quantize in q8_blocks.QUANTIZED:

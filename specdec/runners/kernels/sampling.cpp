@@ -25,6 +25,22 @@ static const float kInf = std::numeric_limits<float>::infinity();
 // a denormal that no float sum notices, and a token that is not in a distribution must have exactly 0.
 static inline float exp_shifted(float x) { return x < -87.3f ? 0.0f : std::exp(x); }
 
+// Calls at(i) for each column i of x [V] in a block of 16 where some lane passes hit (a vector test), and for each
+// column past the last whole block; at tests the column itself. A sampled row's few hundred nonzero tokens are so
+// found without looking at 49,152 columns one by one.
+template <class Hit, class At>
+static inline void scan_blocks(const float* x, int64_t V, Hit hit, At at) {
+  const int64_t V16 = V - V % 16;
+  for (int64_t i = 0; i < V16; i += 16) {
+    const ivec h = hit(load(x + i));
+    bool any = false;
+    for (int j = 0; j < 16; j++) any |= h[j] != 0;
+    if (any)
+      for (int j = 0; j < 16; j++) at(i + j);
+  }
+  for (int64_t i = V16; i < V; i++) at(i);
+}
+
 // One row: out = softmax of (logits / temperature) over the kept tokens, 0 elsewhere. Top-k keeps every
 // token tied with the k-th; top-p keeps a token while the mass of the tokens more likely than it is below
 // top_p (so the smallest set of most likely tokens whose mass reaches top_p).
@@ -70,27 +86,17 @@ static void row_probs(const float* logits, float* out, int64_t V, float temperat
     // their mass reaches top_p the prefix lies among them (every token left out is less likely than every
     // one gathered), so only they are sorted. Most rows need one gathering of a few dozen tokens.
     const double target = (double)top_p * sum;  // in units of e; sums of many tokens in double
-    // 16 columns are tested at once and only a block holding a token above the threshold is looked into.
     for (float t = 1.0f / 1024;; t /= 64) {
       if (t < 1e-30f) t = 0.0f;
       found.clear();
       double mass = 0.0;
       const vec tv = vec{} + t, zero{};
-      auto take = [&](int64_t i) {
+      scan_blocks(out, V, [&](vec x) { return (x > zero) & (x >= tv); }, [&](int64_t i) {
         if (out[i] > 0.0f && out[i] >= t) {
           found.emplace_back(out[i], i);
           mass += out[i];
         }
-      };
-      for (int64_t i = 0; i < V16; i += 16) {
-        const vec x = load(out + i);
-        const ivec hit = (x > zero) & (x >= tv);
-        bool any = false;
-        for (int j = 0; j < 16; j++) any |= hit[j] != 0;
-        if (any)
-          for (int j = 0; j < 16; j++) take(i + j);
-      }
-      for (int64_t i = V16; i < V; i++) take(i);
+      });
       if (mass >= target || t == 0.0f) break;
     }
     std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) {
@@ -138,30 +144,23 @@ torch::Tensor sampling_probs(torch::Tensor logits, double temperature, int64_t t
 }
 
 // Each row's nonzero entries, ids ascending, as sampling.support gives them: [n, V] float32 -> n pairs (ids int64,
-// probs float64). A sampled row's support is its nucleus, tens to hundreds of tokens of 49,152: 16 columns are
-// tested at once and only a block holding one is looked into. torch.nonzero and the gather after it took 60 us a
-// row warm and 120 cold, a verify's K + 1 rows and a draft's every step each paying it.
+// probs float64). A sampled row's support is its nucleus, tens to hundreds of tokens of 49,152 (scan_blocks).
+// torch.nonzero and the gather after it took 60 us a row warm and 120 cold, a verify's K + 1 rows and a draft's
+// every step each paying it.
 std::vector<std::pair<torch::Tensor, torch::Tensor>> support_rows(torch::Tensor probs) {
   TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat && probs.device().is_cpu(),
               "support_rows: probs must be a float32 [n, vocab] tensor on CPU");
   probs = probs.contiguous();
-  const int64_t n = probs.size(0), V = probs.size(1), V16 = V - V % 16;
+  const int64_t n = probs.size(0), V = probs.size(1);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> out;
   std::vector<int64_t> ids;
+  const vec zero{};
   for (int64_t r = 0; r < n; r++) {
     const float* x = probs.data_ptr<float>() + r * V;
     ids.clear();
-    const vec zero{};
-    for (int64_t i = 0; i < V16; i += 16) {
-      const ivec nonzero = load(x + i) != zero;
-      bool any = false;
-      for (int j = 0; j < 16; j++) any |= nonzero[j] != 0;
-      if (any)
-        for (int j = 0; j < 16; j++)
-          if (x[i + j] != 0.0f) ids.push_back(i + j);
-    }
-    for (int64_t i = V16; i < V; i++)
+    scan_blocks(x, V, [&](vec v) { return v != zero; }, [&](int64_t i) {
       if (x[i] != 0.0f) ids.push_back(i);
+    });
     const int64_t m = (int64_t)ids.size();
     auto id_t = torch::empty({m}, torch::kLong);
     auto p_t = torch::empty({m}, torch::kDouble);
