@@ -45,10 +45,10 @@ def test_services_start_as_specdec_up_on_the_chosen_device_pair_and_ports():
     assert env["HF_TOKEN"] == "t"
     assert env["SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS"] == "127.0.0.1:2" and env["SPECDEC_TARGET_PORT"] == "3"
     assert env["SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS"] == "9"  # a K the orchestrator accepts
-    assert env["SPECDEC_TARGET_CUDA_GRAPH_LANES"] == env["SPECDEC_DRAFT_CUDA_GRAPH_LANES"] == "1"
-    _, env = gpu_smoke.launch(gpu_smoke.parse_args(["--device", "cpu", "--lanes", "4"]), [1, 2, 3, 4, 5, 6, 7], {})
+    assert "SPECDEC_TARGET_CUDA_GRAPH_LANES" not in env  # the servers' own default
+    _, env = gpu_smoke.launch(gpu_smoke.parse_args(["--device", "cpu", "--lanes", "1"]), [1, 2, 3, 4, 5, 6, 7], {})
     assert "SPECDEC_TARGET_STRICT_ATTENTION" not in env
-    assert env["SPECDEC_TARGET_CUDA_GRAPH_LANES"] == env["SPECDEC_DRAFT_CUDA_GRAPH_LANES"] == "4"
+    assert env["SPECDEC_TARGET_CUDA_GRAPH_LANES"] == env["SPECDEC_DRAFT_CUDA_GRAPH_LANES"] == "1"
 
 
 def test_first_divergence_is_the_first_differing_token():

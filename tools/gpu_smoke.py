@@ -2,7 +2,7 @@
 
   python tools/gpu_smoke.py                              the embedded pair, cuda, bfloat16
   python tools/gpu_smoke.py --target meta-llama/Llama-3.2-3B-Instruct --draft meta-llama/Llama-3.2-1B-Instruct
-  python tools/gpu_smoke.py --lanes 4                    several sessions' graphs replayed on 4 streams at once
+  python tools/gpu_smoke.py --lanes 1                    several sessions' graphs replayed one after another
   python tools/gpu_smoke.py --device cpu --dtype float32 --max-tokens 8     the same checks on CPU (its test)
 
 It prints torch, CUDA and the card, and the models in the local caches; starts `specdec up` on the device, with
@@ -66,12 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1800.0,
         help="seconds for the services to start, downloads included (default %(default)s)",
     )
-    p.add_argument("--lanes", type=int, default=1, help="both servers' --cuda-graph-lanes (default %(default)s)")
+    p.add_argument("--lanes", type=int, help="both servers' --cuda-graph-lanes (default: the servers')")
     p.add_argument("--log", type=Path, help="the services' log (default: a temporary file, printed)")
     args = p.parse_args(argv)
     if args.sdpa_strict is None:
         args.sdpa_strict = args.device.startswith("cuda")
-    if min(args.k, args.max_tokens, args.concurrency, args.lanes) < 1:
+    if min(args.k, args.max_tokens, args.concurrency, 1 if args.lanes is None else args.lanes) < 1:
         p.error("-k, --max-tokens, --concurrency and --lanes must be >= 1")
     return args
 
@@ -134,7 +134,8 @@ def launch(args: argparse.Namespace, ports: list[int], environ: dict) -> tuple[l
     env = dict(environ, **up_environment(ports), SPECDEC_ORCHESTRATOR_MAX_SPECULATIVE_TOKENS=str(max(8, args.k)))
     if args.sdpa_strict:
         env["SPECDEC_TARGET_STRICT_ATTENTION"] = env["SPECDEC_DRAFT_STRICT_ATTENTION"] = "true"
-    env["SPECDEC_TARGET_CUDA_GRAPH_LANES"] = env["SPECDEC_DRAFT_CUDA_GRAPH_LANES"] = str(args.lanes)
+    if args.lanes is not None:
+        env["SPECDEC_TARGET_CUDA_GRAPH_LANES"] = env["SPECDEC_DRAFT_CUDA_GRAPH_LANES"] = str(args.lanes)
     argv = [sys.executable, "-m", "cli.main", "up", "--device", args.device, "--dtype", args.dtype]
     argv += ["--target-model", args.target] if args.target else []
     argv += ["--draft-model", args.draft] if args.draft else []
