@@ -224,6 +224,32 @@ def test_n_through_the_openai_client_is_the_grpc_choices_with_one_usage_streamed
     assert [ch.index for ch in text.choices] == [0, 1] and text.choices[0].text != text.choices[1].text
 
 
+def test_several_prompts_are_answered_each_as_its_own_request_prompt_i_choice_j_at_index_i_n_plus_j(stack, tokenizer):
+    """A completion's list of prompts, strings or token ids (OpenAI's, vLLM's and llama-server's form): prompt i's
+    choice j is at index i * n + j and is the same as in the prompt's own request, streamed or not; the usage
+    counts each prompt once and every choice's tokens."""
+    c, model = client(stack), client(stack).models.list().data[0].id
+    first, second = "The capital of France is", tokenizer("Water boils at", add_special_tokens=True)["input_ids"]
+    fields = dict(model=model, max_tokens=8, temperature=0.9, seed=5, n=2, extra_body={"num_speculative_tokens": 2})
+    alone = [c.completions.create(prompt=p, **fields) for p in (first, second)]
+    both = c.completions.create(prompt=[first, second], **fields)
+    assert [ch.index for ch in both.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in both.choices] == [ch.text for a in alone for ch in a.choices]
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert both.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    texts: dict[int, str] = {}
+    chunks = list(
+        c.completions.create(prompt=[first, second], stream=True, stream_options={"include_usage": True}, **fields)
+    )
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {ch.index: ch.text for ch in both.choices}
+    assert chunks[-1].usage.prompt_tokens == both.usage.prompt_tokens
+    echoed = c.completions.create(model=model, prompt=[first, second], max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith(first) and echoed.choices[1].text.startswith(tokenizer.decode(second))
+
+
 def test_echo_through_the_openai_client_puts_the_prompt_and_its_logprobs_first(stack, tokenizer, target_model):
     ids, expected = teacher_forced_prompt(tokenizer, target_model, PROMPT)
     _, completion, stats = stack.generate(prompt=PROMPT, max_tokens=6, temperature=0.0)

@@ -158,6 +158,21 @@ def test_a_full_line_is_429(api, event_loop_thread):
         t.join()
 
 
+def test_a_refused_prompt_among_several_fails_the_request_and_frees_the_others_sessions(api):
+    c = client(api)
+    with pytest.raises(openai.BadRequestError, match=r"prompt\[1\] must be a non-empty string"):
+        c.completions.create(model=model_id(api), prompt=["The sky is", ""], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="vocabulary"):  # the orchestrator's check, as the ids arrive
+        c.completions.create(model=model_id(api), prompt=["Count slowly from one to fifty.", [10**7]], max_tokens=200)
+    assert eventually(lambda: api.pool_sizes() == (0, 0))
+    conn = http.client.HTTPConnection("127.0.0.1", api.http_port, timeout=30)
+    body = {"model": model_id(api), "prompt": ["Count slowly from one to fifty.", "Name the planets."], "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps({**body, "max_tokens": 300, "temperature": 0}))
+    assert next(response_lines(conn.getresponse())).startswith("data: ")
+    conn.close()  # both generations end with the client's stream, the one in line too
+    assert eventually(lambda: api.pool_sizes() == (0, 0) and api.metric("specdec_waiting_requests") == 0)
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_sessions_on_both_servers(api):
     before = api.metric("specdec_request_errors_total", {"code": "CANCELLED"})
     conn = http.client.HTTPConnection("127.0.0.1", api.http_port, timeout=30)

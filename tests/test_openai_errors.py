@@ -63,7 +63,7 @@ MESSAGE_BAD = [
     [{"role": "wizard", "content": "x"}],
     [{"role": "user", "content": [{"type": "text", "text": 5}]}],
 ]
-PROMPT_BAD = [5, [], [1.5], {}, ["a", "b"], "", [-1, 2], [[1], [2]], [2**40], [1, "a"], [10**7], [True]]
+PROMPT_BAD = [5, [], [1.5], {}, ["a", ""], "", [-1, 2], [[1], []], [2**40], [1, "a"], [10**7], [True], [["a"]]]
 NOT_OBJECTS = [
     b"",
     b"{",

@@ -74,11 +74,7 @@ def generate_request(body, chat: bool, vocab: int | None = None) -> gen_pb.Gener
     if chat:
         req.messages.extend(messages(body.get("messages")))
     else:
-        text_or_ids = prompt(body.get("prompt"))
-        if isinstance(text_or_ids, str):
-            req.prompt = text_or_ids
-        else:
-            req.prompt_token_ids.extend(text_or_ids)  # the orchestrator checks them against the vocabulary
+        _set_prompt(req, prompts(body.get("prompt"))[0])
     ints = {name: integer(body, name, *bounds) for name, bounds in _INTS.items()}
     max_tokens = ints["max_completion_tokens"] if ints["max_completion_tokens"] is not None else ints["max_tokens"]
     if max_tokens is not None:
@@ -109,6 +105,30 @@ def generate_request(body, chat: bool, vocab: int | None = None) -> gen_pb.Gener
     output_rules(body, req, vocab)
     tool_fields.apply(body, req, chat)
     return req
+
+
+def generate_requests(body, chat: bool, vocab: int | None = None) -> list[gen_pb.GenerateRequest]:
+    """The body's generations: a chat's one; a completion's one for each of its prompts, in their order, the same
+    in every other field (each is admitted, batched and failed over as a request of its own)."""
+    first = generate_request(body, chat, vocab)
+    if chat:
+        return [first]
+    out = [first]
+    for each in prompts(body["prompt"])[1:]:
+        req = gen_pb.GenerateRequest()
+        req.CopyFrom(first)
+        req.ClearField("prompt")
+        del req.prompt_token_ids[:]
+        _set_prompt(req, each)
+        out.append(req)
+    return out
+
+
+def _set_prompt(req: gen_pb.GenerateRequest, text_or_ids: str | list[int]) -> None:
+    if isinstance(text_or_ids, str):
+        req.prompt = text_or_ids
+    else:
+        req.prompt_token_ids.extend(text_or_ids)  # the orchestrator checks them against the vocabulary
 
 
 def output_rules(body: dict, req: gen_pb.GenerateRequest, vocab: int | None) -> None:
@@ -240,16 +260,21 @@ def _text(content, param: str) -> str:
     raise invalid(f"{param} must be a string or a list of text parts {{type: text, text}}", "messages")
 
 
-def prompt(value) -> str | list[int]:
-    """One prompt: a non-empty string, or token ids (a list of integers, or a list of one such list)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
+def prompts(value) -> list[str | list[int]]:
+    """A completion's prompts: one (a non-empty string, or token ids: a list of integers) or a list of several, each
+    a string or token ids, as OpenAI, vLLM and llama-server take them."""
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        return [_prompt(p, f"prompt[{i}]") for i, p in enumerate(value)]
+    return [_prompt(value, "prompt")]
+
+
+def _prompt(value, where: str) -> str | list[int]:
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         if not all(0 <= t <= _U32 for t in value):
-            raise invalid("prompt's token ids must be non-negative integers", "prompt")
+            raise invalid(f"{where}'s token ids must be non-negative integers", "prompt")
         return value
     if not isinstance(value, str) or not value:
-        raise invalid("prompt must be a non-empty string or token ids (one prompt per request)", "prompt")
+        raise invalid(f"{where} must be a non-empty string or token ids (a list of integers)", "prompt")
     return value
 
 

@@ -40,9 +40,11 @@ def speculation_stats(stats: gen_pb.GenerationStats) -> dict:
     }
 
 
-def usage(stats: list[gen_pb.GenerationStats]) -> dict:
-    """A request's usage: the prompt once, the tokens of every choice summed (OpenAI's, with n > 1)."""
-    prompt, completion = stats[0].prompt_tokens, sum(s.completion_tokens for s in stats)
+def usage(finals: dict[int, gen_pb.GenerationStats], n: int = 1) -> dict:
+    """A request's usage from its choices' last stats by index: each prompt once (choice i * n + j is prompt i's
+    j-th), the tokens of every choice summed (OpenAI's, with n > 1 and several prompts)."""
+    prompt = sum(s.prompt_tokens for i, s in finals.items() if i % n == 0)
+    completion = sum(s.completion_tokens for s in finals.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -146,21 +147,23 @@ class OpenAIApi:
 
     async def complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
-        gen_request = fields.generate_request(body, chat, len(self.servicer.tokenizer))
+        gen_requests = fields.generate_requests(body, chat, len(self.servicer.tokenizer))
+        n = gen_requests[0].n or 1  # 0: unset, one choice
         include_usage = bool(fields.stream_options(body).get("include_usage"))
         kind = "chat.completion" if chat else "text_completion"
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         answers: dict[int, Answer] = {}
 
-        def answer(index: int) -> Answer:  # each choice's, made at its first message
+        def answer(index: int) -> Answer:  # each choice's, made at its first message; choice i * n + j is prompt i's
             if index not in answers:
-                answers[index] = Answer(index, chat, self.texts, gen_request, self._calls(gen_request))
+                req = gen_requests[index // n]
+                answers[index] = Answer(index, chat, self.texts, req, self._calls(req))
             return answers[index]
 
-        messages = self.servicer.stream(gen_request)
+        messages = merged([self.servicer.stream(req) for req in gen_requests], n)
         async with contextlib.aclosing(messages):
             if body.get("stream"):
-                return await self._stream(request, messages, chat, kind, ident, include_usage, answer)
+                return await self._stream(request, messages, chat, kind, ident, answer, include_usage, n)
             try:
                 async for msg in messages:
                     answer(msg.index).add(msg)
@@ -174,7 +177,7 @@ class OpenAIApi:
                 "created": int(time.time()),
                 "model": self.model,
                 "choices": [a.choice() for a in ordered],
-                "usage": out.usage([a.stats for a in ordered]),
+                "usage": out.usage({a.index: a.stats for a in ordered}, n),
                 "specdec": out.speculation_stats(ordered[0].stats),  # choice 0's: a stream's chunks carry each's
             }
         )
@@ -183,9 +186,9 @@ class OpenAIApi:
         """(the model's tool format, the tools' names) where the answer is read for tool calls, else None."""
         return (self.servicer.tool_format, [t.name for t in req.tools]) if tool_calls.wanted(req) else None
 
-    async def _stream(self, request, messages, chat: bool, kind: str, ident: str, include_usage: bool, answer):
+    async def _stream(self, request, messages, chat, kind, ident, answer, include_usage: bool, n: int):
         """The choices' chunks as their messages come, each with its index; each choice's last carries its finish
-        and its speculative stats; then, with include_usage, one usage for the whole request."""
+        and its speculative stats; then, with include_usage, one usage for the whole request (n choices a prompt)."""
         created = int(time.time())
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         head = {"id": ident, "object": kind + ".chunk" if chat else kind, "created": created, "model": self.model}
@@ -194,7 +197,7 @@ class OpenAIApi:
             payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
             await response.write(f"data: {payload}\n\n".encode())
 
-        started, finished = False, []
+        started, finished = False, {}
         try:
             async for msg in messages:
                 if not started:  # headers go out with the first message: an error before it gets its own status
@@ -206,7 +209,7 @@ class OpenAIApi:
                 if msg.HasField("stats"):
                     final = choice.finish_chunk(msg.stats)
                     await send({**head, "choices": [final], "specdec": out.speculation_stats(msg.stats)})
-                    finished.append(msg.stats)
+                    finished[msg.index] = msg.stats
         except ServiceError as e:
             if not started:
                 raise ApiError.of(e) from None
@@ -214,10 +217,49 @@ class OpenAIApi:
             await response.write_eof()
             return response
         if include_usage:
-            await send({**head, "choices": [], "usage": out.usage(finished)})
+            await send({**head, "choices": [], "usage": out.usage(finished, n)})
         await send("[DONE]")
         await response.write_eof()
         return response
+
+
+async def merged(streams: list, n: int):
+    """The messages of a request's generations (one a prompt) as they come, prompt i's choice j renumbered
+    i * n + j (OpenAI's and vLLM's order). The first error of any ends the whole, and closing it, or its end,
+    closes every generation, so none outlives its request."""
+    if len(streams) == 1:  # one prompt: its own stream, as it is
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for msg in stream:
+                yield msg
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+    done = object()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for msg in stream:
+                    msg.index += i * n
+                    await queue.put(msg)
+            await queue.put(done)
+        except Exception as e:  # a ServiceError above all; cancellation passes through
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def start_http(servicer, model: str, host: str, port: int, api_key: str = "") -> web.AppRunner:
