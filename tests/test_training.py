@@ -297,3 +297,33 @@ def test_a_head_scores_the_tokens_its_answers_hold_most_often_and_rescoring_chan
     (tmp_path / "config.json").write_text(json.dumps(config))
     rescore(tmp_path, [3, 9])
     assert json.loads((tmp_path / "config.json").read_text()) == {**config, "specdec_output_token_ids": [3, 9]}
+
+
+def test_a_head_trains_for_a_llama_target_named_by_its_folder_and_the_draft_service_loads_it_over_that_target(
+    tmp_path, monkeypatch, tiny_draft, tokenizer
+):
+    """The route to a head for the users' own target (Llama-3.2-3B on their card): training.head's command with
+    --target a model folder, not the embedded GGUF, takes its answers and features, trains at the target's own MLP
+    width and saves a head that loads, as the draft service loads it, over that target."""
+    import json
+
+    from specdec import head, models
+    from training import head as training_head
+
+    (tmp_path / "cache").mkdir()
+    (models.cache_dir() / "kernels").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache" / "kernels").symlink_to(models.cache_dir() / "kernels", target_is_directory=True)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))  # its answers cached here, the kernels' build not
+    tiny_draft.save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    out = tmp_path / "head"
+    training_head.main(
+        ["--target", str(tmp_path / "llama"), "--num-prompts", "24", "--max-new", "8", "--batch-size", "8"]
+        + ["--gen-minutes", "0.05", "--train-minutes", "0.01", "--check-every", "5", "--out", str(out)]
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["specdec_head"]["target"] == str(tmp_path / "llama")
+    assert config["intermediate_size"] == tiny_draft.config.intermediate_size
+    assert head.is_head(str(out)) and models.load_tokenizer(str(out)).vocab == tokenizer.vocab
+    loaded = models.load_model(str(out))
+    assert loaded.config.hidden_size == tiny_draft.config.hidden_size

@@ -285,7 +285,7 @@ def main(argv=None) -> None:
     ap.add_argument("--check-every", type=int, default=100)
     distill.add_activations_argument(ap)
     ap.add_argument("--scored-tokens", type=int, default=0, help="score only the N most frequent (default: all)")
-    ap.add_argument("--intermediate", type=int, default=1536, help="the head's MLP width (the target's: 1536)")
+    ap.add_argument("--intermediate", type=int, help="the head's MLP width (default: the target's layers')")
     ap.add_argument("--no-second-pass", dest="second_pass", action="store_false")
     ap.add_argument("--target", default=models.DEFAULT_TARGET, help="the target whose features the head reads")
     ap.add_argument("--device", default="cpu", help="cpu or cuda: the target's answers and the training")
@@ -305,7 +305,7 @@ def main(argv=None) -> None:
     target = models.load_model(args.target, dtype="float32")
     runner = LeanLlamaRunner(target, len(tokenizer), 4096, device=args.device)
     rows = runner.lm_head[torch.tensor(kept, device=runner.device)].float()
-    head = Head(runner, args.intermediate).to(runner.device)
+    head = Head(runner, args.intermediate or target.config.intermediate_size).to(runner.device)
     # bf16 products on a GPU, and on a CPU where they are in hardware (emulated bf16 is slower), as training.train
     args.bf16 = runner.device.type == "cuda" or models.cpu_has_native_bf16()
     n_train = sum(len(r["feats"]) - r["prompt_len"] + 1 for r in train_recs)
