@@ -303,11 +303,16 @@ def main(argv=None) -> None:
     random.Random(SEED).shuffle(records)
     val, train_recs = records[: max(20, len(records) // 40)], records[max(20, len(records) // 40) :]
     target = models.load_model(args.target, dtype="float32")
-    runner = LeanLlamaRunner(target, len(tokenizer), 4096, device=args.device)
-    rows = runner.lm_head[torch.tensor(kept, device=runner.device)].float()
-    head = Head(runner, args.intermediate or target.config.intermediate_size).to(runner.device)
+    # Of the target the head needs its embedding, rotary tables and output rows alone: the target stays on the host
+    # (in plain products, nothing packed), so a card trains the head beside them only (Llama-3.2-3B's 13 GB of
+    # float32 would not fit the 16 GB card that serves it).
+    runner = LeanLlamaRunner(target, len(tokenizer), 4096, matmul="linear")
+    device = torch.device(args.device)
+    rows = runner.lm_head[torch.tensor(kept)].float().to(device)
+    head = Head(runner, args.intermediate or target.config.intermediate_size).to(device)
+    del runner
     # bf16 products on a GPU, and on a CPU where they are in hardware (emulated bf16 is slower), as training.train
-    args.bf16 = runner.device.type == "cuda" or models.cpu_has_native_bf16()
+    args.bf16 = device.type == "cuda" or models.cpu_has_native_bf16()
     n_train = sum(len(r["feats"]) - r["prompt_len"] + 1 for r in train_recs)
     log(f"train: {len(train_recs)} answers ({n_train} answer positions), {len(val)} for validation")
     head = train(head, rows, train_recs, val, args, lambda best: save(best, target, kept, Path(args.out), args.target))
