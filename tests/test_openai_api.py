@@ -158,6 +158,16 @@ def test_a_full_line_is_429(api, event_loop_thread):
         t.join()
 
 
+def test_more_prompts_than_the_admission_line_holds_are_answered_a_few_at_a_time(api):
+    """One generation at a time and one in line (the fixture): five prompts are not refused for their number, each
+    choice the prompt's own answer."""
+    c, prompts = client(api), ["The sky is", "Water is", "Grass is", "Snow is", "Fire is"]
+    both = c.completions.create(model=model_id(api), prompt=prompts, max_tokens=3, temperature=0)
+    alone = [c.completions.create(model=model_id(api), prompt=p, max_tokens=3, temperature=0) for p in prompts]
+    assert [ch.index for ch in both.choices] == list(range(5))
+    assert [ch.text for ch in both.choices] == [a.choices[0].text for a in alone]
+
+
 def test_a_refused_prompt_among_several_fails_the_request_and_frees_the_others_sessions(api):
     c = client(api)
     with pytest.raises(openai.BadRequestError, match=r"prompt\[1\] must be a non-empty string"):

@@ -300,7 +300,7 @@ def test_a_head_scores_the_tokens_its_answers_hold_most_often_and_rescoring_chan
 
 
 def test_a_head_trains_for_a_llama_target_named_by_its_folder_and_the_draft_service_loads_it_over_that_target(
-    tmp_path, monkeypatch, tiny_draft, tokenizer
+    tmp_path, monkeypatch, capsys, tiny_draft, tokenizer
 ):
     """The route to a head for the users' own target (Llama-3.2-3B on their card): training.head's command with
     --target a model folder, not the embedded GGUF, takes its answers and features, trains at the target's own MLP
@@ -318,9 +318,11 @@ def test_a_head_trains_for_a_llama_target_named_by_its_folder_and_the_draft_serv
     tokenizer.save_pretrained(tmp_path / "llama")
     out = tmp_path / "head"
     training_head.main(
-        ["--target", str(tmp_path / "llama"), "--num-prompts", "24", "--max-new", "8", "--batch-size", "8"]
-        + ["--gen-minutes", "0.05", "--train-minutes", "0.01", "--check-every", "5", "--out", str(out)]
+        ["--target", str(tmp_path / "llama"), "--num-prompts", "40", "--max-new", "8", "--batch-size", "8"]
+        + ["--gen-minutes", "0.5", "--train-minutes", "0.01", "--check-every", "1", "--out", str(out)]
     )
+    printed = capsys.readouterr().out  # the budgets are caps; the first step always runs, and is checked
+    assert "data: 40 answers" in printed and "train: 20 answers" in printed and "step 1:" in printed, printed
     config = json.loads((out / "config.json").read_text())
     assert config["specdec_head"]["target"] == str(tmp_path / "llama")
     assert config["intermediate_size"] == tiny_draft.config.intermediate_size

@@ -27,6 +27,7 @@ import json
 import math
 import random
 import time
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from torch import nn
 from specdec import models
 from specdec.features import fingerprint
 from specdec.head import head_config, rescore, save_head
-from specdec.runners.lean_llama import LeanLlamaRunner, rope
+from specdec.runners.lean_llama import LeanLlamaRunner, rope, rotary_tables
 from training import distill
 from training.common import SEED, log
 from training.train import batches as train_batches, kept_vocabulary
@@ -45,6 +46,23 @@ from training.train import batches as train_batches, kept_vocabulary
 REGRESSION_WEIGHT = 1.0  # EAGLE weighs the feature regression above the tokens' cross-entropy
 SECOND_PASS_WEIGHT = 0.5  # the loss of the pass that reads the head's own features
 NOISE = 0.1  # uniform noise added to the target's features in training (EAGLE-1's robustness to its own errors)
+
+
+def target_parts(model, max_len: int = 4096) -> types.SimpleNamespace:
+    """What a head reads of its target, as a LeanLlamaRunner holds it (Head takes either): the embedding, the output
+    rows, the rotary tables and the attention layout; none of the runner's fused copies of every layer."""
+    cfg = model.config
+    cos, sin = rotary_tables(model, max_len, torch.float32, lambda t: t)
+    return types.SimpleNamespace(
+        embed=model.model.embed_tokens.weight,
+        lm_head=model.get_output_embeddings().weight,
+        cos=cos,
+        sin=sin,
+        n_heads=cfg.num_attention_heads,
+        n_kv=cfg.num_key_value_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        eps=cfg.rms_norm_eps,
+    )
 
 
 class Head(nn.Module):
@@ -303,14 +321,12 @@ def main(argv=None) -> None:
     random.Random(SEED).shuffle(records)
     val, train_recs = records[: max(20, len(records) // 40)], records[max(20, len(records) // 40) :]
     target = models.load_model(args.target, dtype="float32")
-    # Of the target the head needs its embedding, rotary tables and output rows alone: the target stays on the host
-    # (in plain products, nothing packed), so a card trains the head beside them only (Llama-3.2-3B's 13 GB of
-    # float32 would not fit the 16 GB card that serves it).
-    runner = LeanLlamaRunner(target, len(tokenizer), 4096, matmul="linear")
-    device = torch.device(args.device)
-    rows = runner.lm_head[torch.tensor(kept)].float().to(device)
-    head = Head(runner, args.intermediate or target.config.intermediate_size).to(device)
-    del runner
+    # The target stays on the host: a card trains the head beside the target's embedding and scored rows only
+    # (Llama-3.2-3B's 13 GB of float32 would not fit the 16 GB card that serves it).
+    parts, device = target_parts(target), torch.device(args.device)
+    rows = parts.lm_head[torch.tensor(kept)].float().to(device)
+    head = Head(parts, args.intermediate or target.config.intermediate_size).to(device)
+    del parts
     # bf16 products on a GPU, and on a CPU where they are in hardware (emulated bf16 is slower), as training.train
     args.bf16 = device.type == "cuda" or models.cpu_has_native_bf16()
     n_train = sum(len(r["feats"]) - r["prompt_len"] + 1 for r in train_recs)

@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 
+import grpc
 from aiohttp import web
 
 from orchestrator.openai_compat import logprobs as lp, request as fields, responses as out, tool_calls
@@ -160,7 +161,8 @@ class OpenAIApi:
                 answers[index] = Answer(index, chat, self.texts, req, self._calls(req))
             return answers[index]
 
-        messages = merged([self.servicer.stream(req) for req in gen_requests], n)
+        at_once = max(1, self.servicer.admission.slots // n)  # prompts admitted or waiting for it at a time
+        messages = merged([self.servicer.stream(req) for req in gen_requests], n, at_once)
         async with contextlib.aclosing(messages):
             if body.get("stream"):
                 return await self._stream(request, messages, chat, kind, ident, answer, include_usage, n)
@@ -223,27 +225,34 @@ class OpenAIApi:
         return response
 
 
-async def merged(streams: list, n: int):
+async def merged(streams: list, n: int, at_once: int):
     """The messages of a request's generations (one a prompt) as they come, prompt i's choice j renumbered
-    i * n + j (OpenAI's and vLLM's order). The first error of any ends the whole, and closing it, or its end,
-    closes every generation, so none outlives its request."""
+    i * n + j (OpenAI's and vLLM's order). At most at_once prompts run or wait for admission at a time (the rest
+    follow as they end), so a request of many prompts neither fills the admission line nor is refused for its own
+    size. The first error of any ends the whole, and closing it, or its end, closes every generation, so none
+    outlives its request."""
     if len(streams) == 1:  # one prompt: its own stream, as it is
         async with contextlib.aclosing(streams[0]) as stream:
             async for msg in stream:
                 yield msg
         return
-    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
-    done = object()
+    queue: asyncio.Queue = asyncio.Queue()  # unbounded: every pump ends by putting its end, never waiting
+    gate, done = asyncio.Semaphore(at_once), object()
 
     async def pump(i: int, stream) -> None:
+        end = done
         try:
-            async with contextlib.aclosing(stream):
+            async with contextlib.aclosing(stream), gate:
                 async for msg in stream:
                     msg.index += i * n
-                    await queue.put(msg)
-            await queue.put(done)
-        except Exception as e:  # a ServiceError above all; cancellation passes through
-            await queue.put(e)
+                    queue.put_nowait(msg)
+        except asyncio.CancelledError:  # by merged's end, or from elsewhere (a shutdown): the request ends too
+            end = ServiceError(grpc.StatusCode.CANCELLED, "a generation of the request was cancelled")
+            raise
+        except Exception as e:  # a ServiceError above all
+            end = e
+        finally:
+            queue.put_nowait(end)
 
     tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
     try:

@@ -145,7 +145,7 @@ class LeanLlamaRunner:
         move = functools.partial(_to_device, device=self.device)
         self.embed, self.layers, self.norm, self.lm_head = _llama_weights(model, vocab_size, self.scored_ids, move)
         self.mix, self._mix_product = _input_mix(model, move, quantize, activations)
-        self.cos, self.sin = _rotary_tables(model, max_len, self.dtype, move)
+        self.cos, self.sin = rotary_tables(model, max_len, self.dtype, move)
         self.quantize = quantize
         self.activations = activations
         self.matmul = matmul
@@ -425,7 +425,7 @@ def _input_mix(model, move, quantize: str = "none", activations: str = "float32"
     return fc, kernels.few_rows
 
 
-def _rotary_tables(model, max_len: int, dtype, move) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(model, max_len: int, dtype, move) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's own rotary cos and sin ([max_len, head_dim] each), computed where it is, then moved."""
     m = model.model
     positions = torch.arange(max_len, device=m.embed_tokens.weight.device)[None]
