@@ -188,7 +188,7 @@ class OpenAIApi:
         """(the model's tool format, the tools' names) where the answer is read for tool calls, else None."""
         return (self.servicer.tool_format, [t.name for t in req.tools]) if tool_calls.wanted(req) else None
 
-    async def _stream(self, request, messages, chat, kind, ident, answer, include_usage: bool, n: int):
+    async def _stream(self, request, messages, chat: bool, kind: str, ident: str, answer, include_usage: bool, n: int):
         """The choices' chunks as their messages come, each with its index; each choice's last carries its finish
         and its speculative stats; then, with include_usage, one usage for the whole request (n choices a prompt)."""
         created = int(time.time())
