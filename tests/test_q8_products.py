@@ -94,6 +94,20 @@ def test_every_instruction_set_form_gives_the_same_products_bit_for_bit(kernels,
     torch.testing.assert_close(first, qb.reference(x, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "int8 rows"])
+@pytest.mark.parametrize("bits", [8, 16])
+def test_an_output_layers_products_on_amxs_tiles_equal_avx512s_bit_for_bit(kernels, isas, kind, bits):
+    """The AMX form multiplies Q8_0 output layers (8,192 rows or more) on the tiles, 16 rows of x at a time, and the
+    AVX-512 form's chunks below 4 rows: every row count gives AVX-512's products, bit for bit."""
+    if "amx" not in isas:
+        pytest.skip("this CPU (or its kernel) gives no AMX tiles")
+    w = _weights(kind, 8192 + 24, 96, bits)  # a last tile partly filled
+    x = torch.randn(37, 96)
+    x[5, 32:64] = 0.0  # a block of zeros: d 0
+    for rows in (1, 3, 4, 5, 16, 17, 20, 37):  # below the tiles, one chunk, chunks and a remainder on AVX-512
+        assert torch.equal(w.product(kernels, x[:rows], "amx"), w.product(kernels, x[:rows], "avx512-vnni")), rows
+
+
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("bits", [8, 16])
 def test_a_rows_product_is_the_one_it_gets_alone_whatever_the_rows_beside_it(kernels, isas, kind, bits):
@@ -194,7 +208,7 @@ def test_auto_gives_a_target_the_activations_its_file_passed_the_gate_with(tiny_
     )
     assert resolve("cpu", "auto", gguf) == "float32"  # no record yet
     gate.record(gguf, _gate_report(0.97, 0.999))
-    wide = "int16" if "avx512-vnni" in isas else "float32"  # auto's instruction set (AUTO_ISA)
+    wide = "int16" if isas[0] in ("amx", "avx512-vnni") else "float32"  # auto's instruction sets (AUTO_ISAS)
     assert resolve("cpu", "auto", gguf) == wide
     gate.record(gguf, _gate_report(0.995, 0.999))
     assert resolve("cpu", "auto", gguf) == ("int8" if wide != "float32" else "float32")  # the faster first
@@ -203,7 +217,7 @@ def test_auto_gives_a_target_the_activations_its_file_passed_the_gate_with(tiny_
     assert resolve("cpu", "auto", None) == "float32"  # no blocks
     assert resolve("cuda", "auto", gguf) == "float32"
     assert resolve("cpu", "hf", gguf) == "float32"
-    monkeypatch.setattr(specdec.runners, "AUTO_ISA", "no-such-isa")
+    monkeypatch.setattr(specdec.runners, "AUTO_ISAS", ("no-such-isa",))
     assert resolve("cpu", "auto", gguf) == "float32"  # only where the quantized forms were measured faster
     assert resolve_activations("float32", "target", tiny_draft, "cpu", "auto", gguf) == "float32"
     assert resolve_activations("int8", "target", tiny_draft, "cuda", "auto", None) == "int8"  # as asked

@@ -81,9 +81,10 @@ def attention_kernels(device, strict: bool):
 
 
 def resolve_quantize(quantize: str, role: str, model, device=None, kind: str = "auto") -> str:
-    """auto: for a draft on CPU in float32 when the lean runner serves it, int4 where the CPU has AUTO_ISA (Q4_1
-    blocks with 8-bit activations), else int8; none otherwise. A draft's numbers only change q, which the ratio
-    test accounts for, so the output stays exact; a target's numbers are the output, so auto leaves them alone."""
+    """auto: for a draft on CPU in float32 when the lean runner serves it, int4 where the CPU's best form is one of
+    AUTO_ISAS (Q4_1 blocks with 8-bit activations), else int8; none otherwise. A draft's numbers only change q,
+    which the ratio test accounts for, so the output stays exact; a target's numbers are the output, so auto leaves
+    them alone."""
     if quantize != "auto":
         return quantize
     weight = next(model.parameters())
@@ -123,7 +124,8 @@ def resolve_activations(
 
 def gated_activations(gguf: str | None) -> str:
     """The activations auto gives a float32 target from this GGUF file on this CPU: the form the file passed the
-    quality gate with (int8 before int16, the faster), where the CPU has AUTO_ISA; else float32."""
+    quality gate with (int8 before int16, the faster), where the CPU's best form is one of AUTO_ISAS; else
+    float32."""
     from specdec.runners import gate
 
     if gguf is None:
@@ -135,11 +137,12 @@ def gated_activations(gguf: str | None) -> str:
 
 
 def has_auto_isa() -> bool:
-    """Whether the best form of the quantized-activation products on this CPU is AUTO_ISA."""
+    """Whether the best form of the quantized-activation products on this CPU is one of AUTO_ISAS."""
     from specdec.runners.kernels import cpu_kernels
 
     kernels = cpu_kernels()
-    return kernels is not None and list(kernels.q8_isas())[:1] == [AUTO_ISA]
+    isas = list(kernels.q8_isas()) if kernels is not None else []
+    return bool(isas) and isas[0] in AUTO_ISAS
 
 
 # auto's rules beyond the gate, measured (docs/performance.md):
@@ -151,4 +154,5 @@ def has_auto_isa() -> bool:
 #   blocks (0.625 bytes a weight) it reads half the bytes: one stream with adaptive K 1.07x greedy and 1.11x at
 #   T = 0.7 the int8 draft's, alpha 0.03-0.04 lower (2026-11-26, Xeon with AVX-512 VNNI; int4 in the 256-bit forms
 #   is not measured, so those CPUs keep int8).
-AUTO_ISA = "avx512-vnni"
+# - AMX: its form is AVX-512 VNNI's below a chunk of amx_min_rows rows, and the tiles above, bit for bit the same.
+AUTO_ISAS = ("amx", "avx512-vnni")

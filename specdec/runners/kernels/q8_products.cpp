@@ -23,6 +23,11 @@
 // products as 8-bit x: the integer sum is 128 sum(qw h) + sum(qw l), exact, then the same two float steps.
 // Twice the integer work for 128 times finer x: teacher-forced, the embedded target's top-1 agreement with
 // float32 x is 97% with 8 bits and over 99.9% with 16 (docs/performance.md).
+//
+// AMX (Intel's tile units, Sapphire Rapids on) computes the same integer sums of Q8_0 weights for up to 16 rows
+// at once: x's bytes of a block as one tile, the block's 16 rows of weights, in the layout above, as another, and
+// one tile dot product gives every row's 16 sums. A tile's sums leave through memory and take the same float step,
+// so the AMX form equals the others bit for bit. It runs where it pays (amx_pays), the AVX-512 form elsewhere.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -31,6 +36,12 @@
 #include <string>
 #include <vector>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define SPECDEC_AMX 1
+#endif
 
 namespace {
 
@@ -107,7 +118,7 @@ void quantize_into(const float* x, int64_t M, int64_t K, int bits, Quantized& ou
 }
 
 enum class Format { Q4_1, Q8_0 };
-enum class Isa { Avx512Vnni, AvxVnni, Avx2 };
+enum class Isa { Amx, Avx512Vnni, AvxVnni, Avx2 };
 
 // What one tile's products read: per block, the weights' bytes, 16 scales (fp16 or float32), and either 16
 // minimums (Q4_1) or 16 corrections 128 * sum_k qw (Q8_0).
@@ -190,6 +201,87 @@ void tile_avx512(const Rows& x, const Tile& t, float* y, int64_t N, int64_t vali
   }
   const __mmask16 keep = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
   for (int m = 0; m < M; m++) _mm512_mask_storeu_ps(y + m * N, keep, acc[m]);
+}
+#endif
+
+
+#ifdef SPECDEC_AMX
+constexpr int64_t kAmxRows = 16;  // a tile's rows
+
+// Linux gives a process the tiles' 8 KB of register state only when it asks, once for all its threads.
+bool amx_permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+// Where the tiles pay, measured in whole passes of the embedded target (docs/performance.md, item 33): an output
+// layer's Q8_0 rows (at least 8,192 of them) in chunks of 4 rows or more. A tile of sums costs about as much to
+// move to memory as 4 rows' dot products in AVX-512, and the first tile instruction after a pause about 3 us. A
+// layer's Q4_1 products on the tiles (nibbles widened to bytes first), faster at 8-16 rows when called back to
+// back, made whole passes slower at 5-32 rows: those stay on AVX-512.
+constexpr int64_t kAmxMinRows = 4, kAmxMinOutputs = 8192;
+bool amx_pays(Format f, int64_t N) { return f == Format::Q8_0 && N >= kAmxMinOutputs; }
+
+// tmm0 and tmm1: the rows' bytes of x for a block (16-bit x: the high and the low ones), rows x 32 bytes;
+// tmm2: the block's weights, 8 groups of [16 rows][4] bytes; tmm3 and tmm4: the sums, rows x 16 int32.
+void amx_configure(int rows) {
+  struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } c{};
+  c.palette = 1;
+  c.rows[0] = c.rows[1] = c.rows[3] = c.rows[4] = (uint8_t)rows;
+  c.colsb[0] = c.colsb[1] = 32;
+  c.rows[2] = 8;
+  c.colsb[2] = c.colsb[3] = c.colsb[4] = 64;
+  _tile_loadconfig(&c);
+}
+
+// A tile of Q8_0 weights for `rows` rows of x (configured): a block's dot products on the tiles (signed bytes
+// by signed bytes: no correction), its float steps one block behind, while the next block's tiles run.
+template <bool Wide>
+void tile_amx(const Rows& x, int rows, const Tile& t, float* y, int64_t N, int64_t valid) {
+  const int64_t blocks = x.K / kBlock, w_bytes = t.w_block_bytes;
+  alignas(64) int32_t sums[2][2][kAmxRows * 16];
+  __m512 acc[kAmxRows];
+  for (int m = 0; m < rows; m++) acc[m] = _mm512_setzero_ps();
+  const int64_t scale_bytes = 16 * (t.half ? 2 : 4);
+  auto issue = [&](int64_t b) {
+    int32_t* hi = sums[b & 1][0];
+    // an output layer comes cold from memory: ask for it ahead as the AVX-512 form does (a whole pass of the
+    // embedded target at 8 rows spent 1.6 ms in its head on the tiles without this, 1.1 with it)
+    for (int64_t line = 0; line < w_bytes; line += 64) __builtin_prefetch(t.w + (b + kAhead) * w_bytes + line, 0, 3);
+    __builtin_prefetch((const char*)t.d + (b + kAhead) * scale_bytes, 0, 3);
+    _tile_loadd(2, t.w + b * w_bytes, 64);
+    _tile_loadd(0, x.q + b * kBlock, x.K);
+    _tile_zero(3);
+    _tile_dpbssd(3, 0, 2);
+    _tile_stored(3, hi, 64);
+    if (Wide) {
+      _tile_loadd(1, x.lo + b * kBlock, x.K);
+      _tile_zero(4);
+      _tile_dpbssd(4, 1, 2);
+      _tile_stored(4, sums[b & 1][1], 64);
+    }
+  };
+  auto finish = [&](int64_t b) {
+    const __m512 dw = scales16(t.d, t.half, b);
+    for (int m = 0; m < rows; m++) {
+      __m512i sum = _mm512_load_si512(sums[b & 1][0] + m * 16);
+      if (Wide) sum = _mm512_add_epi32(_mm512_slli_epi32(sum, 7), _mm512_load_si512(sums[b & 1][1] + m * 16));
+      const float dx = x.d[m * blocks + b];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[m]);
+    }
+  };
+  issue(0);
+  for (int64_t b = 1; b < blocks; b++) {
+    issue(b);
+    finish(b - 1);
+  }
+  finish(blocks - 1);
+  const __mmask16 keep = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
+  for (int m = 0; m < rows; m++) _mm512_mask_storeu_ps(y + m * N, keep, acc[m]);
 }
 #endif
 
@@ -301,11 +393,41 @@ void tile_of(Format f, int bits, Isa isa, const Rows& x, const Tile& t, float* y
   }
 }
 
+#ifdef SPECDEC_AMX
+// Rows m0.. of x through the tiles begin..end, in chunks of 16 rows on the tiles; returns the first row left to the
+// AVX-512 form, a last chunk too small for the tiles.
+template <class TileAt>
+int64_t amx_sweep(Format f, int bits, const Rows& x, int64_t M, int64_t begin, int64_t end, TileAt tile_at,
+                  float* y, int64_t N) {
+  const int64_t blocks = x.K / kBlock;
+  int64_t m0 = 0;
+  if (!amx_pays(f, N)) return m0;
+  for (; M - m0 >= kAmxMinRows; m0 += kAmxRows) {
+    const int rows = (int)std::min<int64_t>(kAmxRows, M - m0);
+    const Rows chunk{x.q + m0 * x.K, x.lo ? x.lo + m0 * x.K : nullptr, x.d + m0 * blocks, x.s + m0 * blocks,
+                     x.ds + m0 * blocks, x.K};
+    amx_configure(rows);  // a tile configuration costs about 45 ns: once a chunk, not once a tile
+    for (int64_t t = begin; t < end; t++) {
+      const Tile w = tile_at(t);
+      const int64_t valid = std::min<int64_t>(kTileRows, N - t * kTileRows);
+      float* yt = y + m0 * N + t * kTileRows;
+      if (bits == 16) tile_amx<true>(chunk, rows, w, yt, N, valid);
+      else tile_amx<false>(chunk, rows, w, yt, N, valid);
+    }
+    _tile_release();
+  }
+  return m0;
+}
+#endif
+
 Isa parse_isa(const std::string& name) {
+#ifdef SPECDEC_AMX
+  if (name == "amx" && amx_permitted()) return Isa::Amx;
+#endif
   if (name == "avx512-vnni") return Isa::Avx512Vnni;
   if (name == "avx-vnni") return Isa::AvxVnni;
   if (name == "avx2") return Isa::Avx2;
-  TORCH_CHECK(false, "q8 products: isa avx512-vnni, avx-vnni or avx2, not ", name);
+  TORCH_CHECK(false, "q8 products: isa amx, avx512-vnni, avx-vnni or avx2 where this CPU has it, not ", name);
 }
 
 }  // namespace
@@ -313,6 +435,9 @@ Isa parse_isa(const std::string& name) {
 // The instruction-set forms this build runs, best first (CPU and compiler both: -march=native).
 std::vector<std::string> q8_isas() {
   std::vector<std::string> out;
+#ifdef SPECDEC_AMX
+  if (amx_permitted()) out.push_back("amx");
+#endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
   out.push_back("avx512-vnni");
 #endif
@@ -381,18 +506,27 @@ torch::Tensor few_rows_q8(torch::Tensor x, torch::Tensor w, torch::Tensor d, tor
   const char* ep = (const char*)extra.data_ptr();
   const int64_t d_tile = blocks * 16 * d.element_size(), e_tile = blocks * 16 * extra.element_size();
   float* yp = y.data_ptr<float>();
+  const Rows all{xq, xlo, xd, xs, xds, K};
+  auto tile_at = [&](int64_t t) {
+    return Tile{wp + t * blocks * w_block_bytes, dp + t * d_tile, ep + t * e_tile, half, w_block_bytes};
+  };
   at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    int64_t first = 0;  // the first row of x the tiles leave to the vector forms
+#ifdef SPECDEC_AMX
+    if (isa == Isa::Amx) first = amx_sweep(f, (int)bits, all, M, begin, end, tile_at, yp, N);
+#endif
+    const Isa vector_isa = isa == Isa::Amx ? Isa::Avx512Vnni : isa;
     for (int64_t t = begin; t < end; t++) {
-      const Tile tile_w{wp + t * blocks * w_block_bytes, dp + t * d_tile, ep + t * e_tile, half, w_block_bytes};
+      const Tile tile_w = tile_at(t);
       const int64_t valid = std::min<int64_t>(kTileRows, N - t * kTileRows);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      for (int64_t m0 = first; m0 < M; m0 += kMaxRows) {
         const Rows rows{xq + m0 * K, xlo ? xlo + m0 * K : nullptr, xd + m0 * blocks, xs + m0 * blocks,
                         xds + m0 * blocks, K};
         float* yt = yp + m0 * N + t * kTileRows;
         switch (std::min<int64_t>(kMaxRows, M - m0)) {
 #define ROWS(m)                                                  \
   case m:                                                        \
-    tile_of<m>(f, (int)bits, isa, rows, tile_w, yt, N, valid);   \
+    tile_of<m>(f, (int)bits, vector_isa, rows, tile_w, yt, N, valid); \
     break;
           ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
