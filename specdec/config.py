@@ -101,10 +101,10 @@ class ModelServerConfig:
     )
     activations: str = _option(
         "auto",
-        "lean runner's activations on CPU: int8 or int16 (quantized per row in blocks of 32 for every product, "
-        "multiplied in integers with the GGUF file's blocks or the draft's int8 rows; AVX-512 VNNI, AVX-VNNI or "
-        "AVX2), float32, or auto (for a target from a GGUF file on a CPU with AVX-512 VNNI, the form the file "
-        "passed the quality gate with, `specdec gate`; int8 for int4 weights; float32 otherwise)",
+        "lean runner's activations on CPU: int8 or int16 (quantized per row in blocks of 32 for every product, in "
+        "integers with the GGUF file's blocks or the draft's int8 rows; AVX-512 VNNI, with AMX for output layers, "
+        "AVX-VNNI or AVX2), float32, or auto (for a target from a GGUF file on a CPU with AVX-512 VNNI, the form "
+        "the file passed the quality gate with, `specdec gate`; int8 for int4 weights; float32 otherwise)",
     )
     host: str = field(default="0.0.0.0", metadata={"help": "address to bind"})
     port: int = field(default=50053, metadata={"help": "gRPC port (0 picks a free one)"})

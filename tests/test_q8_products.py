@@ -94,18 +94,23 @@ def test_every_instruction_set_form_gives_the_same_products_bit_for_bit(kernels,
     torch.testing.assert_close(first, qb.reference(x, w), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "int8 rows"])
+@pytest.mark.parametrize("kind, k", [("Q8_0", 96), ("int8 rows", 84)])  # 84: x padded to the weights' blocks
 @pytest.mark.parametrize("bits", [8, 16])
-def test_an_output_layers_products_on_amxs_tiles_equal_avx512s_bit_for_bit(kernels, isas, kind, bits):
-    """The AMX form multiplies Q8_0 output layers (8,192 rows or more) on the tiles, 16 rows of x at a time, and the
-    AVX-512 form's chunks below 4 rows: every row count gives AVX-512's products, bit for bit."""
+def test_an_output_layers_products_on_amxs_tiles_equal_avx512s_bit_for_bit(kernels, isas, kind, k, bits):
+    """The AMX form multiplies Q8_0 products of 8,192 output rows or more (output layers) on the tiles, 16 rows of x
+    at a time, and leaves a last chunk under 4 rows to the AVX-512 form: every row count gives AVX-512's products,
+    bit for bit."""
     if "amx" not in isas:
         pytest.skip("this CPU (or its kernel) gives no AMX tiles")
-    w = _weights(kind, 8192 + 24, 96, bits)  # a last tile partly filled
-    x = torch.randn(37, 96)
+    w = _weights(kind, 8192 + 24, k, bits)  # a last tile partly filled
+    x = torch.randn(37, k)
     x[5, 32:64] = 0.0  # a block of zeros: d 0
-    for rows in (1, 3, 4, 5, 16, 17, 20, 37):  # below the tiles, one chunk, chunks and a remainder on AVX-512
+    width = w.w.shape[1] * 32
+    for rows, tiled in [(1, 0), (3, 0), (4, 4), (5, 5), (16, 16), (17, 16), (20, 20), (37, 37)]:
+        assert kernels.q8_amx_rows(w.format, w.n, width, rows) == tiled  # the tiles run these rows
         assert torch.equal(w.product(kernels, x[:rows], "amx"), w.product(kernels, x[:rows], "avx512-vnni")), rows
+    assert kernels.q8_amx_rows(w.format, 8191, width, 16) == 0  # a layer's product: AVX-512
+    assert kernels.q8_amx_rows("Q4_1", w.n, width, 16) == 0
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])

@@ -154,5 +154,6 @@ def has_auto_isa() -> bool:
 #   blocks (0.625 bytes a weight) it reads half the bytes: one stream with adaptive K 1.07x greedy and 1.11x at
 #   T = 0.7 the int8 draft's, alpha 0.03-0.04 lower (2026-11-26, Xeon with AVX-512 VNNI; int4 in the 256-bit forms
 #   is not measured, so those CPUs keep int8).
-# - AMX: its form is AVX-512 VNNI's below a chunk of amx_min_rows rows, and the tiles above, bit for bit the same.
+# - AMX: its form is AVX-512 VNNI's with output layers on the tiles (kernels/q8_products.cpp, amx_rows), bit for bit
+#   the same products.
 AUTO_ISAS = ("amx", "avx512-vnni")

@@ -13,6 +13,7 @@ torch::Tensor few_rows_q8(torch::Tensor x, torch::Tensor w, torch::Tensor d, tor
                           const std::string& format, int64_t N, const std::string& isa, int64_t bits);
 std::vector<torch::Tensor> quantize_q8(torch::Tensor x, int64_t bits);
 std::vector<std::string> q8_isas();
+int64_t q8_amx_rows(const std::string& format, int64_t n, int64_t k, int64_t rows);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor attend(torch::Tensor qkv, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                      int64_t start, int64_t h);
@@ -41,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_q8", &quantize_q8, "x's rows in blocks of 32: q (8 or 16 bits), scale d and the integer sum of q",
         py::arg("x"), py::arg("bits") = 8);
   m.def("q8_isas", &q8_isas, "the instruction-set forms of few_rows_q8 this build runs, best first");
+  m.def("q8_amx_rows", &q8_amx_rows, "how many of a product's rows the amx form multiplies on the tiles");
   m.def("rms_norm", &rms_norm, "RMS norm of each row of x, times w");
   m.def("attend", &attend, "rotary embedding, KV-cache write and causal attention of a few new tokens", nogil());
   m.def("attend_batch", &attend_batch, "attend for several sessions' rows, each over its own cache, in one call", nogil());

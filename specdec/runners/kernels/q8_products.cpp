@@ -27,7 +27,7 @@
 // AMX (Intel's tile units, Sapphire Rapids on) computes the same integer sums of Q8_0 weights for up to 16 rows
 // at once: x's bytes of a block as one tile, the block's 16 rows of weights, in the layout above, as another, and
 // one tile dot product gives every row's 16 sums. A tile's sums leave through memory and take the same float step,
-// so the AMX form equals the others bit for bit. It runs where it pays (amx_pays), the AVX-512 form elsewhere.
+// so the AMX form equals the others bit for bit. It runs where it pays (amx_rows), the AVX-512 form elsewhere.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -214,18 +214,23 @@ bool amx_permitted() {
   return granted;
 }
 
-// Where the tiles pay, measured in whole passes of the embedded target (docs/performance.md, item 33): an output
-// layer's Q8_0 rows (at least 8,192 of them) in chunks of 4 rows or more. A tile of sums costs about as much to
-// move to memory as 4 rows' dot products in AVX-512, and the first tile instruction after a pause about 3 us. A
-// layer's Q4_1 products on the tiles (nibbles widened to bytes first), faster at 8-16 rows when called back to
-// back, made whole passes slower at 5-32 rows: those stay on AVX-512.
+// Where the tiles pay, measured in whole passes of the embedded target (docs/performance.md, item 33): Q8_0
+// products of 8,192 output rows or more (what was measured: its output layer, 49,152 rows), in chunks of 4 rows
+// or more. A tile of sums costs about as much to move to memory as 4 rows' dot products in AVX-512, and the first
+// tile instruction after a pause about 3 us. A layer's Q4_1 products on the tiles (nibbles widened to bytes
+// first), faster at 8-16 rows when called back to back, made whole passes slower at 5-32 rows: those stay on
+// AVX-512. Returns how many of M rows the tiles take: whole chunks of 16, and a last one of 4 rows or more.
 constexpr int64_t kAmxMinRows = 4, kAmxMinOutputs = 8192;
-bool amx_pays(Format f, int64_t N) { return f == Format::Q8_0 && N >= kAmxMinOutputs; }
+int64_t amx_rows(Format f, int64_t N, int64_t K, int64_t M) {
+  if (f != Format::Q8_0 || N < kAmxMinOutputs || K < kBlock || !amx_permitted()) return 0;
+  const int64_t rest = M % kAmxRows;
+  return rest == 0 || rest >= kAmxMinRows ? M : M - rest;
+}
 
 // tmm0 and tmm1: the rows' bytes of x for a block (16-bit x: the high and the low ones), rows x 32 bytes;
 // tmm2: the block's weights, 8 groups of [16 rows][4] bytes; tmm3 and tmm4: the sums, rows x 16 int32.
 void amx_configure(int rows) {
-  struct {
+  struct alignas(64) {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
@@ -235,6 +240,7 @@ void amx_configure(int rows) {
   c.colsb[0] = c.colsb[1] = 32;
   c.rows[2] = 8;
   c.colsb[2] = c.colsb[3] = c.colsb[4] = 64;
+  asm volatile("" ::: "memory");  // the intrinsic tells the compiler it reads 8 of the 64 bytes: all are written
   _tile_loadconfig(&c);
 }
 
@@ -394,15 +400,13 @@ void tile_of(Format f, int bits, Isa isa, const Rows& x, const Tile& t, float* y
 }
 
 #ifdef SPECDEC_AMX
-// Rows m0.. of x through the tiles begin..end, in chunks of 16 rows on the tiles; returns the first row left to the
-// AVX-512 form, a last chunk too small for the tiles.
+// x's first amx_rows rows through the tiles begin..end, 16 rows at a time; returns the first row left to the
+// AVX-512 form.
 template <class TileAt>
 int64_t amx_sweep(Format f, int bits, const Rows& x, int64_t M, int64_t begin, int64_t end, TileAt tile_at,
                   float* y, int64_t N) {
-  const int64_t blocks = x.K / kBlock;
-  int64_t m0 = 0;
-  if (!amx_pays(f, N)) return m0;
-  for (; M - m0 >= kAmxMinRows; m0 += kAmxRows) {
+  const int64_t blocks = x.K / kBlock, tiled = amx_rows(f, N, x.K, M);
+  for (int64_t m0 = 0; m0 < tiled; m0 += kAmxRows) {
     const int rows = (int)std::min<int64_t>(kAmxRows, M - m0);
     const Rows chunk{x.q + m0 * x.K, x.lo ? x.lo + m0 * x.K : nullptr, x.d + m0 * blocks, x.s + m0 * blocks,
                      x.ds + m0 * blocks, x.K};
@@ -416,13 +420,13 @@ int64_t amx_sweep(Format f, int bits, const Rows& x, int64_t M, int64_t begin, i
     }
     _tile_release();
   }
-  return m0;
+  return tiled;
 }
 #endif
 
 Isa parse_isa(const std::string& name) {
 #ifdef SPECDEC_AMX
-  if (name == "amx" && amx_permitted()) return Isa::Amx;
+  if (name == "amx") return amx_permitted() ? Isa::Amx : Isa::Avx512Vnni;  // the same products, bit for bit
 #endif
   if (name == "avx512-vnni") return Isa::Avx512Vnni;
   if (name == "avx-vnni") return Isa::AvxVnni;
@@ -448,6 +452,16 @@ std::vector<std::string> q8_isas() {
   out.push_back("avx2");
 #endif
   return out;
+}
+
+// How many of `rows` rows of x the AMX form multiplies on the tiles for n output rows of this format and k inputs;
+// the AVX-512 form takes the rest. 0 where this CPU or its kernel gives no tiles.
+int64_t q8_amx_rows(const std::string& format, int64_t n, int64_t k, int64_t rows) {
+#ifdef SPECDEC_AMX
+  return amx_rows(format == "Q8_0" ? Format::Q8_0 : Format::Q4_1, n, k, rows);
+#else
+  return 0;
+#endif
 }
 
 // x [M, K] float32 -> (q [M, K], d float32 [M, K / 32], sums int32 [M, K / 32]); K a multiple of 32. q is int8 for
