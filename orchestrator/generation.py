@@ -53,7 +53,14 @@ class Generation:
         self.metrics = metrics
         self.speculation = speculation  # shared across requests: what rounds cost, recent alpha; None: not learned
         self.adaptive = (
-            AdaptiveK(speculation, spec.sampling.greedy, spec.k, spec.k, ruled=spec.rules is not None)
+            AdaptiveK(
+                speculation,
+                spec.sampling.greedy,
+                spec.k,
+                spec.k,
+                ruled=spec.rules is not None,
+                sampling=spec.sampling.support_key,
+            )
             if speculation and spec.adaptive
             else None
         )
@@ -216,15 +223,17 @@ class Generation:
         )
         if n == len(drafts) and verdict.HasField("bonus_token_id"):  # drawn by the target with the same keyed draw
             return n, verdict.bonus_token_id
-        p = await self._dist(self.target, verdict.distributions[n], start + n, trace)
+        p = self._dist(self.target, verdict.distributions[n], start + n, trace)
         if n < len(drafts):
-            q = (
-                await self._dist(self.draft, proposal.distributions[n], start + n, trace)
-                if proposal
-                else rs.point_mass(drafts[n])
-            )
-            return n, rs.recover(p, q, seed, start + n)
-        return n, rs.bonus(p, seed, start + n)
+            t0 = time.perf_counter()
+            if proposal:  # both rows at once: over the sparse limit each is a GetDistribution of its own
+                p, q = await _both(p, self._dist(self.draft, proposal.distributions[n], start + n, trace))
+            else:
+                p, q = await p, rs.point_mass(drafts[n])
+            token = rs.recover(p, q, seed, start + n)
+            trace.recover_s = time.perf_counter() - t0
+            return n, token
+        return n, rs.bonus(await p, seed, start + n)
 
     async def _dist(self, link: Link, sparse: ms_pb.SparseDistribution, position: int, trace: RoundTrace) -> rs.Dist:
         if sparse.complete:
@@ -278,9 +287,13 @@ class Generation:
                 self.speculation.observe_start(k, trace.draft_wall_s)
             return
         if self.speculation and trace.target_cost is not None:
-            self.speculation.observe(self.spec.sampling.greedy, k, n, now - t0, trace.target_cost, trace.draft_cost)
+            self.speculation.observe(
+                self.spec.sampling.greedy, k, n, now - t0, trace.target_cost, trace.draft_cost, trace.recover_s
+            )
         if self.adaptive and trace.draft_wall_s:
             self.adaptive.observe(k, n)
+            if trace.recover_s:  # a sampled rejection: what recovering from it took
+                self.adaptive.observe_recovery(k, n, trace.recover_s)
         if self.adaptive and self.spec.rules is not None and trace.target_cost is not None:
             self.adaptive.observe_rules(k, trace.target_cost, trace.draft_cost)
 
@@ -306,3 +319,12 @@ class Generation:
         await asyncio.gather(
             *(r.client.call("ReleaseSession", req) for link in links for r in link.hosts), return_exceptions=True
         )
+
+
+async def _both(first, second) -> tuple:
+    """Two awaitables run at once; both end before an error of either is raised."""
+    results = await asyncio.gather(first, second, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return tuple(results)

@@ -42,6 +42,7 @@ class RoundTrace:
     built: bool = False  # a call (re)built a session from the history: the prompt's prefill, or a rebuild
     draft_cost: CallCost | None = None  # the draft's and the target's calls, for adaptive speculation
     target_cost: CallCost | None = None
+    recover_s: float = 0.0  # a sampled rejection's recovery: the two rows fetched, the residual drawn
 
     def add_call(self, req, resp, wall_s: float, compute_field: str | None) -> None:
         """One call of the round: a ProposeTokens (compute_field "draft_s") or a Verify ("verify_s"), whose

@@ -6,7 +6,9 @@ the target's pass over K + 1 rows, K draft steps and the calls around them. Both
 orchestrator measures both as it goes: alpha per request, starting from the process's recent alpha, and the
 costs from what the model servers report of their batched passes (RoundCosts: a pass's fixed part, shared by
 the sessions in it, and what a row adds). Then each round drafts argmax_K tokens(alpha, K) / seconds(K) over
-K = 0..cap; K = 0 is the target alone. Alone on a CPU a verify row costs a fraction of a step and K > 0 wins;
+K = 0..cap; K = 0 is the target alone. A request prices what is its own on top: its output rules' rows, and
+for a sampled one the recovery of a round that ends in a rejection (the two rows fetched, where their supports
+are too wide to travel with the calls: at top_p 1 the whole vocabulary, twice). Alone on a CPU a verify row costs a fraction of a step and K > 0 wins;
 with 16 sessions in a pass the step is shared 16 ways, a row costs its multiply-adds in full, and K falls to 0
 by itself; on a GPU rows stay nearly free and speculation stays on under load. A request starts the draft
 (whose first call prefills the prompt) only when the time it expects to save over its remaining tokens is more
@@ -39,6 +41,7 @@ COST_RATE = 0.05  # the costs, their last ~20 observations
 PROBE_EVERY = 8
 OVERHEAD_WINDOW = 64  # rounds whose least time outside the passes prices a round's RPC
 START_WINDOW = 9
+RECOVERY_KINDS = 64  # sampling settings whose recovery cost the process remembers
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -232,16 +235,27 @@ class Speculation:
         # what a row of output rules cost the last requests that had them: a new one's prior, since its own rounds
         # come only as it runs
         self.rules_row_s = {"target": 0.0, "draft": 0.0}
+        # what a sampled rejection's recovery cost the last requests of the same sampling settings (support_key):
+        # a new one's prior, as rules_row_s
+        self.recovery_s: dict[tuple, float] = {}
 
     def observe_start(self, k: int, draft_wall_s: float) -> None:
         self.costs.observe_start(k, draft_wall_s)
 
     def observe(
-        self, greedy: bool, k: int, accepted: int, round_s: float, target: CallCost, draft: CallCost | None = None
+        self,
+        greedy: bool,
+        k: int,
+        accepted: int,
+        round_s: float,
+        target: CallCost,
+        draft: CallCost | None = None,
+        recover_s: float = 0.0,
     ) -> None:
         """A decoding round with k proposed tokens; draft is the draft's call when the draft proposed them (else
-        they came from prompt lookup, or there were none)."""
-        self.costs.observe(round_s, target, draft)
+        they came from prompt lookup, or there were none); recover_s: its rejection's recovery, which the request
+        that paid it prices (AdaptiveK.observe_recovery), left out of the process's costs as its rules are."""
+        self.costs.observe(round_s - recover_s, target, draft)
         if draft is not None:
             self.alpha[greedy].observe(k, accepted)
 
@@ -260,7 +274,9 @@ class Speculation:
 class AdaptiveK:
     """One request's choice of K, up to cap; start_k until the process has measured a drafted round."""
 
-    def __init__(self, shared: Speculation, greedy: bool, cap: int, start_k: int, ruled: bool = False):
+    def __init__(
+        self, shared: Speculation, greedy: bool, cap: int, start_k: int, ruled: bool = False, sampling: tuple = ()
+    ):
         self.shared = shared
         self.ruled = ruled  # the request has output rules (a grammar, penalties): it prices their rows
         self.greedy = greedy
@@ -272,6 +288,11 @@ class AdaptiveK:
         # seconds a row of this request's output rules costs on the target and the draft (0 without rules): a
         # grammar's masks cost each verify row and each draft step, this request's alone
         self.rules_row_s = dict(shared.rules_row_s) if ruled else {"target": 0.0, "draft": 0.0}
+        # seconds a sampled round ending in a rejection spends recovering: the target's and the draft's rows there
+        # fetched where their supports exceed the sparse limit (top_p 1: the whole vocabulary, a GetDistribution
+        # each), and the residual drawn. A round at K pays it with probability 1 - alpha^K; greedy never does.
+        self.sampling = sampling
+        self.recover_s = 0.0 if greedy else shared.recovery_s.get(sampling, 0.0)
 
     def next_k(self, remaining: int | None = None, draft_started: bool = True) -> int:
         """remaining: the most tokens the request may still produce; draft_started: whether the draft holds
@@ -280,15 +301,15 @@ class AdaptiveK:
         costs = self.shared.costs.round_s(self.cap)
         if costs is None or not all(math.isfinite(c) and c > 0 for c in costs):
             return self.start_k
-        t, d = self.rules_row_s["target"], self.rules_row_s["draft"]
-        costs = [c + (k + 1) * t + k * d for k, c in enumerate(costs)]
+        alpha = self.acceptance.alpha
+        t, d, r = self.rules_row_s["target"], self.rules_row_s["draft"], self.recover_s
+        costs = [c + (k + 1) * t + k * d + (1.0 - alpha**k) * r for k, c in enumerate(costs)]
         if (self.shared.costs.active or 1.0) > 1.5 and not best_k(self.shared.prior_alpha(self.greedy), costs):
             # Others are calling and, at the acceptance of requests of this kind, drafting does not pay: they stay
             # at K = 0, and this one drafting, or exploring, would only split their batches (its drafted rounds
             # would meet them in other passes than its own, each paying a pass's fixed part). So it stays with them.
             self._idle = 0
             return 0
-        alpha = self.acceptance.alpha
         k = best_k(alpha, costs)
         if not draft_started and self.explorer:
             return min(max(k, 1), self.cap)
@@ -310,6 +331,17 @@ class AdaptiveK:
     def observe(self, drafted: int, accepted: int) -> None:
         """A round whose drafts came from the draft (prompt lookup's are another source)."""
         self.acceptance.observe(drafted, accepted)
+
+    def observe_recovery(self, k: int, accepted: int, seconds: float) -> None:
+        """A drafted round: where it ended in a sampled rejection, what recovering from it took (seconds); the
+        process keeps it too, as the prior of the next request with the same sampling settings."""
+        if self.greedy or not k or accepted >= k:
+            return
+        self.recover_s = costs.ewma(self.recover_s or None, seconds, COST_RATE)
+        known = self.shared.recovery_s
+        if self.sampling not in known and len(known) >= RECOVERY_KINDS:
+            del known[next(iter(known))]  # the oldest kind
+        known[self.sampling] = costs.ewma(known.get(self.sampling), seconds, COST_RATE)
 
     def observe_rules(self, k: int, target: CallCost, draft: CallCost | None) -> None:
         """A decoding round's rules: the target's over its k + 1 rows, the draft's over its steps (k of them); the

@@ -40,6 +40,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def support_key(self) -> tuple:
+        """What decides the size of a sampled row's support (the seed does not): requests alike in it pay alike to
+        move their rows."""
+        return (self.temperature, self.top_p, self.top_k, self.min_p)
+
 
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64

@@ -222,6 +222,49 @@ def test_a_requests_output_rules_are_priced_per_row_for_it_alone():
     assert counted.round_s(8)[0] > without.round_s(8)[0]
 
 
+def test_a_sampled_requests_recovery_from_a_rejection_is_priced_at_the_rounds_odds_of_one():
+    """A sampled round that ends in a rejection fetches the target's and the draft's rows there (the whole vocabulary
+    at top_p 1) before it draws the residual. The request prices that at 1 - alpha^K a round: where it is dear it
+    drafts less, down to the target alone; greedy never pays it; the next request with the same sampling settings
+    starts from it; and the process's round costs leave it out."""
+    shared = _shared(round_s_per_k=0.0015)
+    wide, narrow = (0.7, 1.0, 0, 0.0), (0.7, 0.9, 0, 0.0)
+    cheap, dear, greedy = (
+        sp.AdaptiveK(shared, greedy=False, cap=8, start_k=3, sampling=narrow),
+        sp.AdaptiveK(shared, greedy=False, cap=8, start_k=3, sampling=wide),
+        sp.AdaptiveK(shared, greedy=True, cap=8, start_k=3),
+    )
+    for ak in (cheap, dear, greedy):
+        for _ in range(20):
+            ak.observe(4, 2)  # alpha about 0.67
+    before = cheap.next_k()
+    cheap.observe_recovery(4, 2, 0.0002)
+    dear.observe_recovery(4, 2, 0.03)  # three steps: at alpha 0.67 a rejection costs more than drafting saves
+    dear.observe_recovery(4, 4, 5.0)  # every draft accepted: no recovery, nothing learned
+    greedy.observe_recovery(4, 2, 0.012)
+    assert dear.recover_s == pytest.approx(0.03) and greedy.recover_s == 0.0
+    assert before >= cheap.next_k() > dear.next_k() == 0
+    assert greedy.next_k() == before
+    # the next request with the same settings starts where the last ones left off; other settings from nothing
+    assert sp.AdaptiveK(shared, greedy=False, cap=8, start_k=3, sampling=wide).next_k() == 0
+    assert sp.AdaptiveK(shared, greedy=False, cap=8, start_k=3, sampling=(1.0, 1.0, 0, 0.0)).recover_s == 0.0
+    # a round's recovery stays out of the process's costs
+    with_recovery, without = sp.Speculation(), sp.Speculation()
+    for s in (with_recovery, without):
+        s.costs = _costs()
+    with_recovery.observe(False, 4, 2, 0.0305, _call(0.0122, 0.010), _call(0.006, 0.005), recover_s=0.012)
+    without.observe(False, 4, 2, 0.0185, _call(0.0122, 0.010), _call(0.006, 0.005))
+    assert with_recovery.costs.round_s(8) == pytest.approx(without.costs.round_s(8))
+
+
+def test_the_process_remembers_the_recovery_of_a_bounded_number_of_sampling_settings():
+    shared = _shared(round_s_per_k=0.0015)
+    for i in range(sp.RECOVERY_KINDS + 5):
+        sp.AdaptiveK(shared, greedy=False, cap=8, start_k=3, sampling=(0.7, 0.9, i, 0.0)).observe_recovery(4, 1, 0.01)
+    assert len(shared.recovery_s) == sp.RECOVERY_KINDS
+    assert (0.7, 0.9, 0, 0.0) not in shared.recovery_s and (0.7, 0.9, sp.RECOVERY_KINDS + 4, 0.0) in shared.recovery_s
+
+
 def test_a_new_request_starts_from_the_alpha_of_its_kind():
     shared = _shared(round_s_per_k=0.0015)
     target, draft = _call(0.014, 0.013), _call(0.006, 0.005)
