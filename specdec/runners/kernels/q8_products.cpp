@@ -138,6 +138,11 @@ struct Rows {
   const int32_t* s;
   const float* ds;  // d * float(s): a block's minimum term's factor
   int64_t K;
+
+  Rows from(int64_t m0) const {  // the rows from m0 on
+    const int64_t b = m0 * (K / kBlock);
+    return {q + m0 * K, lo ? lo + m0 * K : nullptr, d + b, s + b, ds + b, K};
+  }
 };
 
 constexpr int64_t kAhead = 4;  // blocks a tile's sweep prefetches ahead, in each of its streams
@@ -204,7 +209,6 @@ void tile_avx512(const Rows& x, const Tile& t, float* y, int64_t N, int64_t vali
 }
 #endif
 
-
 #ifdef SPECDEC_AMX
 constexpr int64_t kAmxRows = 16;  // a tile's rows
 
@@ -254,7 +258,6 @@ void tile_amx(const Rows& x, int rows, const Tile& t, float* y, int64_t N, int64
   for (int m = 0; m < rows; m++) acc[m] = _mm512_setzero_ps();
   const int64_t scale_bytes = 16 * (t.half ? 2 : 4);
   auto issue = [&](int64_t b) {
-    int32_t* hi = sums[b & 1][0];
     // an output layer comes cold from memory: ask for it ahead as the AVX-512 form does (a whole pass of the
     // embedded target at 8 rows spent 1.7 ms in its head on the tiles without this, 1.2 with it)
     for (int64_t line = 0; line < w_bytes; line += 64) __builtin_prefetch(t.w + (b + kAhead) * w_bytes + line, 0, 3);
@@ -263,7 +266,7 @@ void tile_amx(const Rows& x, int rows, const Tile& t, float* y, int64_t N, int64
     _tile_loadd(0, x.q + b * kBlock, x.K);
     _tile_zero(3);
     _tile_dpbssd(3, 0, 2);
-    _tile_stored(3, hi, 64);
+    _tile_stored(3, sums[b & 1][0], 64);
     if (Wide) {
       _tile_loadd(1, x.lo + b * kBlock, x.K);
       _tile_zero(4);
@@ -405,11 +408,10 @@ void tile_of(Format f, int bits, Isa isa, const Rows& x, const Tile& t, float* y
 template <class TileAt>
 int64_t amx_sweep(Format f, int bits, const Rows& x, int64_t M, int64_t begin, int64_t end, TileAt tile_at,
                   float* y, int64_t N) {
-  const int64_t blocks = x.K / kBlock, tiled = amx_rows(f, N, x.K, M);
+  const int64_t tiled = amx_rows(f, N, x.K, M);
   for (int64_t m0 = 0; m0 < tiled; m0 += kAmxRows) {
     const int rows = (int)std::min<int64_t>(kAmxRows, M - m0);
-    const Rows chunk{x.q + m0 * x.K, x.lo ? x.lo + m0 * x.K : nullptr, x.d + m0 * blocks, x.s + m0 * blocks,
-                     x.ds + m0 * blocks, x.K};
+    const Rows chunk = x.from(m0);
     amx_configure(rows);  // a tile configuration costs about 45 ns: once a chunk, not once a tile
     for (int64_t t = begin; t < end; t++) {
       const Tile w = tile_at(t);
@@ -534,8 +536,7 @@ torch::Tensor few_rows_q8(torch::Tensor x, torch::Tensor w, torch::Tensor d, tor
       const Tile tile_w = tile_at(t);
       const int64_t valid = std::min<int64_t>(kTileRows, N - t * kTileRows);
       for (int64_t m0 = first; m0 < M; m0 += kMaxRows) {
-        const Rows rows{xq + m0 * K, xlo ? xlo + m0 * K : nullptr, xd + m0 * blocks, xs + m0 * blocks,
-                        xds + m0 * blocks, K};
+        const Rows rows = all.from(m0);
         float* yt = yp + m0 * N + t * kTileRows;
         switch (std::min<int64_t>(kMaxRows, M - m0)) {
 #define ROWS(m)                                                  \
