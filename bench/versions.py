@@ -3,10 +3,11 @@ adaptive speculation, and the target's step, for a change that must not cost spe
 or should gain it.
 
     python -m bench.versions --base 07b4b0c [--head REV] [--prompts 8] [--tokens 64] [--reps 3] [--temperature 0]
+        [--top-p 1] [--k K]
     python -m bench.versions --base HEAD --head HEAD --head-env SPECDEC_TARGET_ACTIVATIONS=int8
 
 Both checkouts' services run at once on the same machine; the prompts go one at a time to each in turn, rep by
-rep, so the machine's drift hits both. The target's step is its 1-row passes' mean time over each run
+rep, so the machine's drift hits both. --k adds an arm at that fixed K, one prompt at a time. The target's step is its 1-row passes' mean time over each run
 (specdec_forward_seconds{tokens="1"}); the ratio head / base is taken within each rep.
 """
 
@@ -38,19 +39,24 @@ def checkout(rev: str, folder: Path) -> Path:
     return folder
 
 
-def one_run(services, prompts: list[str], tokens: int, temperature: float = 0.0) -> dict:
-    """The prompts one at a time at K = 0, then through the adaptive orchestrator, then all at once at K = 0; the
-    target's 1-row passes."""
+def one_run(services, prompts: list[str], tokens: int, temperature: float = 0.0, top_p: float = 1.0, k=None) -> dict:
+    """The prompts one at a time at K = 0, then through the adaptive orchestrator, then at the fixed K k (if any),
+    then all at once at K = 0; the target's 1-row passes."""
     _, address, urls, (auto_address, _), _ = services
     before = scrape(urls["target"])
-    results, wall = run_jobs(grpc_sender(address, 0, tokens, temperature), prompts, 1)
+    results, wall = run_jobs(grpc_sender(address, 0, tokens, temperature, top_p), prompts, 1)
     d = delta(before, scrape(urls["target"]))
-    auto, auto_wall = run_jobs(grpc_sender(auto_address, None, tokens, temperature), prompts, 1)
-    load, load_wall = run_jobs(grpc_sender(address, 0, tokens, temperature), prompts, len(prompts))
+    auto, auto_wall = run_jobs(grpc_sender(auto_address, None, tokens, temperature, top_p), prompts, 1)
+    fixed = {}
+    if k:
+        at_k, k_wall = run_jobs(grpc_sender(address, k, tokens, temperature, top_p), prompts, 1)
+        fixed["k_tokens_per_s"] = sum(len(r["ids"]) for r in at_k) / k_wall
+    load, load_wall = run_jobs(grpc_sender(address, 0, tokens, temperature, top_p), prompts, len(prompts))
     steps = value(d, "specdec_forward_seconds_count", tokens="1")
     return {
         "tokens_per_s": sum(len(r["ids"]) for r in results) / wall,
         "auto_tokens_per_s": sum(len(r["ids"]) for r in auto) / auto_wall,
+        **fixed,
         "all_at_once_tokens_per_s": sum(len(r["ids"]) for r in load) / load_wall,
         "step_ms": 1e3 * value(d, "specdec_forward_seconds_sum", tokens="1") / steps if steps else None,
     }
@@ -69,6 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.0, help="every request's (seed 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's")
+    p.add_argument("--k", type=int, default=0, help="also run every prompt at this fixed K")
     p.add_argument("--out", default="results/versions")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -88,17 +96,22 @@ def main(argv: list[str] | None = None) -> dict:
             one_run(started, prompts[:2], 8)
         for rep in range(args.reps):
             for name, started in services.items():
-                runs[name].append(one_run(started, prompts, args.tokens, args.temperature))
+                runs[name].append(one_run(started, prompts, args.tokens, args.temperature, args.top_p, args.k))
                 print(f"rep {rep} {name}: {runs[name][-1]}")
     finally:
         for procs, *_ in services.values():
             stop_services(procs)
     report = {"machine": machine(), "base": args.base, "prompts": len(prompts), "tokens": args.tokens}
-    report["temperature"] = args.temperature
+    report["temperature"], report["top_p"], report["k"] = args.temperature, args.top_p, args.k
     report["head_env"] = env["head"]
-    for key in ("tokens_per_s", "auto_tokens_per_s", "all_at_once_tokens_per_s", "step_ms"):
+    for key in ("tokens_per_s", "auto_tokens_per_s", "k_tokens_per_s", "all_at_once_tokens_per_s", "step_ms"):
+        if key not in runs["base"][0]:
+            continue
         report[key] = {name: spread([r[key] for r in rs]) for name, rs in runs.items()}
         report[key + "_ratio"] = spread([h[key] / b[key] for h, b in zip(runs["head"], runs["base"])])
+        if key in ("auto_tokens_per_s", "k_tokens_per_s"):  # speculation over the same checkout's K = 0, rep by rep
+            over = {name: spread([r[key] / r["tokens_per_s"] for r in rs]) for name, rs in runs.items()}
+            report[key.replace("tokens_per_s", "over_k0")] = over
     (out / "versions.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
     return report

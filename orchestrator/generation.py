@@ -24,6 +24,7 @@ from orchestrator.replicas import ReplicaSet, Role
 from orchestrator.spec import GenerationSpec
 from orchestrator.speculation import AdaptiveK, CallCost, Speculation
 from specdec.config import OrchestratorConfig
+from specdec.sampling import candidates
 from specdec.v1 import draft_pb2, generation_pb2 as gen_pb, model_server_pb2 as ms_pb, target_pb2
 
 
@@ -223,21 +224,52 @@ class Generation:
         )
         if n == len(drafts) and verdict.HasField("bonus_token_id"):  # drawn by the target with the same keyed draw
             return n, verdict.bonus_token_id
-        p = self._dist(self.target, verdict.distributions[n], start + n, trace)
-        if n < len(drafts):
-            t0 = time.perf_counter()
-            if proposal:  # both rows at once: over the sparse limit each is a GetDistribution of its own
-                p, q = await _both(p, self._dist(self.draft, proposal.distributions[n], start + n, trace))
-            else:
-                p, q = await p, rs.point_mass(drafts[n])
-            token = rs.recover(p, q, seed, start + n)
-            trace.recover_s = time.perf_counter() - t0
-            return n, token
-        return n, rs.bonus(await p, seed, start + n)
+        if n == len(drafts):
+            p = await self._dist(self.target, verdict.distributions[n], start + n, trace)
+            return n, rs.bonus(p, seed, start + n)
+        t0 = time.perf_counter()
+        q_row = proposal.distributions[n] if proposal else None
+        token = await self._recover(drafts[n], q_row, verdict.distributions[n], start + n, trace)
+        trace.recover_s = time.perf_counter() - t0
+        return n, token
+
+    async def _recover(self, draft_token: int, q_row, p_row: ms_pb.SparseDistribution, position: int, trace) -> int:
+        """rejection_sampler.recover's token at a rejected position, from what the round holds: the candidates drawn
+        from the target's row (by the target where the row was too wide to travel) and the draft's q at them, so
+        no whole row moves unless all of them miss. q_row: the draft's row, None for a proposal made with
+        certainty (prompt lookup), whose q is a point mass on draft_token."""
+        seed = self.spec.sampling.seed
+        p = rs.Dist.of(p_row) if p_row.complete else None
+        if p is None and not p_row.candidate_ids:  # a target that draws no candidates: its whole row
+            p = await self._dist(self.target, p_row, position, trace)
+        if p is not None:
+            ids, pc = candidates(p.token_ids, p.probs, seed, position)
+        else:
+            ids, pc = np.asarray(p_row.candidate_ids, np.int64), np.asarray(p_row.candidate_probs, np.float64)
+        token = rs.first_candidate(ids, pc, await self._q_at(q_row, draft_token, ids, position, trace), seed, position)
+        trace.recovered_by = "candidate" if token is not None else "residual"
+        if token is not None:
+            return token
+        q = self._dist(self.draft, q_row, position, trace) if q_row else _ready(rs.point_mass(draft_token))
+        p, q = await _both(_ready(p) if p else self._dist(self.target, p_row, position, trace), q)
+        return rs.draw_residual(p, q, seed, position)
+
+    async def _q_at(self, q_row, draft_token: int, ids: np.ndarray, position: int, trace: RoundTrace) -> np.ndarray:
+        """The draft's probabilities of the tokens ids: float64 [len(ids)]."""
+        if q_row is None:
+            return (ids == draft_token).astype(np.float64)
+        if q_row.complete:
+            return rs.Dist.of(q_row).probs_at(ids)
+        req = ms_pb.GetDistributionRequest(session_id=self.session_id, position=position, token_ids=ids.tolist())
+        req, resp, wall = await failover.call(self.draft, lambda: req, distribution=True)
+        trace.add_call(req, resp, wall, None)
+        if resp.token_probs_f32:
+            return np.frombuffer(resp.token_probs_f32, dtype="<f4").astype(np.float64)
+        return np.frombuffer(resp.probs_f32, dtype="<f4")[ids].astype(np.float64)  # a draft that sends whole rows
 
     async def _dist(self, link: Link, sparse: ms_pb.SparseDistribution, position: int, trace: RoundTrace) -> rs.Dist:
         if sparse.complete:
-            return rs.Dist(np.asarray(sparse.token_ids, dtype=np.int64), np.asarray(sparse.probs, dtype=np.float64))
+            return rs.Dist.of(sparse)
         req = ms_pb.GetDistributionRequest(session_id=self.session_id, position=position)
         req, resp, wall = await failover.call(link, lambda: req, distribution=True)
         trace.add_call(req, resp, wall, None)
@@ -319,6 +351,11 @@ class Generation:
         await asyncio.gather(
             *(r.client.call("ReleaseSession", req) for link in links for r in link.hosts), return_exceptions=True
         )
+
+
+async def _ready(value):
+    """value, as an awaitable beside calls."""
+    return value
 
 
 async def _both(first, second) -> tuple:

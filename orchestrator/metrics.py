@@ -42,7 +42,8 @@ class RoundTrace:
     built: bool = False  # a call (re)built a session from the history: the prompt's prefill, or a rebuild
     draft_cost: CallCost | None = None  # the draft's and the target's calls, for adaptive speculation
     target_cost: CallCost | None = None
-    recover_s: float = 0.0  # a sampled rejection's recovery: the two rows fetched, the residual drawn
+    recover_s: float = 0.0  # a sampled rejection's recovery: its candidates tested, or the residual drawn
+    recovered_by: str = ""  # how a sampled rejection was recovered: "candidate" or "residual"
 
     def add_call(self, req, resp, wall_s: float, compute_field: str | None) -> None:
         """One call of the round: a ProposeTokens (compute_field "draft_s") or a Verify ("verify_s"), whose
@@ -77,6 +78,13 @@ class OrchestratorMetrics:
         self.draft_tokens = Counter("specdec_draft_tokens_total", "Draft tokens proposed", registry=r)
         self.accepted_tokens = Counter("specdec_accepted_tokens_total", "Draft tokens accepted", registry=r)
         self.rejected_rounds = Counter("specdec_rejected_rounds_total", "Rounds that ended in a rejection", registry=r)
+        self.recoveries = Counter(
+            "specdec_recoveries_total",
+            "Sampled rejections, by what drew the token: a candidate from the target's row, or the residual of "
+            "both whole rows",
+            ["by"],
+            registry=r,
+        )
         self.draft_per_position = Counter(
             "specdec_draft_tokens_per_position_total",
             "Draft tokens proposed at each draft position",
@@ -244,6 +252,8 @@ class OrchestratorMetrics:
             self.accepted_per_position.labels(p)
         for phase in ("draft", "verify", "queue", "accept", "rpc"):
             self.phase_seconds.labels(phase)
+        for way in ("candidate", "residual"):
+            self.recoveries.labels(way)
         for role in ("draft", "target"):
             self.failover_seconds.labels(role)
             self.rebuilds.labels(role)
@@ -268,6 +278,8 @@ class OrchestratorMetrics:
         self.accepted_tokens.inc(n)
         if n < k:
             self.rejected_rounds.inc()
+        if trace.recovered_by:
+            self.recoveries.labels(trace.recovered_by).inc()
         for i in range(k):
             self.draft_per_position.labels(self.positions[i]).inc()
             if i < n:

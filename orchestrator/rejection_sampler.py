@@ -4,7 +4,8 @@ Draft tokens x_1..x_K were drawn from q_1..q_K; the target scored them with
 p_1..p_{K+1} in one forward pass. In order:
 - accepted: x_i is kept with probability min(1, p_i(x_i) / q_i(x_i));
 - recovered: at the first rejected position j, one token is drawn from
-  norm(max(0, p_j - q_j)), and the later drafts are dropped;
+  norm(max(0, p_j - q_j)), and the later drafts are dropped (``recover``: by
+  testing candidates drawn from p_j first, so the whole rows rarely travel);
 - bonus: when all K drafts are kept, one more token is drawn from p_{K+1}.
 Every emitted token is then distributed exactly as the target's own sample.
 Greedy decoding is the limit of point masses: keep x_i while it equals argmax p_i.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specdec.sampling import Purpose, sample_sparse, uniform
+from specdec.sampling import Purpose, candidates, sample_sparse, uniform, uniforms
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,20 @@ class Dist:
         ids = np.flatnonzero(probs)
         return cls(ids.astype(np.int64), probs[ids])
 
+    @classmethod
+    def of(cls, sparse) -> Dist:
+        """A complete SparseDistribution from the wire."""
+        return cls(np.asarray(sparse.token_ids, dtype=np.int64), np.asarray(sparse.probs, dtype=np.float64))
+
     def prob(self, token_id: int) -> float:
-        i = np.searchsorted(self.token_ids, token_id)
-        return float(self.probs[i]) if i < len(self.token_ids) and self.token_ids[i] == token_id else 0.0
+        return float(self.probs_at(np.array([token_id]))[0])
+
+    def probs_at(self, token_ids: np.ndarray) -> np.ndarray:
+        """The probabilities of token_ids [n], 0 off the support: float64 [n]."""
+        if not len(self.token_ids):
+            return np.zeros(len(token_ids))
+        i = np.minimum(np.searchsorted(self.token_ids, token_ids), len(self.token_ids) - 1)
+        return np.where(self.token_ids[i] == token_ids, self.probs[i], 0.0)
 
 
 def point_mass(token_id: int) -> Dist:
@@ -81,10 +93,30 @@ def residual(p: Dist, q: Dist) -> Dist:
     return Dist(p.token_ids[keep], r[keep] / total)
 
 
-def recover(p: Dist, q: Dist, seed: int, position: int) -> int:
-    """The token emitted at a rejected position."""
+def first_candidate(ids: np.ndarray, p: np.ndarray, q: np.ndarray, seed: int, position: int) -> int | None:
+    """The first of a rejected position's candidates that the residual keeps, or None when none does.
+
+    ids: [m] tokens drawn from p (sampling.candidates), p and q: [m] their probabilities. Candidate x_j is kept
+    when u_j p(x_j) < p(x_j) - q(x_j), with probability max(0, 1 - q/p). A trial then emits x with probability
+    p(x) max(0, 1 - q(x)/p(x)) = max(0, p(x) - q(x)) = r(x) and none with 1 - Z, Z = sum r; m misses fall back to
+    r / Z itself (``residual``), so x comes out with r(x) (1 + ... + (1 - Z)^(m-1)) + (1 - Z)^m r(x) / Z = r(x) / Z:
+    exactly the residual, while only the candidates' p and q have to be at hand."""
+    keep = np.flatnonzero(uniforms(seed, position, Purpose.CANDIDATE_TEST, len(ids)) * p < p - q)
+    return int(ids[keep[0]]) if len(keep) else None
+
+
+def draw_residual(p: Dist, q: Dist, seed: int, position: int) -> int:
+    """recover's fallback after its candidates: a draw from the residual itself, with both whole rows."""
     r = residual(p, q)
     return sample_sparse(r.token_ids, r.probs, uniform(seed, position, Purpose.RESAMPLE))
+
+
+def recover(p: Dist, q: Dist, seed: int, position: int) -> int:
+    """The token emitted at a rejected position: the first candidate kept, else a draw from the residual. The
+    orchestrator gets the same token from the target's candidates and the draft's q at them (``first_candidate``)."""
+    ids, pc = candidates(p.token_ids, p.probs, seed, position)
+    token = first_candidate(ids, pc, q.probs_at(ids), seed, position)
+    return draw_residual(p, q, seed, position) if token is None else token
 
 
 def bonus(p: Dist, seed: int, position: int) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import torch
 
 from specdec.errors import ServiceError, invalid
 
@@ -69,8 +70,24 @@ class Session:
         self.last_used = now
 
     def keep_probs(self, probs, start: int = 0, ids=None) -> None:
-        """Keep the last call's distributions (None: none) for GetDistribution."""
+        """Keep the last call's distributions (None: none) for GetDistribution: probs [rows, vocab] from position
+        start, or a restricted draft's [rows, len(ids)] over the tokens ids, or a list whose rows may be a token
+        the draft's grammar forced."""
         self.probs, self.probs_start, self.probs_ids = probs, start, ids
+
+    def kept_row(self, position: int, vocab_size: int):
+        """The kept distribution of the token at position over the whole vocabulary, float32 [vocab_size]."""
+        i = position - self.probs_start
+        if self.probs is None or not 0 <= i < len(self.probs):
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND, f"position {position} has no distribution from the last call of {self.id!r}"
+            )
+        row = self.probs[i]
+        if isinstance(row, int):  # a token the draft's grammar forced: its point mass
+            return torch.zeros(vocab_size).index_fill_(0, torch.tensor(row), 1.0)
+        if self.probs_ids is not None:  # a restricted draft's row: probability 0 for the tokens it does not score
+            return torch.zeros(vocab_size, dtype=row.dtype).index_copy_(0, self.probs_ids, row)
+        return row
 
 
 class SessionPool:

@@ -332,18 +332,10 @@ class ModelServer:
         return pb.ReleaseSessionResponse(released=self.pool.release(req.session_id))
 
     def get_distribution(self, req: pb.GetDistributionRequest) -> pb.GetDistributionResponse:
-        s = self.pool.lookup(req.session_id)
-        i = req.position - s.probs_start
-        if s.probs is None or not 0 <= i < len(s.probs):
-            raise ServiceError(
-                grpc.StatusCode.NOT_FOUND,
-                f"position {req.position} has no distribution from the last call of {req.session_id!r}",
-            )
-        row = s.probs[i]
-        if isinstance(row, int):  # a token the draft's grammar forced: its point mass
-            row = torch.zeros(self.vocab_size).index_fill_(0, torch.tensor(row), 1.0)
-        elif s.probs_ids is not None:  # a restricted draft's row: probability 0 for the tokens it does not score
-            row = torch.zeros(self.vocab_size, dtype=row.dtype).index_copy_(0, s.probs_ids, row)
+        row = self.pool.lookup(req.session_id).kept_row(req.position, self.vocab_size)  # [vocab]
+        if req.token_ids:  # a rejection's candidates: their probabilities only
+            at = row[torch.tensor(self.check_tokens(req.token_ids), dtype=torch.int64)]
+            return pb.GetDistributionResponse(token_probs_f32=at.numpy().astype("<f4").tobytes())
         return pb.GetDistributionResponse(probs_f32=row.numpy().astype("<f4").tobytes())
 
     def model_info(self, req) -> pb.ModelInfo:

@@ -26,6 +26,11 @@ class Purpose(enum.IntEnum):
     DRAFT = 1  # the draft samples its proposal at this position
     ACCEPT = 2  # the ratio test of the draft token at this position
     RESAMPLE = 3  # the residual sample after a rejection, or the bonus token
+    CANDIDATE = 4  # a rejection's candidates, drawn from the target's row there (one draw per trial)
+    CANDIDATE_TEST = 5  # each candidate's test against the residual (one draw per trial)
+
+
+RECOVERY_CANDIDATES = 16  # the candidates a rejected position tries before it needs both whole rows
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,18 @@ def uniform(seed: int, position: int, purpose: Purpose) -> float:
     h = _splitmix64(h ^ (position & _MASK64))
     h = _splitmix64(h ^ int(purpose))
     return (h >> 11) * (1.0 / (1 << 53))
+
+
+def uniforms(seed: int, position: int, purpose: Purpose, n: int) -> np.ndarray:
+    """n uniform draws in [0, 1) for one (position, purpose) that takes several (trials 0..n-1), float64 [n]: uniform's
+    hash with the trial mixed in last, in numpy's wrapping uint64 arithmetic."""
+    h = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) ^ int(purpose))
+    x = np.uint64(h) ^ np.arange(n, dtype=np.uint64)
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
@@ -154,6 +171,20 @@ def sample_sparse(token_ids: np.ndarray, probs: np.ndarray, u: float) -> int:
     if idx >= len(cdf):
         idx = int(np.flatnonzero(probs)[-1])
     return int(token_ids[idx])
+
+
+def candidates(
+    token_ids: np.ndarray, probs: np.ndarray, seed: int, position: int, n: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """n tokens drawn from a distribution given by its support (sample_sparse's inverse CDF, the keyed draws of
+    Purpose.CANDIDATE): (ids int64 [n], their probabilities float64 [n]). The target draws them for a row too wide to
+    travel, the orchestrator for one that traveled, from the same support: the same tokens either way. n: by
+    default RECOVERY_CANDIDATES."""
+    n = RECOVERY_CANDIDATES if n is None else n
+    cdf = np.cumsum(probs, dtype=np.float64)
+    idx = np.searchsorted(cdf, uniforms(seed, position, Purpose.CANDIDATE, n) * cdf[-1], side="right")
+    idx = np.minimum(idx, np.flatnonzero(probs)[-1])  # u * total rounded onto the last step
+    return np.asarray(token_ids, dtype=np.int64)[idx], np.asarray(probs, dtype=np.float64)[idx]
 
 
 def support(probs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

@@ -284,6 +284,34 @@ def test_same_seed_same_output(request, stack_name, top_p, lookup):
         assert stats.lookup_accepted_tokens < stats.lookup_tokens  # a lookup token was rejected and resampled
 
 
+@pytest.mark.parametrize("tries", [None, 1], ids=["default", "one-candidate"])
+def test_a_seeded_answer_is_the_same_whether_the_rows_travel_or_only_their_candidates(
+    event_loop_thread, tokenizer, partial_draft, target_model, partial_stack, monkeypatch, tries
+):
+    """At top_p 1 no row fits the sparse limit: a rejection is recovered from the candidates the target drew from its
+    row and the draft's q at them, and where all of them miss, from both whole rows fetched. With a limit past the
+    vocabulary every row travels, and the orchestrator draws the same candidates itself. The tokens are the same.
+    With one candidate (the servers run in this process) the whole rows are fetched for many rejections."""
+    from specdec import sampling
+
+    if tries is not None:
+        monkeypatch.setattr(sampling, "RECOVERY_CANDIDATES", tries)
+    before = {way: partial_stack.metric("specdec_recoveries_total", {"by": way}) for way in ("candidate", "residual")}
+    wide = {"max_sparse_support": 1 << 20}
+    stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model, draft_cfg=wide, target_cfg=wide)
+    try:
+        kw = dict(max_tokens=40, temperature=1.0, top_p=1.0, num_speculative_tokens=4)
+        for i, prompt in enumerate(PROMPTS[:3]):
+            narrow_ids, _, stats = partial_stack.generate(messages=[("user", prompt)], seed=100 + i, **kw)
+            wide_ids, _, _ = stack.generate(messages=[("user", prompt)], seed=100 + i, **kw)
+            assert narrow_ids == wide_ids, i
+            assert stats.rejected_rounds > 0
+        by = {w: partial_stack.metric("specdec_recoveries_total", {"by": w}) - before[w] for w in before}
+        assert by["candidate"] > 0 and (tries is None or by["residual"] > 0), by
+    finally:
+        stop_stack(stack)
+
+
 def test_sampling_at_min_p_1_keeps_only_the_best_token_so_it_is_the_greedy_output(partial_stack, reference):
     """min_p reaches both model servers' distributions: at 1 each row keeps only its most likely token (q and p alike),
     so a sampled request with speculation is the target alone's greedy answer, token for token."""

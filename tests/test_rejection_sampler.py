@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from orchestrator import rejection_sampler as rs
-from specdec.sampling import Purpose, logits_to_probs, sample_sparse, uniform
+from specdec.sampling import Purpose, candidates, logits_to_probs, sample_sparse, uniform
 
 N = 100_000
 START = 1000  # absolute position of the first draft token
@@ -128,6 +128,24 @@ def test_identical_draft_and_target_accept_everything():
 def test_residual_of_equal_distributions_falls_back_to_target():
     d = dist([0.5, 0.5])
     assert rs.residual(d, d) is d
+
+
+@pytest.mark.parametrize("near", [False, True], ids=["far", "near"])
+def test_recovery_draws_the_residual_whether_a_candidate_is_kept_or_it_falls_back(near):
+    """recover tests candidates drawn from p before it draws from the residual itself. Far apart (Z = 0.45) a
+    candidate is nearly always kept; near (Z = 0.05) all 16 miss in 44% of draws and the fallback draws. Either
+    way the token follows norm(max(0, p - q))."""
+    p = dist([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])
+    q = dist([0.25, 0.25, 0.20, 0.15, 0.12, 0.03]) if near else Q[0]
+    out, fell_back = [], 0
+    for seed in range(N):
+        ids, pc = candidates(p.token_ids, p.probs, seed, START)
+        fell_back += rs.first_candidate(ids, pc, q.probs_at(ids), seed, START) is None
+        out.append(rs.recover(p, q, seed, START))
+    expected = np.maximum(dense(p, VOCAB) - dense(q, VOCAB), 0)
+    assert_matches(np.array(out), expected / expected.sum(), "recovered token")
+    miss = (1 - expected.sum()) ** 16  # all 16 candidates missed: the fallback's share
+    assert abs(fell_back - N * miss) <= 6 * np.sqrt(N * miss * (1 - miss)) + 1, (fell_back, N * miss)
 
 
 def test_a_proposal_made_with_certainty_is_exact():

@@ -136,6 +136,40 @@ def test_uniform_is_uniform():
     assert np.all(np.abs(counts - 5000) <= 6 * 67), counts
 
 
+def test_a_purposes_trials_are_its_hash_with_the_trial_mixed_in_wrapping_at_64_bits():
+    """uniforms runs uniform's splitmix64 in numpy's uint64; it must wrap exactly as the masked Python integers do,
+    for every bit of seeds and positions, so the target and the orchestrator draw the same candidates."""
+    from specdec.sampling import _MASK64, _splitmix64, uniforms
+
+    def reference(seed, position, purpose, trial):
+        h = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) ^ int(purpose))
+        return (_splitmix64(h ^ trial) >> 11) * (1.0 / (1 << 53))
+
+    for seed, position in [(0, 0), (7, 100), (2**64 - 1, 2**40 + 3), (123456789, 5)]:
+        got = uniforms(seed, position, Purpose.CANDIDATE, 16)
+        assert got.tolist() == [reference(seed, position, Purpose.CANDIDATE, j) for j in range(16)]
+        assert len(set(got.tolist())) == 16 and np.all((got >= 0) & (got < 1))
+    assert not np.array_equal(uniforms(7, 100, Purpose.CANDIDATE, 4), uniforms(7, 100, Purpose.CANDIDATE_TEST, 4))
+    u = uniforms(11, 5, Purpose.CANDIDATE, 50_000)
+    assert np.all(np.abs(np.histogram(u, bins=10, range=(0, 1))[0] - 5000) <= 6 * 67)
+
+
+def test_candidates_are_drawn_from_the_support_as_sample_sparse_draws():
+    """A candidate is sample_sparse's inverse-CDF draw, so tokens off the support or of probability 0 never come out,
+    and over many seeds the candidates follow the distribution."""
+    from specdec.sampling import candidates
+
+    ids = np.array([2, 5, 9, 11], dtype=np.int64)
+    probs = np.array([0.1, 0.0, 0.6, 0.3])
+    draws = np.concatenate([candidates(ids, probs, seed, 40)[0] for seed in range(4000)])  # 64,000 draws
+    assert set(draws.tolist()) <= {2, 9, 11}
+    counts = np.array([(draws == t).sum() for t in (2, 9, 11)])
+    sigma = np.sqrt(len(draws) * probs[[0, 2, 3]] * (1 - probs[[0, 2, 3]]))
+    assert np.all(np.abs(counts - len(draws) * probs[[0, 2, 3]]) <= 6 * sigma), counts
+    got_ids, got_p = candidates(ids, probs, 3, 40)
+    assert got_p.tolist() == [float(probs[list(ids).index(t)]) for t in got_ids]
+
+
 def test_dense_and_sparse_sampling_agree_and_skip_zero_probability():
     probs = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0])
     ids, p = support(probs)

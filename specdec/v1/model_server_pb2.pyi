@@ -60,14 +60,18 @@ class Grammar(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
-    __slots__ = ("token_ids", "probs", "complete")
+    __slots__ = ("token_ids", "probs", "complete", "candidate_ids", "candidate_probs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_PROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
     complete: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., complete: _Optional[bool] = ...) -> None: ...
+    candidate_ids: _containers.RepeatedScalarFieldContainer[int]
+    candidate_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., complete: _Optional[bool] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SessionCursor(_message.Message):
     __slots__ = ("session_id", "expected_length", "keep_length", "tokens")
@@ -122,20 +126,24 @@ class ReleaseSessionResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class GetDistributionRequest(_message.Message):
-    __slots__ = ("session_id", "position")
+    __slots__ = ("session_id", "position", "token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     position: int
-    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetDistributionResponse(_message.Message):
-    __slots__ = ("probs", "probs_f32")
+    __slots__ = ("probs", "probs_f32", "token_probs_f32")
     PROBS_FIELD_NUMBER: _ClassVar[int]
     PROBS_F32_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_PROBS_F32_FIELD_NUMBER: _ClassVar[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
     probs_f32: bytes
-    def __init__(self, probs: _Optional[_Iterable[float]] = ..., probs_f32: _Optional[bytes] = ...) -> None: ...
+    token_probs_f32: bytes
+    def __init__(self, probs: _Optional[_Iterable[float]] = ..., probs_f32: _Optional[bytes] = ..., token_probs_f32: _Optional[bytes] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
