@@ -23,7 +23,16 @@ from specdec import features
 from specdec.errors import invalid
 from specdec.kv_pool import Session
 from specdec.model_server import CallStats, ModelServer, SessionRpcs
-from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, support, top_probability, uniform
+from specdec.sampling import (
+    Purpose,
+    argmax_rows,
+    head,
+    logits_to_probs,
+    sample_sparse,
+    support,
+    top_probability,
+    uniform,
+)
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 
@@ -140,7 +149,7 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
                 x = sample_sparse(*found, uniform(params.seed, position, Purpose.DRAFT))
                 qx = float(p[np.searchsorted(found[0], x)])
                 dists.append(probs)
-                resp.distributions.append(core.sparse(found))
+                resp.distributions.append(self._row(found, probs))
                 confidence *= qx
             resp.token_ids.append(x)
             resp.token_probs.append(qx)
@@ -160,6 +169,16 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
             if not params.greedy:
                 resp.distributions.append(self.core.sparse((np.array([x]), np.array([1.0]))))
                 dists.append(x)
+
+    def _row(self, found: tuple[np.ndarray, np.ndarray], probs: torch.Tensor):
+        """A drafted token's row on the wire: its support, or past the limit its head (a rejection's candidates need
+        q at a few tokens, mostly the likeliest)."""
+        row = self.core.sparse(found)
+        if not row.complete:
+            columns, p, row.head_floor = head(probs)
+            row.head_ids.extend((columns if self.ids is None else self.column_tokens[columns]).tolist())
+            row.head_probs.extend(p.tolist())
+        return row
 
     def _token(self, column: int) -> int:
         return column if self.ids is None else int(self.column_tokens[column])

@@ -246,7 +246,10 @@ class Generation:
             ids, pc = candidates(p.token_ids, p.probs, seed, position)
         else:
             ids, pc = np.asarray(p_row.candidate_ids, np.int64), np.asarray(p_row.candidate_probs, np.float64)
-        token = rs.first_candidate(ids, pc, await self._q_at(q_row, draft_token, ids, position, trace), seed, position)
+        q_at, exact = _q_bound(q_row, draft_token, ids)
+        token = rs.first_candidate(ids, pc, q_at, seed, position, exact)
+        if token == rs.UNDECIDED:  # the draft's row, at the candidates only
+            token = rs.first_candidate(ids, pc, await self._q_at(ids, position, trace), seed, position)
         trace.recovered_by = "candidate" if token is not None else "residual"
         if token is not None:
             return token
@@ -254,18 +257,14 @@ class Generation:
         p, q = await _both(_ready(p) if p else self._dist(self.target, p_row, position, trace), q)
         return rs.draw_residual(p, q, seed, position)
 
-    async def _q_at(self, q_row, draft_token: int, ids: np.ndarray, position: int, trace: RoundTrace) -> np.ndarray:
-        """The draft's probabilities of the tokens ids: float64 [len(ids)]."""
-        if q_row is None:
-            return (ids == draft_token).astype(np.float64)
-        if q_row.complete:
-            return rs.Dist.of(q_row).probs_at(ids)
+    async def _q_at(self, ids: np.ndarray, position: int, trace: RoundTrace) -> np.ndarray:
+        """The draft's probabilities of the tokens ids, asked of it: float64 [len(ids)]."""
         req = ms_pb.GetDistributionRequest(session_id=self.session_id, position=position, token_ids=ids.tolist())
         req, resp, wall = await failover.call(self.draft, lambda: req, distribution=True)
         trace.add_call(req, resp, wall, None)
-        if resp.token_probs_f32:
-            return np.frombuffer(resp.token_probs_f32, dtype="<f4").astype(np.float64)
-        return np.frombuffer(resp.probs_f32, dtype="<f4")[ids].astype(np.float64)  # a draft that sends whole rows
+        if not resp.token_probs_f32:  # a draft that sends whole rows
+            return np.frombuffer(resp.probs_f32, dtype="<f4")[ids].astype(np.float64)
+        return np.frombuffer(resp.token_probs_f32, dtype="<f4").astype(np.float64)
 
     async def _dist(self, link: Link, sparse: ms_pb.SparseDistribution, position: int, trace: RoundTrace) -> rs.Dist:
         if sparse.complete:
@@ -351,6 +350,19 @@ class Generation:
         await asyncio.gather(
             *(r.client.call("ReleaseSession", req) for link in links for r in link.hosts), return_exceptions=True
         )
+
+
+def _q_bound(q_row, draft_token: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The draft's probabilities of the tokens ids as far as the round holds them, float64 [m], and where each is
+    exact (bool [m]); elsewhere an upper bound, the head's floor (or 1: nothing known). q_row: the draft's row, None
+    for a proposal made with certainty (prompt lookup: a point mass on draft_token)."""
+    if q_row is None:
+        return (ids == draft_token).astype(np.float64), np.ones(len(ids), dtype=bool)
+    if q_row.complete:
+        return rs.Dist.of(q_row).probs_at(ids), np.ones(len(ids), dtype=bool)
+    top = rs.Dist(np.asarray(q_row.head_ids, np.int64), np.asarray(q_row.head_probs, np.float64))
+    exact = np.isin(ids, top.token_ids)
+    return np.where(exact, top.probs_at(ids), q_row.head_floor if len(top.token_ids) else 1.0), exact
 
 
 async def _ready(value):

@@ -93,16 +93,28 @@ def residual(p: Dist, q: Dist) -> Dist:
     return Dist(p.token_ids[keep], r[keep] / total)
 
 
-def first_candidate(ids: np.ndarray, p: np.ndarray, q: np.ndarray, seed: int, position: int) -> int | None:
+UNDECIDED = -1  # first_candidate's answer when a bound of q left it open
+
+
+def first_candidate(
+    ids: np.ndarray, p: np.ndarray, q: np.ndarray, seed: int, position: int, exact: np.ndarray | None = None
+) -> int | None:
     """The first of a rejected position's candidates that the residual keeps, or None when none does.
 
     ids: [m] tokens drawn from p (sampling.candidates), p and q: [m] their probabilities. Candidate x_j is kept
     when u_j p(x_j) < p(x_j) - q(x_j), with probability max(0, 1 - q/p). A trial then emits x with probability
     p(x) max(0, 1 - q(x)/p(x)) = max(0, p(x) - q(x)) = r(x) and none with 1 - Z, Z = sum r; m misses fall back to
     r / Z itself (``residual``), so x comes out with r(x) (1 + ... + (1 - Z)^(m-1)) + (1 - Z)^m r(x) / Z = r(x) / Z:
-    exactly the residual, while only the candidates' p and q have to be at hand."""
-    keep = np.flatnonzero(uniforms(seed, position, Purpose.CANDIDATE_TEST, len(ids)) * p < p - q)
-    return int(ids[keep[0]]) if len(keep) else None
+    exactly the residual, while only the candidates' p and q have to be at hand.
+
+    exact: [m] bool, False where q is only an upper bound of the draft's probability (the row's head_floor). A
+    candidate kept under the bound is kept under the true q; one missed under it may not be, so the answer is
+    UNDECIDED when such a miss comes before the first candidate kept, and then only the true q decides."""
+    keep = uniforms(seed, position, Purpose.CANDIDATE_TEST, len(ids)) * p < p - q
+    j = int(np.argmax(keep)) if keep.any() else len(ids)
+    if exact is not None and not exact[:j].all():
+        return UNDECIDED
+    return int(ids[j]) if j < len(ids) else None
 
 
 def draw_residual(p: Dist, q: Dist, seed: int, position: int) -> int:

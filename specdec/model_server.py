@@ -38,7 +38,7 @@ from specdec.memory import kv_capacity
 from specdec.prefix_cache import PrefixCache
 from specdec.rules import RuleBook
 from specdec.runners import attention_kernels, make_runner, resolve_activations, resolve_quantize
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, supports
 from specdec.server_metrics import ModelServerMetrics
 from specdec.v1 import model_server_pb2 as pb
 
@@ -311,6 +311,12 @@ class ModelServer:
         if fresh:
             self.prefix.store(s.cache, s.tokens, s.features)
         return feed
+
+    def sparse_rows(self, probs: torch.Tensor) -> list[pb.SparseDistribution]:
+        """sparse() of each row of probs [n, vocab]; a support past the limit is not built (top_p 1: the vocabulary)."""
+        fits = (torch.count_nonzero(probs, dim=1) <= self.cfg.max_sparse_support).tolist()
+        found = iter(supports(probs[torch.tensor(fits)]) if any(fits) else [])
+        return [self.sparse(next(found)) if f else pb.SparseDistribution(complete=False) for f in fits]
 
     def sparse(self, found: tuple[np.ndarray, np.ndarray]) -> pb.SparseDistribution:
         """A distribution's support (sampling.support) on the wire, or complete=False past max_sparse_support."""

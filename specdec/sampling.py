@@ -31,6 +31,7 @@ class Purpose(enum.IntEnum):
 
 
 RECOVERY_CANDIDATES = 16  # the candidates a rejected position tries before it needs both whole rows
+HEAD_TOKENS = 64  # a draft's row too wide to travel sends its most likely tokens' probabilities (SparseDistribution)
 
 
 @dataclass(frozen=True)
@@ -177,14 +178,38 @@ def candidates(
     token_ids: np.ndarray, probs: np.ndarray, seed: int, position: int, n: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """n tokens drawn from a distribution given by its support (sample_sparse's inverse CDF, the keyed draws of
-    Purpose.CANDIDATE): (ids int64 [n], their probabilities float64 [n]). The target draws them for a row too wide to
-    travel, the orchestrator for one that traveled, from the same support: the same tokens either way. n: by
-    default RECOVERY_CANDIDATES."""
+    Purpose.CANDIDATE): (ids int64 [n], their probabilities float64 [n]). The orchestrator draws them from a row
+    that traveled; the target, from a row too wide to travel, draws the same with candidates_dense. n: by default
+    RECOVERY_CANDIDATES."""
     n = RECOVERY_CANDIDATES if n is None else n
     cdf = np.cumsum(probs, dtype=np.float64)
     idx = np.searchsorted(cdf, uniforms(seed, position, Purpose.CANDIDATE, n) * cdf[-1], side="right")
-    idx = np.minimum(idx, np.flatnonzero(probs)[-1])  # u * total rounded onto the last step
+    if idx.max() >= len(cdf):  # u * total rounded onto the last step
+        idx = np.minimum(idx, np.flatnonzero(probs)[-1])
     return np.asarray(token_ids, dtype=np.int64)[idx], np.asarray(probs, dtype=np.float64)[idx]
+
+
+def candidates_dense(
+    row: torch.Tensor, seed: int, position: int, n: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """candidates of a whole row, [vocab] float32 on CPU, without building its support: zeros add nothing to the
+    sequential float64 sums, so the cumulative sums at the support's tokens, and the tokens drawn, are the same."""
+    n = RECOVERY_CANDIDATES if n is None else n
+    cdf = torch.cumsum(row, 0, dtype=torch.float64).numpy()
+    idx = np.searchsorted(cdf, uniforms(seed, position, Purpose.CANDIDATE, n) * cdf[-1], side="right")
+    if idx.max() >= len(cdf):
+        idx = np.minimum(idx, int(torch.nonzero(row).max()))
+    return idx.astype(np.int64), row.numpy()[idx].astype(np.float64)
+
+
+def head(probs: torch.Tensor, n: int = HEAD_TOKENS) -> tuple[np.ndarray, np.ndarray, float]:
+    """A row's n most likely columns (ascending), their probabilities, and the largest probability of any other
+    column (0 if none). probs: [columns] on CPU."""
+    if len(probs) <= n:
+        return np.flatnonzero(probs.numpy()), probs[probs > 0].double().numpy(), 0.0
+    top = torch.topk(probs, n + 1)  # values descending
+    columns, order = torch.sort(top.indices[:n])
+    return columns.numpy(), top.values[:n][order].double().numpy(), float(top.values[n])
 
 
 def support(probs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

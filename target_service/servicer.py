@@ -14,7 +14,7 @@ import grpc
 from specdec import features, logprobs
 from specdec.errors import ServiceError, invalid
 from specdec.model_server import CallStats, ModelServer, SessionRpcs
-from specdec.sampling import Purpose, argmax_rows, candidates, logits_to_probs, sample_sparse, supports, uniform
+from specdec.sampling import Purpose, argmax_rows, candidates_dense, logits_to_probs, sample_dense, uniform
 from specdec.v1 import target_pb2, target_pb2_grpc
 
 
@@ -103,15 +103,14 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)  # [K+1, vocab]
         s.keep_probs(probs, len(s.tokens) - len(drafts))
         resp.draft_token_probs.extend(probs[i, x].item() for i, x in enumerate(drafts))
-        found = supports(probs)
-        resp.distributions.extend(core.sparse(f) for f in found)
+        resp.distributions.extend(core.sparse_rows(probs))
         for i, row in enumerate(resp.distributions[: len(drafts)]):
             if not row.complete:  # a rejection here tests candidates drawn from the row before it needs the row
-                ids, p = candidates(*found[i], params.seed, len(s.tokens) - len(drafts) + i)
+                ids, p = candidates_dense(probs[i], params.seed, len(s.tokens) - len(drafts) + i)
                 row.candidate_ids.extend(ids.tolist())
                 row.candidate_probs.extend(p.tolist())
         if not resp.distributions[-1].complete:  # the orchestrator would have to fetch it for the bonus token
-            resp.bonus_token_id = sample_sparse(*found[-1], uniform(params.seed, len(s.tokens), Purpose.RESAMPLE))
+            resp.bonus_token_id = sample_dense(probs[-1], uniform(params.seed, len(s.tokens), Purpose.RESAMPLE))
         logprobs.fill_bonus(resp, s.logprobs)
         return resp
 

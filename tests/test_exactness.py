@@ -289,14 +289,23 @@ def test_a_seeded_answer_is_the_same_whether_the_rows_travel_or_only_their_candi
     event_loop_thread, tokenizer, partial_draft, target_model, partial_stack, monkeypatch, tries
 ):
     """At top_p 1 no row fits the sparse limit: a rejection is recovered from the candidates the target drew from its
-    row and the draft's q at them, and where all of them miss, from both whole rows fetched. With a limit past the
+    row and the draft's q at them (from its row's head, or asked of it), and where all of them miss, from both whole
+    rows fetched. With a limit past the
     vocabulary every row travels, and the orchestrator draws the same candidates itself. The tokens are the same.
     With one candidate (the servers run in this process) the whole rows are fetched for many rejections."""
     from specdec import sampling
 
     if tries is not None:
         monkeypatch.setattr(sampling, "RECOVERY_CANDIDATES", tries)
-    before = {way: partial_stack.metric("specdec_recoveries_total", {"by": way}) for way in ("candidate", "residual")}
+
+    def counts():
+        calls = partial_stack.draft.registry.get_sample_value(
+            "specdec_server_rpc_seconds_count", {"method": "GetDistribution"}
+        )
+        by = {w: partial_stack.metric("specdec_recoveries_total", {"by": w}) for w in ("candidate", "residual")}
+        return {"asked": calls or 0.0, **by}
+
+    before = counts()
     wide = {"max_sparse_support": 1 << 20}
     stack = make_stack(event_loop_thread, tokenizer, partial_draft, target_model, draft_cfg=wide, target_cfg=wide)
     try:
@@ -306,8 +315,10 @@ def test_a_seeded_answer_is_the_same_whether_the_rows_travel_or_only_their_candi
             wide_ids, _, _ = stack.generate(messages=[("user", prompt)], seed=100 + i, **kw)
             assert narrow_ids == wide_ids, i
             assert stats.rejected_rounds > 0
-        by = {w: partial_stack.metric("specdec_recoveries_total", {"by": w}) - before[w] for w in before}
+        by = {w: n - before[w] for w, n in counts().items()}
         assert by["candidate"] > 0 and (tries is None or by["residual"] > 0), by
+        # the draft's head decides most tests; it is asked for q at the candidates (or, after a miss, its row) a few
+        assert 0 < by["asked"] < by["candidate"] + by["residual"], by
     finally:
         stop_stack(stack)
 
@@ -376,8 +387,15 @@ def test_a_restricted_draft_proposes_from_its_whole_vocabulary_distribution(toke
             if sent.complete:
                 assert list(sent.token_ids) == ids.tolist()
                 np.testing.assert_allclose(sent.probs, probs, rtol=1e-5, atol=1e-9)
-            else:  # the whole kept set at top_p 1: over max_sparse_support, fetched densely
+            else:  # the whole kept set at top_p 1: over max_sparse_support, fetched densely; its head travels
                 assert len(ids) > core.cfg.max_sparse_support
+                head = np.asarray(sent.head_ids)
+                assert len(head) == 64 and np.all(np.diff(head) > 0) and set(head.tolist()) <= set(kept)
+                np.testing.assert_allclose(sent.head_probs, q.numpy()[head], rtol=1e-5, atol=1e-9)
+                rest = np.delete(q.numpy(), head)  # the floor bounds every other token
+                assert sent.head_floor == pytest.approx(rest.max(), rel=1e-5) and sent.head_floor <= min(
+                    sent.head_probs
+                )
             dense = core.get_distribution(pb.GetDistributionRequest(session_id=f"s{i}", position=position))
             assert not dense.probs and len(dense.probs_f32) == 4 * len(q)  # one buffer, not a float per entry
             np.testing.assert_allclose(np.frombuffer(dense.probs_f32, dtype="<f4"), q.numpy(), rtol=1e-5, atol=1e-9)

@@ -170,6 +170,22 @@ def test_candidates_are_drawn_from_the_support_as_sample_sparse_draws():
     assert got_p.tolist() == [float(probs[list(ids).index(t)]) for t in got_ids]
 
 
+def test_a_whole_rows_candidates_are_its_supports_candidates():
+    """The target draws a wide row's candidates without its support; the orchestrator draws a row that traveled
+    from its support. Rows with zeros, top-p cut or not, many seeds: the same tokens and probabilities."""
+    from specdec.sampling import candidates, candidates_dense
+
+    g = torch.Generator().manual_seed(4)
+    rows = logits_to_probs(torch.randn(6, 49152, generator=g) * 3, 0.8, 0, 1.0)
+    rows = torch.cat([rows, logits_to_probs(torch.randn(6, 49152, generator=g) * 3, 0.8, 0, 0.9)])
+    for i, row in enumerate(rows):
+        ids, p = support(row)
+        for seed in range(20):
+            dense_ids, dense_p = candidates_dense(row, seed, 100 + i)
+            sparse_ids, sparse_p = candidates(ids, p, seed, 100 + i)
+            assert dense_ids.tolist() == sparse_ids.tolist() and dense_p.tolist() == sparse_p.tolist()
+
+
 def test_dense_and_sparse_sampling_agree_and_skip_zero_probability():
     probs = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0])
     ids, p = support(probs)

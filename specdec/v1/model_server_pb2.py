@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/model_server.proto\x12\nspecdec.v1\"`\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05min_p\x18\x05 \x01(\x02\"\xb8\x02\n\x0bOutputRules\x12\x14\n\x0coutput_start\x18\x01 \x01(\r\x12$\n\x07grammar\x18\x02 \x01(\x0b\x32\x13.specdec.v1.Grammar\x12:\n\nlogit_bias\x18\x03 \x03(\x0b\x32&.specdec.v1.OutputRules.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x04 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x1a\n\x12min_tokens_blocked\x18\x08 \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"`\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"x\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\x12\x15\n\rcandidate_ids\x18\x04 \x03(\r\x12\x17\n\x0f\x63\x61ndidate_probs\x18\x05 \x03(\x02\"a\n\rSessionCursor\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\r\x12\x13\n\x0bkeep_length\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\r\"[\n\tBatchInfo\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x02\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x10\n\x08sessions\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\r\"N\n\x0fTruncateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\"\"\n\x10TruncateResponse\x12\x0e\n\x06length\x18\x01 \x01(\r\"+\n\x15ReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"Q\n\x16GetDistributionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"T\n\x17GetDistributionResponse\x12\r\n\x05probs\x18\x01 \x03(\x02\x12\x11\n\tprobs_f32\x18\x02 \x01(\x0c\x12\x17\n\x0ftoken_probs_f32\x18\x03 \x01(\x0c\"\x15\n\x13GetModelInfoRequest\"\xb8\x03\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\r\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x0f\n\x07\x66orward\x18\x0b \x01(\t\x12(\n\npass_costs\x18\x0c \x03(\x0b\x32\x14.specdec.v1.PassCost\x12\x17\n\x0fsessions_in_use\x18\r \x01(\r\x12\x15\n\rtokens_in_use\x18\x0e \x01(\r\x12\x10\n\x08\x64raining\x18\x0f \x01(\x08\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x14 \x01(\r\x12\x1b\n\x13\x66\x65\x61ture_fingerprint\x18\x15 \x01(\t\x12\x10\n\x08numerics\x18\x16 \x01(\t\x12\x16\n\x0ereads_features\x18\x1e \x01(\x08\")\n\x08PassCost\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0f\n\x07seconds\x18\x02 \x01(\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/model_server.proto\x12\nspecdec.v1\"`\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05min_p\x18\x05 \x01(\x02\"\xb8\x02\n\x0bOutputRules\x12\x14\n\x0coutput_start\x18\x01 \x01(\r\x12$\n\x07grammar\x18\x02 \x01(\x0b\x32\x13.specdec.v1.Grammar\x12:\n\nlogit_bias\x18\x03 \x03(\x0b\x32&.specdec.v1.OutputRules.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x04 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x1a\n\x12min_tokens_blocked\x18\x08 \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"`\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\xb2\x01\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\x12\x15\n\rcandidate_ids\x18\x04 \x03(\r\x12\x17\n\x0f\x63\x61ndidate_probs\x18\x05 \x03(\x02\x12\x10\n\x08head_ids\x18\x06 \x03(\r\x12\x12\n\nhead_probs\x18\x07 \x03(\x02\x12\x12\n\nhead_floor\x18\x08 \x01(\x02\"a\n\rSessionCursor\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\r\x12\x13\n\x0bkeep_length\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\r\"[\n\tBatchInfo\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x02\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x10\n\x08sessions\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\r\"N\n\x0fTruncateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\"\"\n\x10TruncateResponse\x12\x0e\n\x06length\x18\x01 \x01(\r\"+\n\x15ReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"Q\n\x16GetDistributionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"T\n\x17GetDistributionResponse\x12\r\n\x05probs\x18\x01 \x03(\x02\x12\x11\n\tprobs_f32\x18\x02 \x01(\x0c\x12\x17\n\x0ftoken_probs_f32\x18\x03 \x01(\x0c\"\x15\n\x13GetModelInfoRequest\"\xb8\x03\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\r\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x0f\n\x07\x66orward\x18\x0b \x01(\t\x12(\n\npass_costs\x18\x0c \x03(\x0b\x32\x14.specdec.v1.PassCost\x12\x17\n\x0fsessions_in_use\x18\r \x01(\r\x12\x15\n\rtokens_in_use\x18\x0e \x01(\r\x12\x10\n\x08\x64raining\x18\x0f \x01(\x08\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x14 \x01(\r\x12\x1b\n\x13\x66\x65\x61ture_fingerprint\x18\x15 \x01(\t\x12\x10\n\x08numerics\x18\x16 \x01(\t\x12\x16\n\x0ereads_features\x18\x1e \x01(\x08\")\n\x08PassCost\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0f\n\x07seconds\x18\x02 \x01(\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,28 +41,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OUTPUTRULES_LOGITBIASENTRY']._serialized_end=456
   _globals['_GRAMMAR']._serialized_start=458
   _globals['_GRAMMAR']._serialized_end=554
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=556
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=676
-  _globals['_SESSIONCURSOR']._serialized_start=678
-  _globals['_SESSIONCURSOR']._serialized_end=775
-  _globals['_BATCHINFO']._serialized_start=777
-  _globals['_BATCHINFO']._serialized_end=868
-  _globals['_TRUNCATEREQUEST']._serialized_start=870
-  _globals['_TRUNCATEREQUEST']._serialized_end=948
-  _globals['_TRUNCATERESPONSE']._serialized_start=950
-  _globals['_TRUNCATERESPONSE']._serialized_end=984
-  _globals['_RELEASESESSIONREQUEST']._serialized_start=986
-  _globals['_RELEASESESSIONREQUEST']._serialized_end=1029
-  _globals['_RELEASESESSIONRESPONSE']._serialized_start=1031
-  _globals['_RELEASESESSIONRESPONSE']._serialized_end=1073
-  _globals['_GETDISTRIBUTIONREQUEST']._serialized_start=1075
-  _globals['_GETDISTRIBUTIONREQUEST']._serialized_end=1156
-  _globals['_GETDISTRIBUTIONRESPONSE']._serialized_start=1158
-  _globals['_GETDISTRIBUTIONRESPONSE']._serialized_end=1242
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1244
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1265
-  _globals['_MODELINFO']._serialized_start=1268
-  _globals['_MODELINFO']._serialized_end=1708
-  _globals['_PASSCOST']._serialized_start=1710
-  _globals['_PASSCOST']._serialized_end=1751
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=557
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=735
+  _globals['_SESSIONCURSOR']._serialized_start=737
+  _globals['_SESSIONCURSOR']._serialized_end=834
+  _globals['_BATCHINFO']._serialized_start=836
+  _globals['_BATCHINFO']._serialized_end=927
+  _globals['_TRUNCATEREQUEST']._serialized_start=929
+  _globals['_TRUNCATEREQUEST']._serialized_end=1007
+  _globals['_TRUNCATERESPONSE']._serialized_start=1009
+  _globals['_TRUNCATERESPONSE']._serialized_end=1043
+  _globals['_RELEASESESSIONREQUEST']._serialized_start=1045
+  _globals['_RELEASESESSIONREQUEST']._serialized_end=1088
+  _globals['_RELEASESESSIONRESPONSE']._serialized_start=1090
+  _globals['_RELEASESESSIONRESPONSE']._serialized_end=1132
+  _globals['_GETDISTRIBUTIONREQUEST']._serialized_start=1134
+  _globals['_GETDISTRIBUTIONREQUEST']._serialized_end=1215
+  _globals['_GETDISTRIBUTIONRESPONSE']._serialized_start=1217
+  _globals['_GETDISTRIBUTIONRESPONSE']._serialized_end=1301
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1303
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1324
+  _globals['_MODELINFO']._serialized_start=1327
+  _globals['_MODELINFO']._serialized_end=1767
+  _globals['_PASSCOST']._serialized_start=1769
+  _globals['_PASSCOST']._serialized_end=1810
 # @@protoc_insertion_point(module_scope)

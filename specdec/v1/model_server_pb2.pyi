@@ -60,18 +60,24 @@ class Grammar(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
-    __slots__ = ("token_ids", "probs", "complete", "candidate_ids", "candidate_probs")
+    __slots__ = ("token_ids", "probs", "complete", "candidate_ids", "candidate_probs", "head_ids", "head_probs", "head_floor")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_IDS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_PROBS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_IDS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_PROBS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FLOOR_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
     complete: bool
     candidate_ids: _containers.RepeatedScalarFieldContainer[int]
     candidate_probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., complete: _Optional[bool] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+    head_ids: _containers.RepeatedScalarFieldContainer[int]
+    head_probs: _containers.RepeatedScalarFieldContainer[float]
+    head_floor: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., complete: _Optional[bool] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., head_ids: _Optional[_Iterable[int]] = ..., head_probs: _Optional[_Iterable[float]] = ..., head_floor: _Optional[float] = ...) -> None: ...
 
 class SessionCursor(_message.Message):
     __slots__ = ("session_id", "expected_length", "keep_length", "tokens")
