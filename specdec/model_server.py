@@ -313,10 +313,12 @@ class ModelServer:
         return feed
 
     def sparse_rows(self, probs: torch.Tensor) -> list[pb.SparseDistribution]:
-        """sparse() of each row of probs [n, vocab]; a support past the limit is not built (top_p 1: the vocabulary)."""
-        fits = (torch.count_nonzero(probs, dim=1) <= self.cfg.max_sparse_support).tolist()
-        found = iter(supports(probs[torch.tensor(fits)]) if any(fits) else [])
-        return [self.sparse(next(found)) if f else pb.SparseDistribution(complete=False) for f in fits]
+        """sparse() of each row of probs [n, vocab]; a support past the limit is not built (top_p 1: the vocabulary).
+        In numpy and the support kernel: a torch op over a row here would wake the idle OpenMP threads between
+        passes (docs/performance.md, item 35)."""
+        fits = np.count_nonzero(probs.numpy(), axis=1) <= self.cfg.max_sparse_support
+        wide = pb.SparseDistribution(complete=False)
+        return [self.sparse(supports(probs[i : i + 1])[0]) if f else wide for i, f in enumerate(fits)]
 
     def sparse(self, found: tuple[np.ndarray, np.ndarray]) -> pb.SparseDistribution:
         """A distribution's support (sampling.support) on the wire, or complete=False past max_sparse_support."""

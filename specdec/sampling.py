@@ -165,41 +165,31 @@ def sample_dense(probs: torch.Tensor, u: float) -> int:
     return idx
 
 
-def sample_sparse(token_ids: np.ndarray, probs: np.ndarray, u: float) -> int:
-    """Inverse-CDF sample from a distribution given by its support."""
+def sample_sparse(token_ids: np.ndarray | None, probs: np.ndarray, u: float) -> int:
+    """Inverse-CDF sample from a distribution given by its support, or (token_ids None) by its whole row: the same
+    token, as for candidates."""
     cdf = np.cumsum(probs, dtype=np.float64)
     idx = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     if idx >= len(cdf):
         idx = int(np.flatnonzero(probs)[-1])
-    return int(token_ids[idx])
+    return idx if token_ids is None else int(token_ids[idx])
 
 
 def candidates(
-    token_ids: np.ndarray, probs: np.ndarray, seed: int, position: int, n: int | None = None
+    token_ids: np.ndarray | None, probs: np.ndarray, seed: int, position: int, n: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """n tokens drawn from a distribution given by its support (sample_sparse's inverse CDF, the keyed draws of
-    Purpose.CANDIDATE): (ids int64 [n], their probabilities float64 [n]). The orchestrator draws them from a row
-    that traveled; the target, from a row too wide to travel, draws the same with candidates_dense. n: by default
-    RECOVERY_CANDIDATES."""
+    Purpose.CANDIDATE): (ids int64 [n], their probabilities float64 [n]). n: by default RECOVERY_CANDIDATES. The
+    orchestrator draws them from a row that traveled; the target from a row too wide to travel, whole (token_ids
+    None: probs is the row over the vocabulary). Zeros add nothing to the sequential float64 sums, so the sums at
+    the support's tokens, and the tokens drawn, are the same either way."""
     n = RECOVERY_CANDIDATES if n is None else n
     cdf = np.cumsum(probs, dtype=np.float64)
     idx = np.searchsorted(cdf, uniforms(seed, position, Purpose.CANDIDATE, n) * cdf[-1], side="right")
     if idx.max() >= len(cdf):  # u * total rounded onto the last step
         idx = np.minimum(idx, np.flatnonzero(probs)[-1])
-    return np.asarray(token_ids, dtype=np.int64)[idx], np.asarray(probs, dtype=np.float64)[idx]
-
-
-def candidates_dense(
-    row: torch.Tensor, seed: int, position: int, n: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """candidates of a whole row, [vocab] float32 on CPU, without building its support: zeros add nothing to the
-    sequential float64 sums, so the cumulative sums at the support's tokens, and the tokens drawn, are the same."""
-    n = RECOVERY_CANDIDATES if n is None else n
-    cdf = torch.cumsum(row, 0, dtype=torch.float64).numpy()
-    idx = np.searchsorted(cdf, uniforms(seed, position, Purpose.CANDIDATE, n) * cdf[-1], side="right")
-    if idx.max() >= len(cdf):
-        idx = np.minimum(idx, int(torch.nonzero(row).max()))
-    return idx.astype(np.int64), row.numpy()[idx].astype(np.float64)
+    ids = idx if token_ids is None else np.asarray(token_ids)[idx]
+    return ids.astype(np.int64), np.asarray(probs)[idx].astype(np.float64)
 
 
 def head(probs: torch.Tensor, n: int = HEAD_TOKENS) -> tuple[np.ndarray, np.ndarray, float]:

@@ -14,7 +14,7 @@ import grpc
 from specdec import features, logprobs
 from specdec.errors import ServiceError, invalid
 from specdec.model_server import CallStats, ModelServer, SessionRpcs
-from specdec.sampling import Purpose, argmax_rows, candidates_dense, logits_to_probs, sample_dense, uniform
+from specdec.sampling import Purpose, argmax_rows, candidates, logits_to_probs, sample_sparse, uniform
 from specdec.v1 import target_pb2, target_pb2_grpc
 
 
@@ -102,17 +102,23 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
             return resp
         probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)  # [K+1, vocab]
         s.keep_probs(probs, len(s.tokens) - len(drafts))
+        self._sampled_rows(resp, probs, drafts, params, len(s.tokens) - len(drafts))
+        logprobs.fill_bonus(resp, s.logprobs)
+        return resp
+
+    def _sampled_rows(self, resp, probs, drafts: list[int], params, first: int) -> None:
+        """A sampled verdict's rows (probs [K+1, vocab], the first at position first): p of each draft token, each
+        row's support, or where it is too wide to travel, a draft row's candidates, and the bonus token drawn here."""
         resp.draft_token_probs.extend(probs[i, x].item() for i, x in enumerate(drafts))
-        resp.distributions.extend(core.sparse_rows(probs))
+        resp.distributions.extend(self.core.sparse_rows(probs))
         for i, row in enumerate(resp.distributions[: len(drafts)]):
             if not row.complete:  # a rejection here tests candidates drawn from the row before it needs the row
-                ids, p = candidates_dense(probs[i], params.seed, len(s.tokens) - len(drafts) + i)
+                ids, p = candidates(None, probs[i].numpy(), params.seed, first + i)
                 row.candidate_ids.extend(ids.tolist())
                 row.candidate_probs.extend(p.tolist())
         if not resp.distributions[-1].complete:  # the orchestrator would have to fetch it for the bonus token
-            resp.bonus_token_id = sample_dense(probs[-1], uniform(params.seed, len(s.tokens), Purpose.RESAMPLE))
-        logprobs.fill_bonus(resp, s.logprobs)
-        return resp
+            u = uniform(params.seed, first + len(drafts), Purpose.RESAMPLE)
+            resp.bonus_token_id = sample_sparse(None, probs[-1].numpy(), u)
 
     def _logprobs(self, req: target_pb2.GetLogprobsRequest) -> target_pb2.GetLogprobsResponse:
         return logprobs.answer(self.core.pool.lookup(req.session_id).logprobs, req, self.core.vocab_size)

@@ -171,9 +171,9 @@ def test_candidates_are_drawn_from_the_support_as_sample_sparse_draws():
 
 
 def test_a_whole_rows_candidates_are_its_supports_candidates():
-    """The target draws a wide row's candidates without its support; the orchestrator draws a row that traveled
-    from its support. Rows with zeros, top-p cut or not, many seeds: the same tokens and probabilities."""
-    from specdec.sampling import candidates, candidates_dense
+    """The target draws a wide row's candidates and bonus token without its support; the orchestrator draws from a
+    row that traveled, by its support. Rows with zeros, top-p cut or not, many seeds: the same tokens."""
+    from specdec.sampling import candidates
 
     g = torch.Generator().manual_seed(4)
     rows = logits_to_probs(torch.randn(6, 49152, generator=g) * 3, 0.8, 0, 1.0)
@@ -181,9 +181,11 @@ def test_a_whole_rows_candidates_are_its_supports_candidates():
     for i, row in enumerate(rows):
         ids, p = support(row)
         for seed in range(20):
-            dense_ids, dense_p = candidates_dense(row, seed, 100 + i)
+            dense_ids, dense_p = candidates(None, row.numpy(), seed, 100 + i)
             sparse_ids, sparse_p = candidates(ids, p, seed, 100 + i)
             assert dense_ids.tolist() == sparse_ids.tolist() and dense_p.tolist() == sparse_p.tolist()
+            u = uniform(seed, 100 + i, Purpose.RESAMPLE)
+            assert sample_sparse(None, row.numpy(), u) == sample_sparse(ids, p, u)
 
 
 def test_dense_and_sparse_sampling_agree_and_skip_zero_probability():
