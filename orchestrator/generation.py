@@ -229,15 +229,17 @@ class Generation:
             return n, rs.bonus(p, seed, start + n)
         t0 = time.perf_counter()
         q_row = proposal.distributions[n] if proposal else None
-        token = await self._recover(drafts[n], q_row, verdict.distributions[n], start + n, trace)
+        draft_q = proposal.token_probs[n] if proposal else 1.0
+        token = await self._recover(drafts[n], draft_q, q_row, verdict.distributions[n], start + n, trace)
         trace.recover_s = time.perf_counter() - t0
         return n, token
 
-    async def _recover(self, draft_token: int, q_row, p_row: ms_pb.SparseDistribution, position: int, trace) -> int:
+    async def _recover(self, draft_token: int, draft_q: float, q_row, p_row, position: int, trace) -> int:
         """rejection_sampler.recover's token at a rejected position, from what the round holds: the candidates drawn
         from the target's row (by the target where the row was too wide to travel) and the draft's q at them, so
         no whole row moves unless all of them miss. q_row: the draft's row, None for a proposal made with
-        certainty (prompt lookup), whose q is a point mass on draft_token."""
+        certainty (prompt lookup), whose q is a point mass on draft_token; draft_q: q(draft_token); p_row: the
+        target's row (a SparseDistribution)."""
         seed = self.spec.sampling.seed
         p = rs.Dist.of(p_row) if p_row.complete else None
         if p is None and not p_row.candidate_ids:  # a target that draws no candidates: its whole row
@@ -246,7 +248,7 @@ class Generation:
             ids, pc = candidates(p.token_ids, p.probs, seed, position)
         else:
             ids, pc = np.asarray(p_row.candidate_ids, np.int64), np.asarray(p_row.candidate_probs, np.float64)
-        q_at, exact = _q_bound(q_row, draft_token, ids)
+        q_at, exact = _q_bound(q_row, draft_token, draft_q, ids)
         token = rs.first_candidate(ids, pc, q_at, seed, position, exact)
         if token == rs.UNDECIDED:  # the draft's row, at the candidates only
             token = rs.first_candidate(ids, pc, await self._q_at(ids, position, trace), seed, position)
@@ -352,17 +354,20 @@ class Generation:
         )
 
 
-def _q_bound(q_row, draft_token: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _q_bound(q_row, draft_token: int, draft_q: float, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The draft's probabilities of the tokens ids as far as the round holds them, float64 [m], and where each is
     exact (bool [m]); elsewhere an upper bound, the head's floor (or 1: nothing known). q_row: the draft's row, None
-    for a proposal made with certainty (prompt lookup: a point mass on draft_token)."""
+    for a proposal made with certainty (prompt lookup: a point mass on draft_token); draft_q: q(draft_token)."""
     if q_row is None:
         return (ids == draft_token).astype(np.float64), np.ones(len(ids), dtype=bool)
     if q_row.complete:
         return rs.Dist.of(q_row).probs_at(ids), np.ones(len(ids), dtype=bool)
     top = rs.Dist(np.asarray(q_row.head_ids, np.int64), np.asarray(q_row.head_probs, np.float64))
-    exact = np.isin(ids, top.token_ids)
-    return np.where(exact, top.probs_at(ids), q_row.head_floor if len(top.token_ids) else 1.0), exact
+    floor = q_row.head_floor if len(top.token_ids) else 1.0  # a floor of 0: the head holds the whole support
+    exact = np.isin(ids, top.token_ids) | (floor == 0.0)
+    q = np.where(exact, top.probs_at(ids), floor)
+    mine = ids == draft_token  # its q came with the proposal
+    return np.where(mine, draft_q, q), exact | mine
 
 
 async def _ready(value):

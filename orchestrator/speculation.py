@@ -7,8 +7,8 @@ orchestrator measures both as it goes: alpha per request, starting from the proc
 costs from what the model servers report of their batched passes (RoundCosts: a pass's fixed part, shared by
 the sessions in it, and what a row adds). Then each round drafts argmax_K tokens(alpha, K) / seconds(K) over
 K = 0..cap; K = 0 is the target alone. A request prices what is its own on top: its output rules' rows, and
-for a sampled one the recovery of a round that ends in a rejection (the two rows fetched, where their supports
-are too wide to travel with the calls: at top_p 1 the whole vocabulary, twice). Alone on a CPU a verify row
+for a sampled one the recovery of a round that ends in a rejection (the draft asked for q at the target's
+candidates, and where all of them miss, both whole rows fetched: rejection_sampler.first_candidate). Alone on a CPU a verify row
 costs a fraction of a step and K > 0 wins; with 16 sessions in a pass the step is shared 16 ways, a row costs
 its multiply-adds in full, and K falls to 0 by itself; on a GPU rows stay nearly free and speculation stays on
 under load. A request starts the draft (whose first call prefills the prompt) only when the time it expects to
@@ -288,9 +288,10 @@ class AdaptiveK:
         # seconds a row of this request's output rules costs on the target and the draft (0 without rules): a
         # grammar's masks cost each verify row and each draft step, this request's alone
         self.rules_row_s = dict(shared.rules_row_s) if ruled else {"target": 0.0, "draft": 0.0}
-        # seconds a sampled round ending in a rejection spends recovering: the target's and the draft's rows there
-        # fetched where their supports exceed the sparse limit (top_p 1: the whole vocabulary, a GetDistribution
-        # each), and the residual drawn. A round at K pays it with probability 1 - alpha^K; greedy never does.
+        # seconds a sampled round ending in a rejection spends recovering: its candidates tested, the draft asked
+        # for q at them where its row's head does not decide, and where all of them miss, the target's and the
+        # draft's whole rows fetched (a GetDistribution each) and the residual drawn. A round at K pays it with
+        # probability 1 - alpha^K; greedy never does.
         self.sampling = sampling
         self.recover_s = 0.0 if greedy else shared.recovery_s.get(sampling, 0.0)
 

@@ -313,9 +313,8 @@ class ModelServer:
         return feed
 
     def sparse_rows(self, probs: torch.Tensor) -> list[pb.SparseDistribution]:
-        """sparse() of each row of probs [n, vocab]; a support past the limit is not built (top_p 1: the vocabulary).
-        In numpy and the support kernel: a torch op over a row here would wake the idle OpenMP threads between
-        passes (docs/performance.md, item 35)."""
+        """sparse() of each row of probs [n, vocab], a support past the limit not built; in numpy, as a torch op over
+        a row between passes would wake the idle OpenMP threads (docs/performance.md, item 35)."""
         fits = np.count_nonzero(probs.numpy(), axis=1) <= self.cfg.max_sparse_support
         wide = pb.SparseDistribution(complete=False)
         return [self.sparse(supports(probs[i : i + 1])[0]) if f else wide for i, f in enumerate(fits)]
@@ -340,10 +339,11 @@ class ModelServer:
         return pb.ReleaseSessionResponse(released=self.pool.release(req.session_id))
 
     def get_distribution(self, req: pb.GetDistributionRequest) -> pb.GetDistributionResponse:
-        row = self.pool.lookup(req.session_id).kept_row(req.position, self.vocab_size)  # [vocab]
+        s = self.pool.lookup(req.session_id)
         if req.token_ids:  # a rejection's candidates: their probabilities only
-            at = row[torch.tensor(self.check_tokens(req.token_ids), dtype=torch.int64)]
-            return pb.GetDistributionResponse(token_probs_f32=at.numpy().astype("<f4").tobytes())
+            at = s.kept_row(req.position, self.vocab_size, np.asarray(self.check_tokens(req.token_ids)))
+            return pb.GetDistributionResponse(token_probs_f32=at.astype("<f4").tobytes())
+        row = s.kept_row(req.position, self.vocab_size)  # [vocab]
         return pb.GetDistributionResponse(probs_f32=row.numpy().astype("<f4").tobytes())
 
     def model_info(self, req) -> pb.ModelInfo:

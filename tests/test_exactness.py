@@ -346,10 +346,12 @@ def test_a_restricted_draft_proposes_from_its_whole_vocabulary_distribution(toke
     (token ids, not column numbers), the same keyed draws, and GetDistribution's dense row zero elsewhere."""
     import copy
 
+    import grpc
     import numpy as np
 
     from draft_service.servicer import DraftServicer
     from specdec.config import ModelServerConfig
+    from specdec.errors import ServiceError
     from specdec.model_server import ModelServer
     from specdec.sampling import Purpose, argmax_rows, logits_to_probs, sample_sparse, support, uniform
     from specdec.v1 import draft_pb2, model_server_pb2 as pb
@@ -398,4 +400,15 @@ def test_a_restricted_draft_proposes_from_its_whole_vocabulary_distribution(toke
                 )
             dense = core.get_distribution(pb.GetDistributionRequest(session_id=f"s{i}", position=position))
             assert not dense.probs and len(dense.probs_f32) == 4 * len(q)  # one buffer, not a float per entry
+            some = [0, 1, 2, 3, x, kept[-1], len(q) - 1]  # scored by the draft or not, in any order
+            at = core.get_distribution(pb.GetDistributionRequest(session_id=f"s{i}", position=position, token_ids=some))
+            assert not at.probs_f32
+            np.testing.assert_array_equal(
+                np.frombuffer(at.token_probs_f32, dtype="<f4"), np.frombuffer(dense.probs_f32, dtype="<f4")[some]
+            )
+            with pytest.raises(ServiceError) as bad:
+                core.get_distribution(
+                    pb.GetDistributionRequest(session_id=f"s{i}", position=position, token_ids=[len(q)])
+                )
+            assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
             np.testing.assert_allclose(np.frombuffer(dense.probs_f32, dtype="<f4"), q.numpy(), rtol=1e-5, atol=1e-9)
