@@ -7,8 +7,9 @@ or should gain it.
     python -m bench.versions --base HEAD --head HEAD --head-env SPECDEC_TARGET_ACTIVATIONS=int8
 
 Both checkouts' services run at once on the same machine; the prompts go one at a time to each in turn, rep by
-rep, so the machine's drift hits both. --k adds an arm at that fixed K, one prompt at a time. The target's step is its 1-row passes' mean time over each run
-(specdec_forward_seconds{tokens="1"}); the ratio head / base is taken within each rep.
+rep, so the machine's drift hits both. --k adds an arm at that fixed K, one prompt at a time. The target's step
+is its 1-row passes' mean time over each run (specdec_forward_seconds{tokens="1"}); the ratio head / base is
+taken within each rep, and speculation's tokens/s over the same checkout's K = 0 too.
 """
 
 from __future__ import annotations

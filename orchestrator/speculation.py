@@ -8,10 +8,10 @@ costs from what the model servers report of their batched passes (RoundCosts: a 
 the sessions in it, and what a row adds). Then each round drafts argmax_K tokens(alpha, K) / seconds(K) over
 K = 0..cap; K = 0 is the target alone. A request prices what is its own on top: its output rules' rows, and
 for a sampled one the recovery of a round that ends in a rejection (the draft asked for q at the target's
-candidates, and where all of them miss, both whole rows fetched: rejection_sampler.first_candidate). Alone on a CPU a verify row
-costs a fraction of a step and K > 0 wins; with 16 sessions in a pass the step is shared 16 ways, a row costs
-its multiply-adds in full, and K falls to 0 by itself; on a GPU rows stay nearly free and speculation stays on
-under load. A request starts the draft (whose first call prefills the prompt) only when the time it expects to
+candidates, and where all of them miss, both whole rows fetched: rejection_sampler.first_candidate). Alone on
+a CPU a verify row costs a fraction of a step and K > 0 wins; with 16 sessions in a pass the step is shared 16
+ways, a row costs its multiply-adds in full, and K falls to 0 by itself; on a GPU rows stay nearly free and
+speculation stays on under load. A request starts the draft (whose first call prefills the prompt) only when the time it expects to
 save over its remaining tokens is more than that prefill costs. So that alpha and the costs keep being
 measured where the target alone wins, a request that settles at K = 0 still drafts one token every PROBE_EVERY
 rounds, and every PROBE_EVERY-th request starts the draft regardless.

@@ -16,7 +16,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-import torch
 
 from specdec.errors import ServiceError, invalid
 
@@ -76,28 +75,24 @@ class Session:
         the draft's grammar forced."""
         self.probs, self.probs_start, self.probs_ids = probs, start, ids
 
-    def kept_row(self, position: int, vocab_size: int, token_ids: np.ndarray | None = None):
-        """The kept distribution of the token at position over the whole vocabulary, float32 [vocab_size]; with
-        token_ids, its values there only (float32 numpy [len(token_ids)]), read without building the whole row."""
+    def kept_row(self, position: int, vocab_size: int, token_ids: np.ndarray | None = None) -> np.ndarray:
+        """The kept distribution of the token at position, float32 numpy: over the whole vocabulary [vocab_size], or
+        at token_ids only [len(token_ids)]. In numpy: a torch op over a row between passes would wake the server's
+        idle OpenMP threads (docs/performance.md, item 35)."""
         i = position - self.probs_start
         if self.probs is None or not 0 <= i < len(self.probs):
             raise ServiceError(
                 grpc.StatusCode.NOT_FOUND, f"position {position} has no distribution from the last call of {self.id!r}"
             )
+        ids = np.arange(vocab_size) if token_ids is None else token_ids
         row = self.probs[i]
-        if token_ids is not None:
-            if isinstance(row, int):  # a token the draft's grammar forced: its point mass
-                return (token_ids == row).astype(np.float32)
-            if self.probs_ids is None:
-                return row.numpy()[token_ids]
-            scored = self.probs_ids.numpy()  # a restricted draft's columns: 0 for the tokens it does not score
-            j = np.minimum(np.searchsorted(scored, token_ids), len(scored) - 1)
-            return np.where(scored[j] == token_ids, row.numpy()[j], np.float32(0))
-        if isinstance(row, int):
-            return torch.zeros(vocab_size).index_fill_(0, torch.tensor(row), 1.0)
-        if self.probs_ids is not None:
-            return torch.zeros(vocab_size, dtype=row.dtype).index_copy_(0, self.probs_ids, row)
-        return row
+        if isinstance(row, int):  # a token the draft's grammar forced: its point mass
+            return (ids == row).astype(np.float32)
+        if self.probs_ids is None:
+            return row.numpy()[ids]
+        scored = self.probs_ids.numpy()  # a restricted draft's columns: 0 for the tokens it does not score
+        j = np.minimum(np.searchsorted(scored, ids), len(scored) - 1)
+        return np.where(scored[j] == ids, row.numpy()[j], np.float32(0))
 
 
 class SessionPool:

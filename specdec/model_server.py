@@ -343,8 +343,7 @@ class ModelServer:
         if req.token_ids:  # a rejection's candidates: their probabilities only
             at = s.kept_row(req.position, self.vocab_size, np.asarray(self.check_tokens(req.token_ids)))
             return pb.GetDistributionResponse(token_probs_f32=at.astype("<f4").tobytes())
-        row = s.kept_row(req.position, self.vocab_size)  # [vocab]
-        return pb.GetDistributionResponse(probs_f32=row.numpy().astype("<f4").tobytes())
+        return pb.GetDistributionResponse(probs_f32=s.kept_row(req.position, self.vocab_size).astype("<f4").tobytes())
 
     def model_info(self, req) -> pb.ModelInfo:
         info = pb.ModelInfo()
