@@ -106,7 +106,7 @@ class Generation:
                 looked_up = looked_up[: self.spec.grammar.valid_prefix(self.history, looked_up)]
             proposal = await self._propose(k, trace) if k and not looked_up else None
             drafts = looked_up or (list(proposal.token_ids) if proposal else [])
-            verdict = await self._verify(drafts, trace)
+            verdict = await self._verify(drafts, _draft_q(proposal, drafts, self.spec.sampling.greedy), trace)
             t_accept = time.perf_counter()
             try:
                 n, token = await self._accept(drafts, proposal, verdict, n_hist, trace)
@@ -173,15 +173,17 @@ class Generation:
         draft.mirror = (history + list(resp.token_ids[:-1]))[: resp.length]
         return resp
 
-    async def _verify(self, drafts: list[int], trace: RoundTrace) -> target_pb2.VerifyResponse:
-        """The target's verdict on the drafts. With a head draft every Verify returns features, and one that would
-        answer with more than head_draft.VERIFY_BYTES of them goes in pieces (HeadDraft.bound_verify)."""
+    async def _verify(self, drafts: list[int], q: list[float], trace: RoundTrace) -> target_pb2.VerifyResponse:
+        """The target's verdict on the drafts (q: what the ratio test gives each, sampled; the target then answers
+        up to the first draft rejected). With a head draft every Verify returns features, and one that would answer
+        with more than head_draft.VERIFY_BYTES of them goes in pieces (HeadDraft.bound_verify)."""
         target, history, cut = self.target, self.history, [False]
 
         def request():
             req = target_pb2.VerifyRequest(
                 cursor=target.cursor(history),
                 draft_tokens=drafts,
+                draft_token_q=q,
                 sampling=self._params,
                 return_features=self.head is not None,
                 logprobs=self.spec.logprobs is not None,
@@ -216,12 +218,9 @@ class Generation:
         if self.spec.sampling.greedy:
             return rs.greedy_accept(drafts, list(verdict.argmax_token_ids))
         seed = self.spec.sampling.seed
-        n = rs.count_accepted(
-            list(proposal.token_probs) if proposal else [1.0] * len(drafts),
-            list(verdict.draft_token_probs),
-            seed,
-            start,
-        )
+        n = rs.count_accepted(_draft_q(proposal, drafts, False), list(verdict.draft_token_probs), seed, start)
+        if n < len(drafts) and n >= len(verdict.distributions):  # the target's test and this one differ
+            raise RuntimeError(f"the target answered {len(verdict.distributions)} rows, and the ratio test keeps {n}")
         if n == len(drafts) and verdict.HasField("bonus_token_id"):  # drawn by the target with the same keyed draw
             return n, verdict.bonus_token_id
         if n == len(drafts):
@@ -352,6 +351,14 @@ class Generation:
         await asyncio.gather(
             *(r.client.call("ReleaseSession", req) for link in links for r in link.hosts), return_exceptions=True
         )
+
+
+def _draft_q(proposal, drafts: list[int], greedy: bool) -> list[float]:
+    """The q the ratio test gives each draft: the draft's probability of it, 1 for a token proposed with certainty
+    (prompt lookup); none where greedy, whose verdict tests nothing."""
+    if greedy:
+        return []
+    return list(proposal.token_probs) if proposal else [1.0] * len(drafts)
 
 
 def _q_bound(q_row, draft_token: int, draft_q: float, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specdec.sampling import Purpose, candidates, sample_sparse, uniform, uniforms
+from specdec.sampling import Purpose, candidates, count_accepted, sample_sparse, uniform, uniforms
 
 
 @dataclass(frozen=True)
@@ -66,17 +66,6 @@ def greedy_accept(draft_tokens: list[int], target_argmax: list[int]) -> tuple[in
     while n < len(draft_tokens) and draft_tokens[n] == target_argmax[n]:
         n += 1
     return n, target_argmax[n]
-
-
-def count_accepted(draft_probs: list[float], target_probs: list[float], seed: int, start: int) -> int:
-    """How many drafts survive the ratio test u < p(x)/q(x), in order.
-
-    draft_probs: [K] q_i(x_i) > 0; target_probs: [K] p_i(x_i); start: absolute position of x_1.
-    """
-    for i, (q, p) in enumerate(zip(draft_probs, target_probs)):
-        if uniform(seed, start + i, Purpose.ACCEPT) * q >= p:
-            return i
-    return len(draft_probs)
 
 
 def residual(p: Dist, q: Dist) -> Dist:

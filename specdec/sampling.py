@@ -80,6 +80,19 @@ def uniforms(seed: int, position: int, purpose: Purpose, n: int) -> np.ndarray:
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
+def count_accepted(draft_probs: list[float], target_probs: list[float], seed: int, start: int) -> int:
+    """How many drafts survive the ratio test u < p(x)/q(x), in order: the orchestrator's verdict, and the target's
+    where the Verify sends q (it then answers for no row past the first rejection). Both test the same float32
+    values of p and q, as Python floats, so both count alike.
+
+    draft_probs: [K] q_i(x_i) > 0; target_probs: p_i(x_i), [K] or up to the first rejected; start: x_1's position.
+    """
+    for i, (q, p) in enumerate(zip(draft_probs, target_probs)):
+        if uniform(seed, start + i, Purpose.ACCEPT) * q >= p:
+            return i
+    return len(target_probs)
+
+
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """Greedy's token for each row, the first index of ties. logits: [n, vocab]."""
     kernels = kernels_for(logits)

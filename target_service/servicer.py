@@ -7,6 +7,7 @@ span of them, for a head draft's session rebuilt on another replica or after it 
 
 from __future__ import annotations
 
+import math
 import time
 
 import grpc
@@ -14,7 +15,7 @@ import grpc
 from specdec import features, logprobs
 from specdec.errors import ServiceError, invalid
 from specdec.model_server import CallStats, ModelServer, SessionRpcs
-from specdec.sampling import Purpose, argmax_rows, candidates, logits_to_probs, sample_sparse, uniform
+from specdec.sampling import Purpose, argmax_rows, candidates, count_accepted, logits_to_probs, sample_sparse, uniform
 from specdec.v1 import target_pb2, target_pb2_grpc
 
 
@@ -60,6 +61,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         drafts = core.check_tokens(req.draft_tokens)
         if len(drafts) > core.cfg.max_draft_tokens:
             raise invalid(f"{len(drafts)} draft tokens exceed the limit of {core.cfg.max_draft_tokens}")
+        q = check_q(req.draft_token_q, len(drafts))
         unseen = core.check_tokens(req.cursor.tokens)
         if not unseen:
             raise invalid("tokens is empty: send at least the last token of the sequence")
@@ -102,26 +104,39 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
             return resp
         probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)  # [K+1, vocab]
         s.keep_probs(probs, len(s.tokens) - len(drafts))
-        self._sampled_rows(resp, probs, drafts, params, len(s.tokens) - len(drafts))
+        self._sampled_rows(resp, probs, drafts, q, params, len(s.tokens) - len(drafts))
         logprobs.fill_bonus(resp, s.logprobs)
         return resp
 
-    def _sampled_rows(self, resp, probs, drafts: list[int], params, first: int) -> None:
+    def _sampled_rows(self, resp, probs, drafts: list[int], q: list[float] | None, params, first: int) -> None:
         """A sampled verdict's rows (probs [K+1, vocab], the first at position first): p of each draft token, each
-        row's support, or where it is too wide to travel, a draft row's candidates, and the bonus token drawn here."""
-        resp.draft_token_probs.extend(probs[i, x].item() for i, x in enumerate(drafts))
-        resp.distributions.extend(self.core.sparse_rows(probs))
+        row's support, or where it is too wide to travel, a draft row's candidates, and the bonus token drawn here.
+        With the drafts' q, only the rows up to the first draft the ratio test rejects: the verdict reads no other."""
+        p = [probs[i, x].item() for i, x in enumerate(drafts)]
+        n = count_accepted(q, p, params.seed, first) if q is not None else len(drafts)
+        rows = n + 1 if q is not None else len(drafts) + 1
+        resp.draft_token_probs.extend(p[: min(rows, len(drafts))])
+        resp.distributions.extend(self.core.sparse_rows(probs[:rows]))
         for i, row in enumerate(resp.distributions[: len(drafts)]):
-            if not row.complete:  # a rejection here tests candidates drawn from the row before it needs the row
-                ids, p = candidates(None, probs[i].numpy(), params.seed, first + i)
+            if not row.complete and (q is None or i == n):  # a rejection tests candidates drawn from p before the row
+                ids, pc = candidates(None, probs[i].numpy(), params.seed, first + i)
                 row.candidate_ids.extend(ids.tolist())
-                row.candidate_probs.extend(p.tolist())
-        if not resp.distributions[-1].complete:  # the orchestrator would have to fetch it for the bonus token
+                row.candidate_probs.extend(pc.tolist())
+        if rows == len(drafts) + 1 and not resp.distributions[-1].complete:  # it would be fetched for the bonus
             u = uniform(params.seed, first + len(drafts), Purpose.RESAMPLE)
             resp.bonus_token_id = sample_sparse(None, probs[-1].numpy(), u)
 
     def _logprobs(self, req: target_pb2.GetLogprobsRequest) -> target_pb2.GetLogprobsResponse:
         return logprobs.answer(self.core.pool.lookup(req.session_id).logprobs, req, self.core.vocab_size)
+
+
+def check_q(q, k: int) -> list[float] | None:
+    """VerifyRequest.draft_token_q as the ratio test takes it: None when not sent, else one q in (0, 1] a draft."""
+    if not q:
+        return None
+    if len(q) != k or not all(0.0 < x < math.inf for x in q):
+        raise invalid(f"draft_token_q must hold a positive probability for each of the {k} draft tokens, not {list(q)}")
+    return list(q)
 
 
 def to_first_mismatch(argmax: list[int], drafts: list[int]) -> list[int]:

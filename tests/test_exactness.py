@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 import torch
 
@@ -13,7 +14,9 @@ from orchestrator import generation
 from specdec import models
 from specdec.runners.kernels import cpu_kernels
 from specdec.runners.products import FORMS
-from specdec.v1 import generation_pb2 as gen_pb
+from specdec.sampling import Purpose, count_accepted, uniform
+from specdec.v1 import generation_pb2 as gen_pb, model_server_pb2 as ms, target_pb2, target_pb2_grpc
+from target_service import servicer as target_servicer
 
 PROMPTS = [  # each at least 64 tokens after the chat template; answers run past 64 tokens
     "Write a detailed story about a lighthouse keeper who finds a message in a bottle. Describe the weather, "
@@ -321,6 +324,66 @@ def test_a_seeded_answer_is_the_same_whether_the_rows_travel_or_only_their_candi
         assert 0 < by["asked"] < by["candidate"] + by["residual"], by
     finally:
         stop_stack(stack)
+
+
+@pytest.mark.parametrize("top_p", [0.9, 1.0])
+def test_a_target_given_the_drafts_q_answers_up_to_its_first_rejection_what_it_answers_for_every_row(
+    tiny_stack, tokenizer, reference, top_p
+):
+    """With draft_token_q the target runs the orchestrator's ratio test (sampling.count_accepted) on the same values
+    and answers only the rows the verdict reads: for n drafts kept, the first n + 1 rows and p of the first n + 1
+    drafts, as it answers them without q; candidates for the rejected row alone, and a bonus only where all are
+    kept. q that is not one positive probability a draft is INVALID_ARGUMENT."""
+    target = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(tiny_stack.target_address))
+    prompt, drafts, seed = chat_ids(tokenizer, PROMPTS[0]), reference[0][:4], 11
+    sampling = ms.SamplingParams(temperature=1.0, top_p=top_p, seed=seed)
+
+    def verify(sid, q=()):
+        req = target_pb2.VerifyRequest(cursor=ms.SessionCursor(session_id=sid, tokens=prompt), draft_tokens=drafts)
+        req.sampling.CopyFrom(sampling)
+        req.draft_token_q.extend(q)
+        try:
+            return target.Verify(req)
+        finally:
+            target.ReleaseSession(ms.ReleaseSessionRequest(session_id=sid))
+
+    whole = verify("whole")
+    p = list(whole.draft_token_probs)
+    u = [uniform(seed, len(prompt) + i, Purpose.ACCEPT) for i in range(len(drafts))]
+    rejecting = [p[i] / u[i] * 1.01 for i in range(len(drafts))]  # u q >= p: the test rejects draft i
+    for want in range(len(drafts) + 1):
+        q = p[:want] + rejecting[want:]  # q = p keeps a draft: u < 1
+        assert count_accepted(q, p, seed, len(prompt)) == want
+        cut = verify(f"cut{want}", q)
+        assert list(cut.draft_token_probs) == p[: min(want + 1, len(drafts))]
+        assert len(cut.distributions) == want + 1
+        for i, (a, b) in enumerate(zip(cut.distributions, whole.distributions)):
+            assert (list(a.token_ids), list(a.probs), a.complete) == (list(b.token_ids), list(b.probs), b.complete)
+            assert list(a.candidate_ids) == (list(b.candidate_ids) if i == want else []), i
+        assert cut.HasField("bonus_token_id") == (want == len(drafts) and whole.HasField("bonus_token_id"))
+        if cut.HasField("bonus_token_id"):
+            assert cut.bonus_token_id == whole.bonus_token_id
+    assert (top_p == 1.0) == (not whole.distributions[0].complete)  # both paths: rows sent, and candidates only
+    for bad in ([1.0] * (len(drafts) - 1), [1.0, 0.0, 1.0, 1.0], [1.0, -0.5, 1.0, 1.0], [float("nan")] * 4):
+        with pytest.raises(grpc.RpcError) as err:
+            verify("bad", bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("top_p", [0.9, 1.0])
+def test_a_seeded_answer_is_the_same_whether_the_target_answers_every_row_or_stops_at_the_first_rejection(
+    partial_stack, monkeypatch, top_p
+):
+    """The orchestrator sends its q with every sampled Verify, and the target then answers only the rows up to the
+    first rejection; a target that takes no q (as before 2026-11-27) answers every row. Both give the same tokens
+    for a seed."""
+    kw = dict(max_tokens=40, temperature=1.0, top_p=top_p, num_speculative_tokens=4)
+    stopped = [partial_stack.generate(messages=[("user", p)], seed=50 + i, **kw) for i, p in enumerate(PROMPTS[:3])]
+    monkeypatch.setattr(target_servicer, "check_q", lambda q, k: None)
+    every = [partial_stack.generate(messages=[("user", p)], seed=50 + i, **kw) for i, p in enumerate(PROMPTS[:3])]
+    assert [ids for ids, _, _ in stopped] == [ids for ids, _, _ in every]
+    assert sum(stats.rejected_rounds for _, _, stats in stopped) > 0
+    assert sum(stats.accepted_tokens for _, _, stats in stopped) > 0
 
 
 def test_sampling_at_min_p_1_keeps_only_the_best_token_so_it_is_the_greedy_output(partial_stack, reference):

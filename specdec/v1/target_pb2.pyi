@@ -8,10 +8,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("cursor", "draft_tokens", "sampling", "return_features", "logprobs", "top_logprobs", "prompt_logprobs", "rules")
+    __slots__ = ("cursor", "draft_tokens", "sampling", "draft_token_q", "return_features", "logprobs", "top_logprobs", "prompt_logprobs", "rules")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_Q_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -20,12 +21,13 @@ class VerifyRequest(_message.Message):
     cursor: _model_server_pb2.SessionCursor
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: _model_server_pb2.SamplingParams
+    draft_token_q: _containers.RepeatedScalarFieldContainer[float]
     return_features: bool
     logprobs: bool
     top_logprobs: int
     prompt_logprobs: bool
     rules: _model_server_pb2.OutputRules
-    def __init__(self, cursor: _Optional[_Union[_model_server_pb2.SessionCursor, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_model_server_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., rules: _Optional[_Union[_model_server_pb2.OutputRules, _Mapping]] = ...) -> None: ...
+    def __init__(self, cursor: _Optional[_Union[_model_server_pb2.SessionCursor, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_model_server_pb2.SamplingParams, _Mapping]] = ..., draft_token_q: _Optional[_Iterable[float]] = ..., return_features: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., rules: _Optional[_Union[_model_server_pb2.OutputRules, _Mapping]] = ...) -> None: ...
 
 class RowLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
