@@ -11,6 +11,7 @@ import math
 import time
 
 import grpc
+import torch
 
 from specdec import features, logprobs
 from specdec.errors import ServiceError, invalid
@@ -88,31 +89,57 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         s.logprobs = (
             logprobs.fill(resp, logits, drafts, req.top_logprobs, len(s.tokens) - len(drafts)) if req.logprobs else None
         )
-        picks = None  # greedy's tokens under the rules: the best each row's grammar allows, found without its mask
-        if rules is not None:  # after the raw logprobs, before everything that samples or compares
-            t0, first = time.perf_counter(), len(s.tokens) - len(drafts)
-            if params.greedy:
-                picks, logits = core.rules.argmax(rules, logits, s.tokens, first, to_mismatch=True)
-            else:
-                logits = await core.rules.apply(rules, logits, s.tokens, first, masks=masks)
-            resp.rules_seconds = time.perf_counter() - t0
         if req.return_features:
             resp.features, resp.features_start = features.encode(s.features.read(start, len(s.tokens))), start
+        first = len(s.tokens) - len(drafts)
         if params.greedy:
+            picks = None  # the tokens under the rules: the best each row's grammar allows, found without its mask
+            if rules is not None:  # after the raw logprobs, before everything that compares
+                t0 = time.perf_counter()
+                picks, logits = core.rules.argmax(rules, logits, s.tokens, first, to_mismatch=True)
+                resp.rules_seconds = time.perf_counter() - t0
             s.keep_probs(None)
             resp.argmax_token_ids.extend(to_first_mismatch(picks if picks is not None else argmax_rows(logits), drafts))
             return resp
-        probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)  # [K+1, vocab]
-        s.keep_probs(probs, len(s.tokens) - len(drafts))
-        self._sampled_rows(resp, probs, drafts, q, params, len(s.tokens) - len(drafts))
+        probs, resp.rules_seconds = await self._probs(logits, rules, masks, s.tokens, first, drafts, q, params)
+        s.keep_probs(probs, first)
+        self._sampled_rows(resp, probs, drafts, q, params, first)
         logprobs.fill_bonus(resp, s.logprobs)
         return resp
 
+    async def _probs(self, logits, rules, masks, tokens, first: int, drafts, q, params) -> tuple[torch.Tensor, float]:
+        """The rows' distributions under the rules and the sampling transforms ([rows, vocab], the first at position
+        first), and the seconds the rules took. With the drafts' q and a grammar whose masks were not computed beside
+        the pass, row by row up to the first draft the ratio test rejects: a mask costs more than a row's test, and
+        the session's matcher walks to each row by one token (docs/performance.md, item 36)."""
+        core = self.core
+
+        def transform(rows):
+            return logits_to_probs(rows, params.temperature, params.top_k, params.top_p, params.min_p)
+
+        if rules is None:
+            return transform(logits), 0.0
+        if q is None or masks is not None or rules.matcher is None:
+            t0 = time.perf_counter()
+            logits = await core.rules.apply(rules, logits, tokens, first, masks=masks)
+            return transform(logits), time.perf_counter() - t0
+        rows, spent = [], 0.0
+        for i in range(len(drafts) + 1):
+            t0 = time.perf_counter()
+            rows.append(transform(await core.rules.apply(rules, logits[i : i + 1], tokens, first + i)))
+            spent += time.perf_counter() - t0
+            if i < len(drafts) and not count_accepted(
+                q[i : i + 1], [rows[-1][0, drafts[i]].item()], params.seed, first + i
+            ):
+                break
+        return torch.cat(rows), spent
+
     def _sampled_rows(self, resp, probs, drafts: list[int], q: list[float] | None, params, first: int) -> None:
-        """A sampled verdict's rows (probs [K+1, vocab], the first at position first): p of each draft token, each
-        row's support, or where it is too wide to travel, a draft row's candidates, and the bonus token drawn here.
-        With the drafts' q, only the rows up to the first draft the ratio test rejects: the verdict reads no other."""
-        p = [probs[i, x].item() for i, x in enumerate(drafts)]
+        """A sampled verdict's rows (probs [K+1, vocab], or with q at least those up to the first rejection; the first
+        at position first): p of each draft token, each row's support, or where it is too wide to travel, a draft
+        row's candidates, and the bonus token drawn here. With the drafts' q, only the rows up to the first draft the
+        ratio test rejects: the verdict reads no other."""
+        p = [probs[i, x].item() for i, x in enumerate(drafts[: probs.shape[0]])]
         n = count_accepted(q, p, params.seed, first) if q is not None else len(drafts)
         rows = n + 1 if q is not None else len(drafts) + 1
         resp.draft_token_probs.extend(p[: min(rows, len(drafts))])

@@ -326,21 +326,26 @@ def test_a_seeded_answer_is_the_same_whether_the_rows_travel_or_only_their_candi
         stop_stack(stack)
 
 
-@pytest.mark.parametrize("top_p", [0.9, 1.0])
+@pytest.mark.parametrize("top_p,grammar", [(0.9, False), (1.0, False), (1.0, True)], ids=["0.9", "1", "1-grammar"])
 def test_a_target_given_the_drafts_q_answers_up_to_its_first_rejection_what_it_answers_for_every_row(
-    tiny_stack, tokenizer, reference, top_p
+    tiny_stack, tokenizer, reference, monkeypatch, top_p, grammar
 ):
     """With draft_token_q the target runs the orchestrator's ratio test (sampling.count_accepted) on the same values
     and answers only the rows the verdict reads: for n drafts kept, the first n + 1 rows and p of the first n + 1
     drafts, as it answers them without q; candidates for the rejected row alone, and a bonus only where all are
-    kept. q that is not one positive probability a draft is INVALID_ARGUMENT."""
+    kept. Under a grammar whose masks are computed after the pass, it masks those rows one by one. q that is not
+    one positive probability a draft is INVALID_ARGUMENT."""
     target = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(tiny_stack.target_address))
     prompt, drafts, seed = chat_ids(tokenizer, PROMPTS[0]), reference[0][:4], 11
     sampling = ms.SamplingParams(temperature=1.0, top_p=top_p, seed=seed)
+    rules = ms.OutputRules(output_start=len(prompt), grammar=ms.Grammar(regex="[^#]*")) if grammar else None
+    monkeypatch.setattr(tiny_stack.target.rules, "beside", False)
 
     def verify(sid, q=()):
         req = target_pb2.VerifyRequest(cursor=ms.SessionCursor(session_id=sid, tokens=prompt), draft_tokens=drafts)
         req.sampling.CopyFrom(sampling)
+        if rules is not None:
+            req.rules.CopyFrom(rules)
         req.draft_token_q.extend(q)
         try:
             return target.Verify(req)
@@ -354,7 +359,10 @@ def test_a_target_given_the_drafts_q_answers_up_to_its_first_rejection_what_it_a
     for want in range(len(drafts) + 1):
         q = p[:want] + rejecting[want:]  # q = p keeps a draft: u < 1
         assert count_accepted(q, p, seed, len(prompt)) == want
+        masked = tiny_stack.target.registry.get_sample_value("specdec_rules_rows_total") or 0.0
         cut = verify(f"cut{want}", q)
+        if grammar:  # the rows masked: those answered, no other
+            assert tiny_stack.target.registry.get_sample_value("specdec_rules_rows_total") - masked == want + 1
         assert list(cut.draft_token_probs) == p[: min(want + 1, len(drafts))]
         assert len(cut.distributions) == want + 1
         for i, (a, b) in enumerate(zip(cut.distributions, whole.distributions)):

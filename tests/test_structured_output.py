@@ -132,6 +132,39 @@ def test_penalties_bias_and_min_tokens_keep_greedy_exactness_and_change_the_outp
         assert core.registry.get_sample_value("specdec_rules_seconds_total") > 0
 
 
+def test_a_seeded_answer_under_rules_is_the_same_whether_the_target_masks_row_by_row_or_every_row(stack, monkeypatch):
+    """A sampled Verify that has the drafts' q applies a grammar (and penalties) row by row, up to the first draft
+    the ratio test rejects; a target that takes no q masks every row at once. The seeded answers are the same, and
+    the row-by-row target masks fewer rows. (Masks computed beside the pass, where a core is free for them, are
+    computed for every row: here the target computes them after its pass, as a CPU server using every core does.)"""
+    from target_service import servicer
+
+    monkeypatch.setattr(stack.target.rules, "beside", False)
+
+    def answers():
+        rows = stack.target.registry.get_sample_value("specdec_rules_rows_total") or 0.0
+        out = [
+            stack.generate(
+                messages=[("user", text)],
+                max_tokens=80,
+                temperature=1.0,
+                seed=30 + i,
+                num_speculative_tokens=4,
+                presence_penalty=0.3 * i,
+                **grammar_fields(),
+            )[:2]
+            for i, text in enumerate(PROMPTS)
+        ]
+        return out, stack.target.registry.get_sample_value("specdec_rules_rows_total") - rows
+
+    by_row, rows_by_row = answers()
+    monkeypatch.setattr(servicer, "check_q", lambda q, k: None)
+    every, rows_every = answers()
+    assert by_row == every
+    assert all(json.loads(text) for _, text in by_row)
+    assert rows_by_row < rows_every, (rows_by_row, rows_every)
+
+
 def constrained_distribution(tokenizer, target_model, prompt: list[int], text: str) -> dict[str, float]:
     """Each answer's probability under the target at temperature 1, restricted to what the grammar allows: the
     product over its tokens of the renormalized allowed mass, by walking every allowed path (a small grammar)."""
