@@ -126,8 +126,9 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         rows, spent = [], 0.0
         for i in range(len(drafts) + 1):
             t0 = time.perf_counter()
-            rows.append(transform(await core.rules.apply(rules, logits[i : i + 1], tokens, first + i)))
+            row = await core.rules.apply(rules, logits[i : i + 1], tokens, first + i)
             spent += time.perf_counter() - t0
+            rows.append(transform(row))
             if i < len(drafts) and not count_accepted(
                 q[i : i + 1], [rows[-1][0, drafts[i]].item()], params.seed, first + i
             ):
