@@ -207,12 +207,17 @@ def candidates(
 
 def head(probs: torch.Tensor, n: int = HEAD_TOKENS) -> tuple[np.ndarray, np.ndarray, float]:
     """A row's n most likely columns (ascending), their probabilities, and the largest probability of any other
-    column (0 if none). probs: [columns] on CPU."""
-    if len(probs) <= n:
-        return np.flatnonzero(probs.numpy()), probs[probs > 0].double().numpy(), 0.0
-    top = torch.topk(probs, n + 1)  # values descending
-    columns, order = torch.sort(top.indices[:n])
-    return columns.numpy(), top.values[:n][order].double().numpy(), float(top.values[n])
+    column (0 if none). probs: [columns] on CPU. In numpy: a partition is 2.5x torch.topk's time on a draft's
+    13,146 columns (24 against 59 us a row in a loop), and it wakes no thread team."""
+    row = probs.numpy()
+    if len(row) <= n:
+        columns = np.flatnonzero(row)
+        return columns, row[columns].astype(np.float64), 0.0
+    top = np.argpartition(row, -(n + 1))[-(n + 1) :]  # the n + 1 largest, unordered
+    smallest = int(np.argmin(row[top]))
+    floor = float(row[top[smallest]])
+    columns = np.sort(np.delete(top, smallest))
+    return columns, row[columns].astype(np.float64), floor
 
 
 def support(probs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

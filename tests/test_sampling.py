@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import built_kernels
+from specdec import sampling
 from specdec.sampling import (
     Purpose,
     argmax_rows,
@@ -186,6 +187,25 @@ def test_a_whole_rows_candidates_are_its_supports_candidates():
             assert dense_ids.tolist() == sparse_ids.tolist() and dense_p.tolist() == sparse_p.tolist()
             u = uniform(seed, 100 + i, Purpose.RESAMPLE)
             assert sample_sparse(None, row.numpy(), u) == sample_sparse(ids, p, u)
+
+
+@pytest.mark.parametrize("columns,ties", [(13146, False), (49152, True), (40, False)])
+def test_a_rows_head_is_its_most_likely_columns_and_its_floor_bounds_every_other(columns, ties):
+    """sampling.head: the n most likely columns ascending with their probabilities, and the largest probability of any
+    column left out (0 where the row has n columns or fewer): a rejection's q bound (rejection_sampler)."""
+    g = torch.Generator().manual_seed(columns)
+    for _ in range(20):
+        logits = torch.randn(1, columns, generator=g) * 3
+        if ties:  # many equal values at the head's edge
+            logits = logits.round()
+        row = sampling.logits_to_probs(logits, 0.7, 0, 1.0, 0.0)[0]
+        ids, p, floor = sampling.head(row)
+        values = row.numpy()
+        assert (np.diff(ids) > 0).all() and len(ids) == min(sampling.HEAD_TOKENS, np.count_nonzero(values))
+        assert np.array_equal(p, values[ids].astype(np.float64))
+        rest = np.delete(values, ids)
+        assert floor == (rest.max() if len(ids) < columns else 0.0)
+        assert p.min() >= floor and np.sort(values)[::-1][len(ids) - 1] == p.min()
 
 
 def test_dense_and_sparse_sampling_agree_and_skip_zero_probability():
