@@ -111,7 +111,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         """The rows' distributions under the rules and the sampling transforms ([rows, vocab], the first at position
         first), and the seconds the rules took. With the drafts' q and a grammar whose masks were not computed beside
         the pass, row by row up to the first draft the ratio test rejects: a mask costs more than a row's test, and
-        the session's matcher walks to each row by one token (docs/performance.md, item 36)."""
+        the session's matcher walks to each row by one token (docs/performance.md, item 37)."""
         core = self.core
 
         def transform(rows):
@@ -159,7 +159,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
 
 
 def check_q(q, k: int) -> list[float] | None:
-    """VerifyRequest.draft_token_q as the ratio test takes it: None when not sent, else one q in (0, 1] a draft."""
+    """VerifyRequest.draft_token_q as the ratio test takes it: None when not sent, else one positive q a draft."""
     if not q:
         return None
     if len(q) != k or not all(0.0 < x < math.inf for x in q):
