@@ -13,8 +13,8 @@ over reps:
   - alpha = accepted / (accepted + rounds ending in a rejection) at --k, with the grammar and without;
   - the rules' seconds on both model servers per generated token, against the target's mean one-token step
     (specdec_forward_seconds{tokens="1"}) in the same run: their work (specdec_rules_seconds_total, the masks
-    included, which run beside the forward passes) and what the calls waited for them after their passes
-    (specdec_rules_wait_seconds_total);
+    included, which run beside the forward passes; the target's part apart) and what the calls waited for them
+    after their passes (specdec_rules_wait_seconds_total);
   - same_text: the draft's greedy agreement with the grammar's greedy answers, teacher-forced, with its row masked
     and unmasked (alpha on the same text: the arms without a grammar answer with other text).
 """
@@ -163,6 +163,7 @@ def arm(address: str, urls: dict, jobs, tokens: int, k: int, mode: str, grammar:
         "alpha": leviathan_alpha(accepted, rejected) if k != 0 else None,
         "tokens_per_s": generated / wall,
         "rules_us_per_token": 1e6 * rules_s / generated,
+        "target_rules_us_per_token": 1e6 * value(d, "specdec_rules_seconds_total", job="target") / generated,
         "rules_wait_us_per_token": 1e6 * wait_s / generated,
         "target_step_ms": 1e3 * mean_step_s(d, "target"),
     }
