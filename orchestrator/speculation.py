@@ -11,10 +11,10 @@ for a sampled one the recovery of a round that ends in a rejection (the draft as
 candidates, and where all of them miss, both whole rows fetched: rejection_sampler.first_candidate). Alone on
 a CPU a verify row costs a fraction of a step and K > 0 wins; with 16 sessions in a pass the step is shared 16
 ways, a row costs its multiply-adds in full, and K falls to 0 by itself; on a GPU rows stay nearly free and
-speculation stays on under load. A request starts the draft (whose first call prefills the prompt) only when the time it expects to
-save over its remaining tokens is more than that prefill costs. So that alpha and the costs keep being
-measured where the target alone wins, a request that settles at K = 0 still drafts one token every PROBE_EVERY
-rounds, and every PROBE_EVERY-th request starts the draft regardless.
+speculation stays on under load. A request starts the draft (whose first call prefills the prompt) only when the
+time it expects to save over its remaining tokens is more than that prefill costs. So that alpha and the costs
+keep being measured where the target alone wins, a request that settles at K = 0 still drafts one token every
+PROBE_EVERY rounds, and every PROBE_EVERY-th request starts the draft regardless.
 
 Which K a round drafts changes the speed, never the output: the choice depends only on rounds already
 finished, so greedy output stays the target's and sampled output is distributed as the target's. A seeded

@@ -89,7 +89,7 @@ class Session:
         if isinstance(row, int):  # a token the draft's grammar forced: its point mass
             return (ids == row).astype(np.float32)
         if self.probs_ids is None:
-            return row.numpy()[ids]
+            return row.numpy() if token_ids is None else row.numpy()[ids]
         scored = self.probs_ids.numpy()  # a restricted draft's columns: 0 for the tokens it does not score
         j = np.minimum(np.searchsorted(scored, ids), len(scored) - 1)
         return np.where(scored[j] == ids, row.numpy()[j], np.float32(0))

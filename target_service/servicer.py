@@ -86,12 +86,10 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         if req.prompt_logprobs:  # the rows before the last unseen token score the unseen tokens after the first
             logprobs.fill_prompt(resp, logits[: len(unseen) - 1], unseen[1:], req.top_logprobs)
             logits = logits[len(unseen) - 1 :]  # [K+1, vocab]
-        s.logprobs = (
-            logprobs.fill(resp, logits, drafts, req.top_logprobs, len(s.tokens) - len(drafts)) if req.logprobs else None
-        )
+        first = len(s.tokens) - len(drafts)  # the position of the first draft's row
+        s.logprobs = logprobs.fill(resp, logits, drafts, req.top_logprobs, first) if req.logprobs else None
         if req.return_features:
             resp.features, resp.features_start = features.encode(s.features.read(start, len(s.tokens))), start
-        first = len(s.tokens) - len(drafts)
         if params.greedy:
             picks = None  # the tokens under the rules: the best each row's grammar allows, found without its mask
             if rules is not None:  # after the raw logprobs, before everything that compares
