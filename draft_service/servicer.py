@@ -132,7 +132,7 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
                     blocked = logits[0, pick].item() == float("-inf")  # the best allowed is -inf: nothing is
                 else:
                     logits = await core.rules.apply(rules, logits, s.tokens, position, self.ids, masks)
-                    blocked = np.isneginf(logits.numpy()).all()
+                    blocked = logits.numpy().max() == -np.inf  # a reduction: isneginf's temporaries cost more
                 resp.rules_seconds += time.perf_counter() - t0
                 if blocked:  # nothing allowed: the round ends at the token before this step
                     if resp.token_ids:  # it was fed to reach this step: the session keeps the drafts but the last

@@ -108,6 +108,44 @@ def test_tokens_the_grammar_forces_are_drafted_with_certainty_and_fed_with_the_n
         draft.ReleaseSession(ms_pb.ReleaseSessionRequest(session_id=sid))
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_draft_step_whose_scored_tokens_the_grammar_all_refuses_ends_the_round_before_it(
+    tiny_draft, tokenizer, temperature
+):
+    """A restricted draft scores every seventh token; the grammar "ab" then "q" or "z" allows none of them after its
+    forced prefix. The round ends at that step, greedy (the best allowed is -inf) and sampled (the masked row is
+    all -inf): the draft proposes the forced tokens alone, and the session keeps them unfed, as the next step would
+    have fed them. Zero mass is never renormalized into a token."""
+    import asyncio
+    import copy
+
+    from draft_service.servicer import DraftServicer
+    from specdec.config import ModelServerConfig
+    from specdec.model_server import ModelServer
+
+    draft = copy.deepcopy(tiny_draft)
+    kept = list(range(3, len(tokenizer), 7))
+    draft.config.specdec_output_token_ids = kept
+    core = ModelServer(ModelServerConfig(role="draft", model="test-draft", metrics_port=0), draft, tokenizer)
+    text = llguidance.LLMatcher.grammar_from_regex("ab(q|z)")
+    forced = llguidance.LLMatcher(core.rules.tokenizer, text).compute_ff_tokens()
+    after = llguidance.LLMatcher(core.rules.tokenizer, text)
+    assert forced and after.consume_tokens(forced) and not after.compute_ff_tokens()
+    allowed = grammar.unpack(np.frombuffer(after.compute_bitmask(), dtype=np.int32)[None], len(tokenizer))[0]
+    assert allowed.any() and not allowed[kept].any()  # the step after the prefix: nothing the draft scores
+    prompt = tokenizer("Spell it:")["input_ids"]
+    for i, k in enumerate([len(forced) + 1, len(forced) + 3]):
+        req = draft_pb2.ProposeTokensRequest(
+            cursor=ms_pb.SessionCursor(session_id=f"s{i}", tokens=prompt),
+            num_tokens=k,
+            sampling=ms_pb.SamplingParams(temperature=temperature, top_p=1.0, seed=3),
+            rules=ms_pb.OutputRules(output_start=len(prompt), grammar=ms_pb.Grammar(regex="ab(q|z)")),
+        )
+        resp = asyncio.run(DraftServicer(core)._propose(req))
+        assert list(resp.token_ids) == forced and list(resp.token_probs) == [1.0] * len(forced)
+        assert resp.length == len(prompt)  # the pass that fed the forced tokens was cut back before them
+
+
 def test_penalties_bias_and_min_tokens_keep_greedy_exactness_and_change_the_output(stack, tokenizer):
     text = "List the days of the week, then stop."
     plain, _, _ = stack.generate(messages=[("user", text)], max_tokens=48, temperature=0.0)
