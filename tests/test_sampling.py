@@ -222,7 +222,8 @@ def test_dense_and_sparse_sampling_agree_and_skip_zero_probability():
 
 
 def test_a_support_over_the_limit_stays_off_the_wire():
-    """A server sends a distribution in sparse form only up to --max-sparse-support tokens (ModelServer.sparse)."""
+    """A server sends a distribution in sparse form only up to --max-sparse-support tokens (ModelServer.sparse), a
+    verdict's rows each by its own support (ModelServer.sparse_rows)."""
     from types import SimpleNamespace
 
     from specdec.model_server import ModelServer
@@ -232,6 +233,12 @@ def test_a_support_over_the_limit_stays_off_the_wire():
     server.cfg.max_sparse_support = 10
     sent = ModelServer.sparse(server, support(torch.full((10,), 0.1)))
     assert sent.complete and list(sent.token_ids) == list(range(10))
+    rows = torch.zeros(3, 40)  # several rows at once, each judged by its own nonzero count: 10, 11 and 1
+    rows[0, 5:15], rows[1, 20:31], rows[2, 39] = 0.1, 1 / 11, 1.0
+    server.sparse = lambda found: ModelServer.sparse(server, found)
+    sent = ModelServer.sparse_rows(server, rows)
+    assert [r.complete for r in sent] == [True, False, True]
+    assert list(sent[0].token_ids) == list(range(5, 15)) and list(sent[2].token_ids) == [39]
 
 
 def test_nucleus_matches_a_full_sort_for_peaky_and_flat_rows(to_probs):
