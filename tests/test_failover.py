@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from orchestrator import failover
 from orchestrator.clients import rpc_error
 from orchestrator.failover import Action, Phase
-from orchestrator.link import Link
+from orchestrator.link import Link, common_prefix
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.replicas import ReplicaSet, Role
 from specdec.config import OrchestratorConfig
@@ -184,3 +184,19 @@ def test_a_stream_torn_down_under_a_message_counts_as_unavailable(code):
     assert failover.broken_stream(code, "x", reused=True) == (Code.UNAVAILABLE, f"the stream broke ({code.name}: x)")
     assert failover.broken_stream(code, "x", reused=False) == (code, "x")  # a new stream's error is the server's
     assert failover.broken_stream(Code.NOT_FOUND, "x", reused=True) == (Code.NOT_FOUND, "x")
+
+
+def test_a_cursor_keeps_exactly_the_prefix_the_mirror_shares_with_the_history():
+    """common_prefix, which sets a cursor's keep_length, against a count one token at a time: lists parting at
+    their ends (a round's rejected drafts), far from them (a rebuilt session), or not at all."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 300))]
+        b = a[: rng.randrange(0, len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 80))]
+        a, b = (b, a) if rng.random() < 0.5 else (a, b)
+        same = 0
+        while same < min(len(a), len(b)) and a[same] == b[same]:
+            same += 1
+        assert common_prefix(a, b) == same
