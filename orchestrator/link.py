@@ -18,29 +18,18 @@ import logging
 import time
 
 import grpc
-import numpy as np
 
 from orchestrator.clients import ModelClient, rpc_error
 from orchestrator.failover import broken_stream
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.replicas import Replica, ReplicaSet, Role
 from specdec.config import OrchestratorConfig
+from specdec.prefix_cache import common_prefix
 from specdec.v1 import model_server_pb2 as ms_pb
 
 log = logging.getLogger(__name__)
 
 _METHODS = {Role.DRAFT: ("ProposeTokensStream", "ProposeTokens"), Role.TARGET: ("VerifyStream", "Verify")}
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix. A mirror and its history part near their ends (the last round's
-    rejected drafts), so the head is compared whole and only the last tokens one by one; numpy only where the head
-    differs (a rebuilt session), as converting both lists cost 40 us a round (py-spy)."""
-    n = min(len(a), len(b))
-    head = max(n - 64, 0)
-    if a[:head] == b[:head]:
-        return next((i for i in range(head, n) if a[i] != b[i]), n)
-    return int(np.argmax(np.asarray(a[:head]) != np.asarray(b[:head])))
 
 
 class Link:

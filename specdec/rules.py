@@ -35,6 +35,7 @@ import torch
 
 from specdec.errors import ServiceError, invalid
 from specdec.grammar import best_allowed, check_grammar, forced_tokens, grammar_text, lltokenizer, unpack
+from specdec.prefix_cache import common_prefix
 from specdec.runners.kernels import kernels_for
 from specdec.sampling import argmax_rows
 
@@ -156,7 +157,7 @@ class RuleState:
         host, columns = out.numpy(), None if ids is None else self._id_tensor(ids).numpy()
         picks = []
         # the session's matcher walks the drafts itself (a copy costs more, cold after a pass, than the rollback of
-        # what the next call does not hold, ``_sync``); rows after a draft the grammar rejects keep it where it stopped
+        # what the next call does not hold, ``_follow``); rows after a draft the grammar rejects keep it where it stopped
         for i in range(n):
             pick = best_allowed(matcher, host[i], columns, self.ends)
             if pick is None:  # the mask decides, for this row alone
@@ -282,23 +283,17 @@ class RuleState:
         return self.matcher.validate_tokens(drafts)
 
     def _follow(self, output: list[int]) -> bool:
-        """Move the matcher to the output given, unless the output has passed the grammar's end (an end-of-sequence
-        token): then nothing more is allowed, and False."""
-        if self.eos_ids.intersection(output):
+        """Move the matcher to the output given: roll back what it no longer holds, take what it adds; unless the
+        output has passed the grammar's end (an end-of-sequence token): then nothing more is allowed, and False. The
+        matcher never takes an end, so only the tokens past what it holds are searched for one: a call costs its
+        round's tokens, not the output's (an 8,000-token output took 90 us a call)."""
+        keep = common_prefix(self.consumed, output)
+        if self.eos_ids.intersection(output[keep:]):
             return False
-        self._sync(output)
-        return True
-
-    def _sync(self, output: list[int]) -> None:
-        """Move the matcher to the output tokens given: roll back what they no longer hold, take what they add."""
-        done = self.consumed
-        keep = min(len(done), len(output))
-        if done[:keep] != output[:keep]:
-            keep = next(i for i, (a, b) in enumerate(zip(done, output)) if a != b)
-        if len(done) > keep and not self.matcher.rollback(len(done) - keep):
+        if len(self.consumed) > keep and not self.matcher.rollback(len(self.consumed) - keep):
             self.matcher.reset()
             keep = 0
-        done = done[:keep]
+        del self.consumed[keep:]
         fresh = output[keep:]
         if fresh and not self.matcher.consume_tokens(fresh):
             error = self.matcher.get_error()
@@ -308,7 +303,8 @@ class RuleState:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the session's output breaks its grammar (it was not generated under these rules): {error}",
             )
-        self.consumed = done + fresh
+        self.consumed.extend(fresh)
+        return True
 
 
 @functools.lru_cache(maxsize=4)

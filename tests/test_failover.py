@@ -14,11 +14,12 @@ from prometheus_client import CollectorRegistry
 from orchestrator import failover
 from orchestrator.clients import rpc_error
 from orchestrator.failover import Action, Phase
-from orchestrator.link import Link, common_prefix
+from orchestrator.link import Link
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.replicas import ReplicaSet, Role
 from specdec.config import OrchestratorConfig
 from specdec.errors import ServiceError
+from specdec.prefix_cache import common_prefix
 from specdec.v1 import model_server_pb2 as ms_pb
 
 Code = grpc.StatusCode

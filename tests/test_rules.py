@@ -172,6 +172,10 @@ def test_after_the_grammars_end_nothing_is_allowed(book, tokenizer):
     state = rules.RuleState(book.check(schema_rules()), book.tokenizer, [tokenizer.eos_token_id])
     assert not state.allowed(answer, len(answer), 1, len(tokenizer)).any()
     assert torch.isneginf(state.apply(torch.zeros(1, len(tokenizer)), answer, len(answer), len(tokenizer))).all()
+    walked = rules.RuleState(book.check(schema_rules()), book.tokenizer, [tokenizer.eos_token_id])
+    body = len(answer) - 1
+    for tokens, open_ in ((answer[:body], True), (answer, False), (answer[:body], True)):  # an end past what it holds
+        assert walked.allowed(tokens, len(tokens), 1, len(tokenizer)).any() == open_
 
 
 def test_a_restricted_draft_gets_the_full_rows_columns_under_a_grammar(book, tokenizer):
