@@ -35,6 +35,7 @@ import torch
 
 from specdec.errors import ServiceError, invalid
 from specdec.grammar import best_allowed, check_grammar, forced_tokens, grammar_text, lltokenizer, unpack
+from specdec.penalties import TokenCounts
 from specdec.prefix_cache import common_prefix
 from specdec.runners.kernels import kernels_for
 from specdec.sampling import argmax_rows
@@ -110,6 +111,7 @@ class RuleState:
         self.consumed: list[int] = []  # output tokens the matcher has taken
         self._mask_buffer = None  # the grammar's bitmasks, [rows, words] int32
         self._mask_tensor = None  # the same as a tensor
+        self._counts: TokenCounts | None = None  # the penalties' token counts, following the session's history
         if rules.grammar is not None:
             import llguidance
 
@@ -132,7 +134,7 @@ class RuleState:
 
         Only the grammar's mask is vocabulary-wide (specdec's kernel, else numpy); the other rules touch the columns
         they name or the history holds. Torch ops would wake a thread team beside the engine's (5x slower)."""
-        out = self._edited(logits, tokens, first, ids)
+        out = self._edited(logits, tokens, first, ids, vocab)
         if self.matcher is not None:
             packed = self.masks(tokens, first, logits.shape[0], vocab) if packed is None else packed  # [n, words]
             self._mask(out, packed, vocab, ids)
@@ -147,7 +149,7 @@ class RuleState:
         ``apply``'s; to_mismatch: a verify's rows (columns are tokens), which stop after the first whose token differs
         from the draft after it, since greedy's verdict reads no row past that."""
         n = logits.shape[0]
-        out = self._edited(logits, tokens, first, ids)
+        out = self._edited(logits, tokens, first, ids, vocab)
         if self.matcher is None:
             return argmax_rows(out), out
         if not self._follow(tokens[self.rules.output_start : first]):  # past the grammar's end: nothing allowed
@@ -172,13 +174,13 @@ class RuleState:
                 self.consumed.append(drafts[i])
         return picks, out
 
-    def _edited(self, logits: torch.Tensor, tokens: list[int], first: int, ids) -> torch.Tensor:
+    def _edited(self, logits: torch.Tensor, tokens: list[int], first: int, ids, vocab: int) -> torch.Tensor:
         """The rows with biases, penalties and min_tokens applied: float32 on the host, in place where they are."""
         out = logits.cpu()  # the rules run on the host: a device's few rows cross once, and are sampled there
         out = out if out.dtype == torch.float32 else out.float()  # [n, columns], edited in place
         if self.rules.has_edits:
             host = out.numpy()
-            for rows, cols, fn in self._sparse_edits(tokens, first, logits.shape[0], self._column_map(ids)):
+            for rows, cols, fn in self._sparse_edits(tokens, first, logits.shape[0], ids, vocab):
                 host[rows, cols] = fn(host[rows, cols])
         return out
 
@@ -210,10 +212,10 @@ class RuleState:
         """token id -> its column in the logits (None where a draft does not score it)."""
         return (lambda t: t) if ids is None else _columns_of(ids)[0]
 
-    def _sparse_edits(self, tokens: list[int], first: int, n: int, column) -> list:
+    def _sparse_edits(self, tokens: list[int], first: int, n: int, ids, vocab: int) -> list:
         """(row index, column index, function of those logits) for the bias, the penalties and min_tokens, in that
         order, as numpy indices: only the columns they touch."""
-        rules, edits = self.rules, []
+        rules, edits, column = self.rules, [], self._column_map(ids)
         every_row = np.arange(n)[:, None]
         if rules.bias:
             cols = [(column(t), b) for t, b in rules.bias if column(t) is not None]
@@ -221,10 +223,15 @@ class RuleState:
                 add = np.array([b for _, b in cols], dtype=np.float32)
                 edits.append((every_row, np.array([c for c, _ in cols]), lambda x, add=add: x + add))
         if rules.counts_tokens:
-            cand, counts, seen = _counts(tokens, rules.output_start, first, n)  # tokens, [n, len(cand)] twice
-            keep = [i for i, t in enumerate(cand.tolist()) if column(t) is not None]
-            if keep:
-                cols = np.array([column(t) for t in cand[keep].tolist()])
+            self._counts = self._counts or TokenCounts(rules.output_start, vocab)
+            cand, counts, seen = self._counts.rows(tokens, first, n)  # tokens, [n, len(cand)] twice
+            cols, keep = cand, slice(None)
+            if ids is not None:  # the columns of the tokens a draft scores (its ids ascend)
+                scored = self._id_tensor(ids).numpy()
+                at = np.minimum(np.searchsorted(scored, cand), len(scored) - 1)
+                keep = scored[at] == cand
+                cols = at[keep]
+            if len(cols):
                 edits.append((every_row, cols, lambda x, c=counts[:, keep], s=seen[:, keep]: self._penalize(x, c, s)))
         short = [i for i in range(n) if first + i - rules.output_start < rules.min_tokens]
         blocked = [column(t) for t in rules.blocked if column(t) is not None]
@@ -313,18 +320,6 @@ def _columns_of(ids: torch.Tensor):
     CPU tensor; built once for the server, not for each session (13,146 entries for the embedded draft)."""
     as_list = ids.tolist()
     return {t: c for c, t in enumerate(as_list)}.get, torch.tensor(as_list, dtype=torch.long)
-
-
-def _counts(tokens: list[int], start: int, first: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The tokens any row's history holds (ascending), and for each row i < n and each of them: its occurrences in
-    the output before the row (tokens[start : first + i]), float32, and whether the prompt or output before the
-    row holds it, bool; [n, len(tokens held)] each."""
-    history = np.asarray(tokens[: first + n - 1], dtype=np.int64)
-    cand = np.unique(history)
-    where = np.searchsorted(cand, history)  # each history token's index in cand
-    counts = np.stack([np.bincount(where[start : first + i], minlength=len(cand)) for i in range(n)])
-    seen = np.stack([np.bincount(where[: first + i], minlength=len(cand)) for i in range(n)]) > 0
-    return cand, counts.astype(np.float32), seen
 
 
 _MASKS: ThreadPoolExecutor | None = None

@@ -62,6 +62,20 @@ def test_bias_penalties_and_min_tokens_follow_their_formulas_row_by_row():
     )  # rows after outputs of 8..11 tokens: the last is free
 
 
+def test_a_sessions_penalty_counts_follow_its_history_back_and_forth():
+    """A session's token counts move with its history (longer, a rejected round rolled back, another history's
+    tokens, back into the prompt): each call's rows are the formulas' over that history, as a fresh count gives."""
+    g = torch.Generator().manual_seed(1)
+    r = rules.Rules(output_start=6, presence=0.7, frequency=0.4, repetition=1.3)
+    state = rules.RuleState(r)
+    base = [int(t) for t in torch.randint(0, VOCAB, (30,), generator=g)]
+    other = base[:10] + [int(t) for t in torch.randint(0, VOCAB, (15,), generator=g)]
+    for tokens, first in ((base[:12], 9), (base[:20], 16), (base[:14], 14), (other, 20), (base[:4], 2), (base, 26)):
+        logits = torch.randn(len(tokens) - first + 1, VOCAB, generator=g) * 3
+        out = state.apply(logits.clone(), tokens, first, VOCAB)
+        torch.testing.assert_close(out, naive(logits, tokens, first, r), rtol=0, atol=1e-5)
+
+
 def test_a_draft_that_scores_some_tokens_gets_the_full_rows_columns():
     g = torch.Generator().manual_seed(1)
     tokens = [int(t) for t in torch.randint(0, VOCAB, (15,), generator=g)]
@@ -347,7 +361,9 @@ def test_greedy_without_the_mask_picks_what_the_masked_rows_pick(book, tokenizer
             logits.clone(), tokens, first, vocab, columns
         )
         assert got == want, f"trial {trial}: cut {cut}, drafts {drafts}"
-        edited = rules.RuleState(checked, book.tokenizer, book.eos_ids)._edited(logits.clone(), tokens, first, columns)
+        edited = rules.RuleState(checked, book.tokenizer, book.eos_ids)._edited(
+            logits.clone(), tokens, first, columns, vocab
+        )
         for i in range(n):  # each row as edited, or masked where a mask decided: the tokens asked are put back
             assert torch.equal(out[i], edited[i]) or torch.equal(out[i], masked[i]), f"trial {trial}, row {i}"
         assert sum(masked_rows) <= n
