@@ -159,7 +159,8 @@ class RuleState:
         host, columns = out.numpy(), None if ids is None else self._id_tensor(ids).numpy()
         picks = []
         # the session's matcher walks the drafts itself (a copy costs more, cold after a pass, than the rollback of
-        # what the next call does not hold, ``_follow``); rows after a draft the grammar rejects keep it where it stopped
+        # what the next call does not hold, ``_follow``); rows after a draft the grammar rejects keep it where it
+        # stopped
         for i in range(n):
             pick = best_allowed(matcher, host[i], columns, self.ends)
             if pick is None:  # the mask decides, for this row alone
