@@ -333,9 +333,14 @@ def test_a_target_given_the_drafts_q_answers_up_to_its_first_rejection_what_it_a
     """With draft_token_q the target runs the orchestrator's ratio test (sampling.count_accepted) on the same values
     and answers only the rows the verdict reads: for n drafts kept, the first n + 1 rows and p of the first n + 1
     drafts, as it answers them without q; candidates for the rejected row alone, and a bonus only where all are
-    kept. Under a grammar whose masks are computed after the pass, it masks those rows one by one. q that is not
-    one positive probability a draft is INVALID_ARGUMENT."""
+    kept. It turns only those rows into distributions, and under a grammar whose masks are computed after the pass
+    it masks them one by one. q that is not one positive probability a draft is INVALID_ARGUMENT."""
     target = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(tiny_stack.target_address))
+    transformed = []  # the rows of each distribution the target computes
+    to_probs = target_servicer.logits_to_probs
+    monkeypatch.setattr(
+        target_servicer, "logits_to_probs", lambda rows, *a: transformed.append(rows.shape[0]) or to_probs(rows, *a)
+    )
     prompt, drafts, seed = chat_ids(tokenizer, PROMPTS[0]), reference[0][:4], 11
     sampling = ms.SamplingParams(temperature=1.0, top_p=top_p, seed=seed)
     rules = ms.OutputRules(output_start=len(prompt), grammar=ms.Grammar(regex="[^#]*")) if grammar else None
@@ -360,7 +365,9 @@ def test_a_target_given_the_drafts_q_answers_up_to_its_first_rejection_what_it_a
         q = p[:want] + rejecting[want:]  # q = p keeps a draft: u < 1
         assert count_accepted(q, p, seed, len(prompt)) == want
         masked = tiny_stack.target.registry.get_sample_value("specdec_rules_rows_total") or 0.0
+        transformed.clear()
         cut = verify(f"cut{want}", q)
+        assert sum(transformed) == want + 1  # the rows' distributions: those answered, no other
         if grammar:  # the rows masked: those answered, no other
             assert tiny_stack.target.registry.get_sample_value("specdec_rules_rows_total") - masked == want + 1
         assert list(cut.draft_token_probs) == p[: min(want + 1, len(drafts))]
