@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specdec.sampling import Purpose, candidates, count_accepted, sample_sparse, uniform, uniforms
+from specdec.sampling import Purpose, candidates, count_accepted, lookup, sample_sparse, uniform, uniforms
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ class Dist:
         """The probabilities of token_ids [n], 0 off the support: float64 [n]."""
         if not len(self.token_ids):
             return np.zeros(len(token_ids))
-        i = np.minimum(np.searchsorted(self.token_ids, token_ids), len(self.token_ids) - 1)
-        return np.where(self.token_ids[i] == token_ids, self.probs[i], 0.0)
+        i, found = lookup(self.token_ids, token_ids)
+        return np.where(found, self.probs[i], 0.0)
 
 
 def point_mass(token_id: int) -> Dist:
@@ -73,8 +73,8 @@ def residual(p: Dist, q: Dist) -> Dist:
 
     max(0, p - q) is zero wherever p is, so it is computed on p's support, q looked up there: no union of
     the supports to sort (docs/performance.md, item 14)."""
-    i = np.minimum(np.searchsorted(q.token_ids, p.token_ids), len(q.token_ids) - 1)
-    r = np.maximum(p.probs - np.where(q.token_ids[i] == p.token_ids, q.probs[i], 0.0), 0.0)
+    i, found = lookup(q.token_ids, p.token_ids)
+    r = np.maximum(p.probs - np.where(found, q.probs[i], 0.0), 0.0)
     total = r.sum()
     if total <= 0.0:
         return p

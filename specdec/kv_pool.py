@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 
 from specdec.errors import ServiceError, invalid
+from specdec.sampling import lookup
 
 
 @dataclass
@@ -91,8 +92,8 @@ class Session:
         if self.probs_ids is None:
             return row.numpy() if token_ids is None else row.numpy()[ids]
         scored = self.probs_ids.numpy()  # a restricted draft's columns: 0 for the tokens it does not score
-        j = np.minimum(np.searchsorted(scored, ids), len(scored) - 1)
-        return np.where(scored[j] == ids, row.numpy()[j], np.float32(0))
+        j, found = lookup(scored, ids)
+        return np.where(found, row.numpy()[j], np.float32(0))
 
 
 class SessionPool:

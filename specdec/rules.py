@@ -38,7 +38,7 @@ from specdec.grammar import best_allowed, check_grammar, forced_tokens, grammar_
 from specdec.penalties import TokenCounts
 from specdec.prefix_cache import common_prefix
 from specdec.runners.kernels import kernels_for
-from specdec.sampling import argmax_rows
+from specdec.sampling import argmax_rows, lookup
 
 _NO_IDS = torch.empty(0, dtype=torch.long)  # mask_rows' columns for a full row
 
@@ -229,8 +229,7 @@ class RuleState:
             cols, keep = cand, slice(None)
             if ids is not None:  # the columns of the tokens a draft scores (its ids ascend)
                 scored = self._id_tensor(ids).numpy()
-                at = np.minimum(np.searchsorted(scored, cand), len(scored) - 1)
-                keep = scored[at] == cand
+                at, keep = lookup(scored, cand)
                 cols = at[keep]
             if len(cols):
                 edits.append((every_row, cols, lambda x, c=counts[:, keep], s=seen[:, keep]: self._penalize(x, c, s)))

@@ -220,6 +220,13 @@ def head(probs: torch.Tensor, n: int = HEAD_TOKENS) -> tuple[np.ndarray, np.ndar
     return columns, row[columns].astype(np.float64), floor
 
 
+def lookup(sorted_ids: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of ids sits in sorted_ids (ascending, not empty), and whether it is there: a sparse row's
+    entries, or a restricted draft's columns, found by token id."""
+    at = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
+    return at, sorted_ids[at] == ids
+
+
 def support(probs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """A distribution's nonzero entries, ids ascending: (ids int64, probs float64). probs: [vocab] on CPU.
     sample_sparse on them draws what sample_dense draws on the whole row, for the same u."""
