@@ -1,15 +1,16 @@
-"""How close quantized activations (8 and 16 bits) keep the target to its float32 products, teacher-forced on
-held-out text.
+"""How close quantized activations (8 and 16 bits), and a float16 KV cache, keep the target to its float32 products
+and cache, teacher-forced on held-out text.
 
     python -m bench.quality [--model SPEC] [--prompts 24] [--answer-tokens 96] [--passages 24]
-                            [--activations int8 int16] [--record]
+                            [--activations int8 int16] [--kv-cache model float16] [--record]
     specdec gate [the same flags]: --record, the verdicts written to the gate (specdec/runners/gate.py)
 
 Two texts, neither seen in training: the target's own greedy answers (float32) to held-out prompts
 (training.prompts, held_out=True), and plain English from a corpus Python ships (the standard library's
-documentation topics, pydoc_data). Each text runs through each runner in one pass; at every position of the
-answer or passage the report takes top-1 agreement, KL(p_float32 || p_quantized) and the log-likelihood of the
-actual next token, from which each perplexity and its change.
+documentation topics, pydoc_data). Each form (gate.form_name: activations x KV cache) is measured on its own, and
+each text runs through each runner in one pass; at every position of the answer or passage the report takes top-1
+agreement, KL(p_float32 || p_quantized) and the log-likelihood of the actual next token, from which each
+perplexity and its change.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--answer-tokens", type=int, default=96)
     p.add_argument("--passages", type=int, default=24)
     p.add_argument("--activations", nargs="+", default=["int8", "int16"], choices=["int8", "int16"])
+    p.add_argument("--kv-cache", nargs="+", default=["model", "float16"], choices=["model", "float16"])
     p.add_argument("--record", action="store_true", help="write the verdicts to the gate, keyed by the file's sha256")
     p.add_argument("--out", default="results/quality")
     args = p.parse_args(argv)
@@ -101,9 +103,11 @@ def main(argv: list[str] | None = None) -> dict:
     }
     report = {"date": datetime.date.today().isoformat(), "machine": machine(), "float32": r32.describe()}
     for activations in args.activations:
-        rq = LeanLlamaRunner(model, len(tokenizer), 4096, gguf=gguf, activations=activations)
-        report[activations] = {"runner": rq.describe(), **{name: compare(r32, rq, t) for name, t in texts.items()}}
-        report[activations]["passed"] = gate.verdict(report[activations])
+        for kv_cache in args.kv_cache:
+            rq = LeanLlamaRunner(model, len(tokenizer), 4096, gguf=gguf, activations=activations, kv_cache=kv_cache)
+            form = gate.form_name(activations, kv_cache)
+            report[form] = {"runner": rq.describe(), **{name: compare(r32, rq, t) for name, t in texts.items()}}
+            report[form]["passed"] = gate.verdict(report[form])
     if args.record:
         gate.record(gguf, report)
     return save(report, Path(args.out), "quality")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from specdec.models import DEFAULT_TARGET, DTYPES
 from specdec.runners.cuda_graphs import MAX_LANES, MAX_ROWS
+from specdec.runners.kv_cache import KV_CACHES
 from specdec.runners.products import ACTIVATIONS, MATMUL_FORMS, QUANTIZE
 
 # The embedded default draft: distilled from the embedded target by training/distill.py, shipped in models/.
@@ -106,6 +107,12 @@ class ModelServerConfig:
         "AVX-VNNI or AVX2), float32, or auto (for a target from a GGUF file on a CPU with AVX-512 VNNI, the form "
         "the file passed the quality gate with, `specdec gate`; int8 for int4 weights; float32 otherwise)",
     )
+    kv_cache_dtype: str = _option(
+        "auto",
+        "KV cache's dtype: model (the weights'), float16 (float32 weights on CPU: keys and values rounded to halves, "
+        "half the bytes a step reads) or auto (float16 where the lean runner multiplies quantized activations on "
+        "CPU and, for a target, its file passed the quality gate with a float16 cache too; else the model's)",
+    )
     host: str = field(default="0.0.0.0", metadata={"help": "address to bind"})
     port: int = field(default=50053, metadata={"help": "gRPC port (0 picks a free one)"})
     metrics_port: int = field(default=8003, metadata={"help": "Prometheus port (0 disables)"})
@@ -177,26 +184,25 @@ class ModelServerConfig:
     def validate(self) -> None:
         if self.role not in ("draft", "target"):
             raise ConfigError(f"role must be draft or target, not {self.role!r}")
-        if self.runner not in ("hf", "lean", "auto"):
-            raise ConfigError(f"--runner must be hf, lean or auto, not {self.runner!r}")
-        if self.matmul not in MATMUL_FORMS:
-            raise ConfigError(f"--matmul must be {_one_of(MATMUL_FORMS)}, not {self.matmul!r}")
-        if self.quantize not in ("auto", *QUANTIZE):
-            raise ConfigError(f"--quantize must be {_one_of(('auto', *QUANTIZE))}, not {self.quantize!r}")
-        if self.activations not in ("auto", *ACTIVATIONS):
-            raise ConfigError(f"--activations must be {_one_of(('auto', *ACTIVATIONS))}, not {self.activations!r}")
-        if self.quantize in ("int8", "int4") and (
-            not self.device.startswith("cpu") or self.dtype not in ("float32", "auto")
-        ):
-            raise ConfigError(
-                f"--quantize {self.quantize} runs on CPU from float32 weights, not {self.device} {self.dtype}"
-            )
+        choices = {
+            "runner": ("hf", "lean", "auto"),
+            "dtype": ("auto", *DTYPES),
+            "matmul": MATMUL_FORMS,
+            "quantize": ("auto", *QUANTIZE),
+            "activations": ("auto", *ACTIVATIONS),
+            "kv_cache_dtype": ("auto", *KV_CACHES),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"--{name.replace('_', '-')} must be {_one_of(allowed)}, not {getattr(self, name)!r}")
+        cpu_float32 = self.device.startswith("cpu") and self.dtype in ("float32", "auto")
+        for name, value in (("quantize", self.quantize), ("kv-cache-dtype", self.kv_cache_dtype)):
+            if value in ("int8", "int4", "float16") and not cpu_float32:
+                raise ConfigError(f"--{name} {value} runs on CPU from float32 weights, not {self.device} {self.dtype}")
         if self.quantize == "int4" and self.activations == "float32":
             raise ConfigError(
                 "--quantize int4 multiplies with quantized activations: --activations int8, int16 or auto"
             )
-        if self.dtype not in ("auto", *DTYPES):
-            raise ConfigError(f"--dtype must be one of auto, {', '.join(DTYPES)}, not {self.dtype!r}")
         if not 0 <= self.memory_fraction < 1:
             raise ConfigError(f"--memory-fraction must be in [0, 1), not {self.memory_fraction}")
         _ports(self.port, self.metrics_port, self.health_port)
@@ -211,15 +217,8 @@ class ModelServerConfig:
                 f"--cuda-graph-lanes must be at most {MAX_LANES}, not {self.cuda_graph_lanes}: a card runs at most "
                 "CUDA_DEVICE_MAX_CONNECTIONS streams' work at once (8 unless set), more lanes only queue"
             )
-        counts = (
-            "max_tokens",
-            "max_model_len",
-            "threads",
-            "prefill_threads",
-            "max_batch_tokens",
-            "prefix_cache_tokens",
-        )
-        for name in counts:
+        counts = ("max_tokens", "max_model_len", "threads", "prefill_threads", "max_batch_tokens")
+        for name in (*counts, "prefix_cache_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be >= 0 (0: the default), not {getattr(self, name)}"

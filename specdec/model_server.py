@@ -37,7 +37,7 @@ from specdec.kv_pool import Session, SessionPool
 from specdec.memory import kv_capacity
 from specdec.prefix_cache import PrefixCache
 from specdec.rules import RuleBook
-from specdec.runners import attention_kernels, make_runner, resolve_activations, resolve_quantize
+from specdec.runners import attention_kernels, make_runner, resolve_forms
 from specdec.sampling import SamplingParams, supports
 from specdec.server_metrics import ModelServerMetrics
 from specdec.v1 import model_server_pb2 as pb
@@ -55,19 +55,16 @@ class ModelServer:
         self.vocab_size = len(tokenizer)
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(cfg.max_model_len or limit, limit)
-        gguf, where = models.gguf_file(cfg.model), (model, cfg.device, cfg.runner)
-        quantize = resolve_quantize(cfg.quantize, cfg.role, *where)
-        activations = resolve_activations(cfg.activations, cfg.role, *where, gguf, cfg.matmul, quantize)
+        gguf = models.gguf_file(cfg.model)
         self.runner = make_runner(
             model,
             self.vocab_size,
             self.max_model_len,
             cfg.runner,
             cfg.matmul,
-            quantize,
-            gguf,
+            gguf=gguf,
             device=cfg.device,
-            activations=activations,
+            **resolve_forms(cfg, model, gguf),
             **cfg.graph_options(),
         )
         on_cpu = self.runner.device.type == "cpu"

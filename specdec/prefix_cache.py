@@ -33,10 +33,11 @@ class PrefixCache:
         self.runner = runner
         self.block = block
         self.capacity_blocks = capacity // block
-        # The chain starts from the runner's product form: blocks computed in one form (float32 or 8-bit
-        # activations) never stand in for another's.
+        # The chain starts from the runner's product form and numerics: blocks computed in one form (float32 or
+        # 8-bit activations, a float16 KV cache) never stand in for another's.
         plan = getattr(runner, "plan", None)
-        self.root = plan.long.name if plan is not None else type(runner).__name__
+        form = plan.long.name if plan is not None else type(runner).__name__
+        self.root = f"{form}: {getattr(runner, 'numerics', '')}"
         # key -> [tokens, parent key, k, v, features [block, hidden] or None]
         self._blocks: OrderedDict[int, list] = OrderedDict()
 

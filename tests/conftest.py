@@ -155,6 +155,7 @@ KERNEL_FORMS = {
     "int8-q16": (False, dict(quantize="int8", activations="int16")),
     "q4_1-q8": (False, dict(quantize="int4", activations="int8")),
     "q4_1-q16": (False, dict(quantize="int4", activations="int16")),
+    "gguf-q16-kv16": (True, dict(activations="int16", kv_cache="float16")),  # a float16 KV cache
 }
 
 
@@ -167,7 +168,7 @@ def kernel_runner(form: str, tiny_draft, tiny_gguf, tokenizer, max_len: int = 10
     on_gguf, kw = KERNEL_FORMS[form]
     model, gguf = tiny_gguf if on_gguf else (tiny_draft, None)
     runner = LeanLlamaRunner(model, len(tokenizer), max_len=max_len, gguf=gguf, **kw)
-    assert runner.plan.long.name == form and runner.batch_invariant
+    assert runner.plan.long.name == form.removesuffix("-kv16") and runner.batch_invariant
     return runner
 
 

@@ -110,7 +110,7 @@ def test_a_batched_pass_gives_each_session_its_logits_alone_bit_for_bit(tiny_dra
     assert all(torch.equal(runner.forward(c, [t], 1), b) for c, t, b in zip(alone_caches, (1, 2, 3, 4), nxt))
 
 
-@pytest.mark.parametrize("form", ["fewrow", "gguf-q8", "int8-q8", "gguf-q16"])
+@pytest.mark.parametrize("form", ["fewrow", "gguf-q8", "int8-q8", "gguf-q16", "gguf-q16-kv16"])
 def test_a_sessions_logits_do_not_depend_on_how_its_feed_is_cut_into_passes(tiny_draft, tiny_gguf, tokenizer, form):
     runner = kernel_runner(form, tiny_draft, tiny_gguf, tokenizer)
     ids = list(range(200, 330))
@@ -462,7 +462,7 @@ def test_the_prefix_caches_keys_start_from_the_product_form(tiny_draft, tiny_ggu
 
     tokens = list(range(1, 10))
     keys = {}
-    for form in ("gguf", "gguf-q8", "gguf-q16"):
+    for form in ("gguf", "gguf-q8", "gguf-q16", "gguf-q16-kv16"):
         runner = kernel_runner(form, tiny_draft, tiny_gguf, tokenizer, max_len=256)
         prefix = PrefixCache(runner, capacity=16, block=4)
         runner.forward(cache := runner.new_cache(), tokens, 1)
@@ -470,6 +470,7 @@ def test_the_prefix_caches_keys_start_from_the_product_form(tiny_draft, tiny_ggu
         keys[form] = set(prefix._blocks)
         assert prefix.attach(runner.new_cache(), tokens, 8) == 8
     assert not keys["gguf"] & keys["gguf-q8"] and not keys["gguf-q8"] & keys["gguf-q16"]
+    assert not keys["gguf-q16"] & keys["gguf-q16-kv16"]
 
 
 def test_the_engine_sees_a_callback_scheduled_with_call_soon_as_ready_and_none_on_an_idle_loop():

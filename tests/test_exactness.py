@@ -151,23 +151,28 @@ def test_greedy_output_equals_target_alone_with_every_product_form(
         stop_stack(stack)
 
 
-@pytest.mark.parametrize("activations", ["int8", "int16"])
+@pytest.mark.parametrize(
+    "activations, kv_cache, numerics",
+    [
+        ("int8", "model", "float32, 8-bit activations"),
+        ("int16", "auto", "float32, 16-bit activations, float16 KV cache"),  # the embedded file passed the gate
+    ],
+)
 def test_greedy_output_equals_the_same_servers_target_alone_with_quantized_activations(
-    event_loop_thread, tokenizer, partial_draft, target_model, activations
+    event_loop_thread, tokenizer, partial_draft, target_model, activations, kv_cache, numerics
 ):
-    """Quantized activations change the target's numbers, and speculation must not: its verify rows are the steps'
-    rows bit for bit, so K = 4 gives what K = 0 gives on the same server."""
+    """Quantized activations and a float16 KV cache change the target's numbers, and speculation must not: its
+    verify rows are the steps' rows bit for bit, so K = 4 gives what K = 0 gives on the same server."""
     can_run("gguf")
     stack = make_stack(
         event_loop_thread,
         tokenizer,
         partial_draft,
         target_model,
-        target_cfg={"model": models.DEFAULT_TARGET, "activations": activations},
+        target_cfg={"model": models.DEFAULT_TARGET, "activations": activations, "kv_cache_dtype": kv_cache},
     )
     try:
-        bits = activations.removeprefix("int")
-        assert stack.target.info.numerics == f"float32, {bits}-bit activations"
+        assert stack.target.info.numerics == numerics
         labels = {
             "model": models.DEFAULT_TARGET,
             "device": "cpu",

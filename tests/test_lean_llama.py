@@ -273,21 +273,44 @@ def test_the_kernel_is_the_same_product_as_linear_at_any_shape(kernel):
         kernel(x.double(), w.double())
 
 
+@pytest.mark.parametrize("cache", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 2, 32), (4, 4, 48), (2, 1, 128), (3, 1, 10)])
-def test_the_attention_kernel_is_torch_attention_and_writes_the_same_cache(layer_kernels, heads, kv_heads, head_dim):
+def test_the_attention_kernel_is_torch_attention_and_writes_the_same_cache(
+    layer_kernels, heads, kv_heads, head_dim, cache
+):
     # head_dim 48: three 16-lane vectors; 10: no vector path. Rows and starts: a step at the start, a step,
-    # a verify, one starting past a multiple of 16, a long pass (many rows, parallel).
+    # a verify, one starting past a multiple of 16, a long pass (many rows, parallel). A float16 cache: the new
+    # keys and values are written as halves and every one is read widened, in both.
     torch.manual_seed(0)
     for n, start in [(1, 0), (1, 37), (4, 100), (9, 250), (40, 17)]:
         qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim)
         cos, sin = torch.randn(n, head_dim), torch.randn(n, head_dim)
-        k, v = torch.randn(kv_heads, 320, head_dim), torch.randn(kv_heads, 320, head_dim)
+        k, v = (torch.randn(kv_heads, 320, head_dim).to(cache) for _ in range(2))
         k_ref, v_ref = k.clone(), v.clone()
         out = layer_kernels.attend(qkv, k, v, cos, sin, start, heads)
         expected = TorchLayerOps.attend(qkv, k_ref, v_ref, cos, sin, start, heads)
+        assert k.dtype == v.dtype == cache
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(k, k_ref, atol=1e-6, rtol=1e-6)  # rotated keys, written in place
+        # rotated keys, written in place (a half may round the other way where the two ropes' float32 differ)
+        torch.testing.assert_close(k, k_ref, atol=1e-6, rtol=1e-6 if cache == torch.float32 else 2**-10)
         assert torch.equal(v, v_ref)
+
+
+def test_a_float16_cache_holds_each_new_key_and_value_rounded_to_the_nearest_half(layer_kernels):
+    """The float16 cache stores the float32 cache's new keys and values rounded to nearest (ties to even, torch's
+    conversion) and keeps the rest; attention then reads those halves (the test above: torch on the same cache)."""
+    torch.manual_seed(3)
+    heads, kv_heads, d, start, n = 9, 3, 64, 45, 4
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d)
+    cos, sin = torch.randn(n, d), torch.randn(n, d)
+    old = torch.randn(2, kv_heads, 64, d).half()  # the cached keys and values before the pass
+    k16, v16 = old[0].clone(), old[1].clone()
+    k32, v32 = old[0].float(), old[1].float()
+    out16 = layer_kernels.attend(qkv, k16, v16, cos, sin, start, heads)
+    out32 = layer_kernels.attend(qkv, k32, v32, cos, sin, start, heads)
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half())  # the new rows rounded, the rest kept
+    assert not torch.equal(k16.float(), k32) and not torch.equal(out16, out32)  # the halves are what it read
+    torch.testing.assert_close(out16, out32, atol=2e-3, rtol=0)
 
 
 @contextlib.contextmanager
@@ -300,8 +323,11 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("cache", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 2, 32), (2, 1, 128), (3, 1, 10)])
-def test_the_attention_kernel_gives_a_row_what_it_gets_alone_bit_for_bit(layer_kernels, heads, kv_heads, head_dim):
+def test_the_attention_kernel_gives_a_row_what_it_gets_alone_bit_for_bit(
+    layer_kernels, heads, kv_heads, head_dim, cache
+):
     """A verify's row j must equal the step at that position exactly, or a near-tie could flip greedy output
     against the target alone: the rows of a pass share key reads but not arithmetic, whatever the thread count.
     Passes end on and across 16-key blocks and at a capacity that is not a multiple of 16."""
@@ -310,7 +336,7 @@ def test_the_attention_kernel_gives_a_row_what_it_gets_alone_bit_for_bit(layer_k
     for n, start in [(4, 12), (9, 7), (5, 311), (9, 324), (3, 0)]:
         qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim)
         cos, sin = torch.randn(n, head_dim), torch.randn(n, head_dim)
-        k, v = torch.randn(kv_heads, cap, head_dim), torch.randn(kv_heads, cap, head_dim)
+        k, v = torch.randn(kv_heads, cap, head_dim).to(cache), torch.randn(kv_heads, cap, head_dim).to(cache)
         for threads in (1, 2):
             with torch_threads(threads):
                 whole = layer_kernels.attend(qkv, k.clone(), v.clone(), cos, sin, start, heads)
@@ -419,7 +445,7 @@ def test_the_layers_loop_in_cpp_gives_the_python_loops_logits_bit_for_bit(
     """LayerStack runs the same operations in the same order as the Python loop, so greedy output and seeded
     sampling are unchanged by it: steps, verify-sized passes and a pass after rollback, on a cache that grows."""
     runner = kernel_runner(form, tiny_draft, tiny_gguf, tokenizer)
-    assert form in runner.plan.stacks
+    assert runner.plan.long.name in runner.plan.stacks
     ids = list(range(100, 400))
     chunks = [ids[:250], ids[250:251], ids[251:255], ids[255:264], ids[264:265], ids[200:203]]
     with_stack = steps(runner, chunks, crop_at=(5, 200))

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from specdec import models
-from specdec.runners import gated_activations
+from specdec.runners import gated_activations, resolve_kv_cache
 from specdec.runners.lean_llama import LeanLlamaRunner
 from training import batched
 from training.common import SEED, log
@@ -101,9 +101,11 @@ def _data_part(args, tokenizer, part: int) -> Path:
     activations = getattr(args, "activations", "auto") if served else "float32"
     if activations == "auto":  # as a target server takes it here
         activations = gated_activations(models.gguf_file(spec))
+    kv_cache = resolve_kv_cache("auto", "target", activations, models.gguf_file(spec))  # and its KV cache
     tags = ["distinct", "features"] if features else ["distinct"]
     tags += [spec] if spec != models.DEFAULT_TARGET else []
     tags += [f"served-{activations}"] if served else []
+    tags += [f"kv-{kv_cache}"] if kv_cache != "model" else []
     key = hashlib.sha256(json.dumps([args.num_prompts, args.max_new, seed, PROMPTS_VERSION, *tags]).encode())
     key = key.hexdigest()[:10]
     path = work_dir() / f"data-{key}.pt"
@@ -112,7 +114,7 @@ def _data_part(args, tokenizer, part: int) -> Path:
         return path
     target = models.load_model(spec, dtype="float32" if served else compute_dtype(args.device), device=args.device)
     gguf = models.gguf_file(spec) if served else None
-    runner = LeanLlamaRunner(target, len(tokenizer), 4096, gguf=gguf, activations=activations)
+    runner = LeanLlamaRunner(target, len(tokenizer), 4096, gguf=gguf, activations=activations, kv_cache=kv_cache)
     prompts = chat_prompts(tokenizer, args.num_prompts, seed)
     eos = set(models.eos_token_ids(target, tokenizer))
     deadline = time.monotonic() + 60 * args.gen_minutes

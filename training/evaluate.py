@@ -25,7 +25,7 @@ from bench.production import pass_ms
 from bench.services import load_prompts
 from specdec import models
 from specdec.config import ROLE_DEFAULTS, ModelServerConfig
-from specdec.runners import make_runner, resolve_activations, resolve_quantize
+from specdec.runners import make_runner, resolve_activations, resolve_kv_cache, resolve_quantize
 from specdec.v1 import generation_pb2 as pb, generation_pb2_grpc
 from training.prompts import make_prompts
 
@@ -47,8 +47,9 @@ def measure_c(
     quantize = resolve_quantize(draft_quantize, "draft", d_model)  # the forms each server takes by default
     d_act = resolve_activations("auto", "draft", d_model, kind=draft_runner, quantize=quantize)
     t_act = resolve_activations("auto", "target", t_model, kind=target_runner, gguf=gguf)
-    d = make_runner(d_model, len(tok), 4096, draft_runner, quantize=quantize, activations=d_act)
-    t = make_runner(t_model, len(tok), 4096, target_runner, gguf=gguf, activations=t_act)
+    d_kv, t_kv = resolve_kv_cache("auto", "draft", d_act, None), resolve_kv_cache("auto", "target", t_act, gguf)
+    d = make_runner(d_model, len(tok), 4096, draft_runner, quantize=quantize, activations=d_act, kv_cache=d_kv)
+    t = make_runner(t_model, len(tok), 4096, target_runner, gguf=gguf, activations=t_act, kv_cache=t_kv)
     d_threads, t_threads = (ROLE_DEFAULTS[role].get("threads", 0) for role in ("draft", "target"))
     step_ms(d, reps=5, threads=d_threads), step_ms(t, reps=5, threads=t_threads)
     d_ms, t_ms = [], []

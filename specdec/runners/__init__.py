@@ -28,6 +28,7 @@ def make_runner(
     activations: str = "float32",
     cuda_graphs: int = 0,
     graph_rows: int = 0,
+    kv_cache: str = "model",
 ):
     """kind: hf (the stock transformers forward), lean (Llama only), auto (lean for Llama, else hf).
     matmul: the lean runner's product form for steps and verify passes; quantize: none, or int8 products
@@ -38,6 +39,7 @@ def make_runner(
     cuda_graphs: on a CUDA device, the lean runner replays one session's few-row passes as CUDA graphs
     (specdec.runners.cuda_graphs), several sessions' in this many lanes at once (True: one); 0 or False: none;
     graph_rows: every such pass as the graph of exactly this many rows (CudaGraphs' rows; 0: its own rows).
+    kv_cache: the lean runner's KV cache dtype, model or float16 (specdec.runners.kv_cache.kv_dtype).
 
     The host's kernels are built here if they are not yet (30-45 s, once per machine): a server samples on the host
     whatever its device, and the build belongs to its start, not to its first request."""
@@ -45,11 +47,15 @@ def make_runner(
 
     cpu_kernels()
     if kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama"):
-        runner = LeanLlamaRunner(model, vocab_size, max_len, matmul, quantize, gguf, device, activations)
+        runner = LeanLlamaRunner(model, vocab_size, max_len, matmul, quantize, gguf, device, activations, kv_cache)
         if cuda_graphs and runner.device.type == "cuda":
             runner.graphs = CudaGraphs(runner, lanes=int(cuda_graphs), rows=graph_rows)
         return runner
-    for name, value, plain in (("quantize", quantize, "none"), ("activations", activations, "float32")):
+    for name, value, plain in (
+        ("quantize", quantize, "none"),
+        ("activations", activations, "float32"),
+        ("kv_cache", kv_cache, "model"),
+    ):
         if value != plain:
             raise ValueError(f"{name}={value!r} needs the lean runner (a Llama model)")
     return CausalLMRunner(model, vocab_size, device)
@@ -120,6 +126,30 @@ def resolve_activations(
     if not (role == "target" and lean and on_cpu and weight.dtype == torch.float32 and matmul == "auto"):
         return "float32"
     return gated_activations(gguf)
+
+
+def resolve_forms(settings, model, gguf: str | None) -> dict:
+    """make_runner's quantize, activations and kv_cache for a model server's settings (a ModelServerConfig: role,
+    device, runner, matmul and the three, each of which may be auto), resolved in turn: each depends on the last."""
+    where = (model, settings.device, settings.runner)
+    quantize = resolve_quantize(settings.quantize, settings.role, *where)
+    activations = resolve_activations(settings.activations, settings.role, *where, gguf, settings.matmul, quantize)
+    kv_cache = resolve_kv_cache(settings.kv_cache_dtype, settings.role, activations, gguf)
+    return {"quantize": quantize, "activations": activations, "kv_cache": kv_cache}
+
+
+def resolve_kv_cache(kv_cache: str, role: str, activations: str, gguf: str | None) -> str:
+    """auto: float16 where the runner multiplies quantized activations (resolved; a lean runner on CPU from float32
+    weights, whose numbers are not transformers' already) and, for a target, its GGUF file passed the quality gate
+    in those activations with a float16 cache (a draft's numbers change q, not the output); else the model's dtype.
+    Any other value stays as asked."""
+    from specdec.runners import gate
+
+    if kv_cache != "auto":
+        return kv_cache
+    if activations == "float32":
+        return "model"
+    return "float16" if role == "draft" or gate.form_name(activations, "float16") in gate.passed(gguf) else "model"
 
 
 def gated_activations(gguf: str | None) -> str:

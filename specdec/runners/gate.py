@@ -5,7 +5,8 @@ were measured to keep its output: teacher-forced on held-out text against the sa
 (bench/quality.py), top-1 agreement at least TOP1_GOAL and perplexity within PERPLEXITY_GOAL on every text. The
 verdicts live in ``activation_gates.json`` beside this file, keyed by the sha256 of the model's GGUF file, so a
 record holds for those exact weights and no others; ``specdec gate`` measures a file and writes its record. A file
-without a record runs float32 until then.
+without a record runs float32 until then. A form with a float16 KV cache (``form_name``) is gated the same way, against
+the same float32 products with a float32 cache: ``--kv-cache-dtype auto`` takes it where it passed.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:  # size and mtime: a re
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def form_name(activations: str, kv_cache: str = "model") -> str:
+    """The name a numerics form is measured and recorded under: its activations, and its KV cache where that is
+    not the model's dtype ("int16", "int16 + float16 KV cache")."""
+    return activations if kv_cache == "model" else f"{activations} + {kv_cache} KV cache"
+
+
 def verdict(measured: dict) -> bool:
     """Whether one activations form's measurements (bench.quality's report for it) pass the gate."""
     return all(
@@ -46,7 +53,8 @@ def _read(records: Path) -> dict:
 
 
 def passed(gguf: str | None, records: Path | None = None) -> tuple[str, ...]:
-    """The activations forms (int8, int16) whose record for this GGUF file passed the gate; () without one."""
+    """The forms (``form_name``: int8, int16, with a float16 KV cache) whose record for this GGUF file passed the gate;
+    () without one."""
     if gguf is None:
         return ()
     entry = _read(records or RECORDS).get(file_sha256(gguf), {})
@@ -65,7 +73,7 @@ def record(gguf: str, report: dict, records: Path | None = None) -> dict:
             "passed": verdict(measured),
         }
         for form, measured in report.items()
-        if form in ("int8", "int16")
+        if isinstance(measured, dict) and all(text in measured for text in TEXTS)  # a form measured
     }
     machine = report.get("machine", {})
     entry = {

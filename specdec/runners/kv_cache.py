@@ -152,3 +152,19 @@ class LeanCache:
 
     def get_seq_length(self) -> int:
         return self.length
+
+
+KV_CACHES = ("model", "float16")  # a lean runner's KV cache dtypes: the weights', or half a float32 model's bytes
+
+
+def kv_dtype(kv_cache: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype for a runner's kv_cache setting, weights' dtype and device. float16 is for float32
+    weights on CPU: each key and value is rounded to the nearest half (ties to even) as it is written, and attention
+    reads them widened to float32, so a step reads half the cache's bytes (a GPU's model is 16-bit already)."""
+    if kv_cache == "model":
+        return dtype
+    if kv_cache != "float16":
+        raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, not {kv_cache!r}")
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"a float16 KV cache is for float32 weights on CPU, not {dtype} on {device.type}")
+    return torch.float16

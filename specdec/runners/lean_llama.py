@@ -19,7 +19,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from specdec.runners.forms import quantize_rows
 from specdec.runners.kernels import kernels_for
-from specdec.runners.kv_cache import LeanCache, Slabs
+from specdec.runners.kv_cache import LeanCache, Slabs, kv_dtype
 from specdec.runners.products import (
     ACTIVATION_BITS,
     SMALL_PASS_ROWS,
@@ -64,7 +64,7 @@ class TorchLayerOps:
         q = qkv[:, : h * d].view(n, h, d).transpose(0, 1)  # [h, n, d]
         k[:, start:end] = rope(qkv[:, h * d : (h + kv) * d].view(n, kv, d).transpose(0, 1), cos, sin)
         v[:, start:end] = qkv[:, (h + kv) * d :].view(n, kv, d).transpose(0, 1)
-        att = sdpa(rope(q, cos, sin), k[:, :end], v[:, :end])
+        att = sdpa(rope(q, cos, sin), k[:, :end].to(q.dtype), v[:, :end].to(q.dtype))  # a float16 cache widened
         return att.transpose(0, 1).reshape(n, h * d)
 
     @staticmethod
@@ -123,9 +123,11 @@ class LeanLlamaRunner:
         gguf: str | None = None,
         device=None,
         activations: str = "float32",
+        kv_cache: str = "model",
     ):
         """gguf: the GGUF file the model was loaded from, if any: its blocks give the gguf product form.
         activations: float32, or int8 (x quantized to 8 bits in every product, on the GGUF blocks or int8 rows).
+        kv_cache: the KV cache's dtype, "model" (the weights') or "float16" (kv_cache.kv_dtype).
         device: where the runner's weights live (default: where the model's are). The fused matrices are built
         where the model is and only they move, so a model loaded on the CPU leaves nothing of itself on the
         device: the device holds each weight once."""
@@ -136,6 +138,7 @@ class LeanLlamaRunner:
         self.max_len = max_len
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = kv_dtype(kv_cache, self.dtype, self.device)
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -151,7 +154,8 @@ class LeanLlamaRunner:
         self.matmul = matmul
         self.layer_ops = kernels_for(self.embed) or TorchLayerOps
         self.graphs = None  # a CudaGraphs (specdec/runners/cuda_graphs.py) where few-row passes replay as graphs
-        self.slabs = Slabs(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device)  # recycled with graphs
+        # the caches' tensors, recycled where graphs run
+        self.slabs = Slabs(len(self.layers), self.n_kv, self.head_dim, self.kv_dtype, self.device)
         self.plan: Plan = make_plan(
             self.layers,
             self.lm_head,
@@ -194,7 +198,8 @@ class LeanLlamaRunner:
         if stacks := self.plan.stacks:
             layer += f" (the layers' loop in C++ for {', '.join(sorted(stacks))})"
         graphs = "" if self.graphs is None else f"; {self.graphs.describe()}"
-        return f"lean forward{layer}; {self.plan.description}{graphs}"
+        cache = "" if self.kv_dtype == self.dtype else f"; a {str(self.kv_dtype).removeprefix('torch.')} KV cache"
+        return f"lean forward{layer}; {self.plan.description}{cache}{graphs}"
 
     @property
     def numerics(self) -> str:
@@ -205,6 +210,8 @@ class LeanLlamaRunner:
             parts.append(f"{self.quantize} weights")
         if self.activations != "float32":
             parts.append(f"{ACTIVATION_BITS[self.activations]}-bit activations")
+        if self.kv_dtype != self.dtype:
+            parts.append(f"{str(self.kv_dtype).removeprefix('torch.')} KV cache")
         return ", ".join(parts)
 
     @property
@@ -219,7 +226,7 @@ class LeanLlamaRunner:
         return self.embed.shape[1]
 
     def new_cache(self) -> LeanCache:
-        return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device, self.slabs)
+        return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.kv_dtype, self.device, self.slabs)
 
     @staticmethod
     def crop(cache: LeanCache, length: int) -> None:

@@ -1,5 +1,7 @@
 // The work of a decoder layer between its products, for a step or a verify pass (a few rows), in
-// float32 on CPU: RMS norm, rotary embedding + KV-cache write + causal attention, SiLU gate.
+// float32 on CPU: RMS norm, rotary embedding + KV-cache write + causal attention, SiLU gate. The KV cache is
+// float32 or float16: a float16 cache stores each key and value rounded to the nearest half (IEEE, ties to even)
+// and attention reads them widened back to float32, so the arithmetic is the float32 cache's on those values.
 //
 // In eager PyTorch this glue is ~90 small ops a layer, each a few microseconds of dispatch for
 // nanoseconds of arithmetic: 7-9 ms of the embedded target's 26-29 ms pass, and most of a small
@@ -10,6 +12,9 @@
 
 #include <cmath>
 #include <array>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cstring>
 #include <vector>
 
@@ -19,6 +24,38 @@
 static void check_cpu_float(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous(),
               name, " must be a contiguous float32 tensor on CPU");
+}
+
+// A KV cache's tensor: float32 or float16, contiguous, on CPU.
+static void check_cache(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kHalf) &&
+              t.is_contiguous(), name, " must be a contiguous float32 or float16 tensor on CPU");
+}
+
+// 16 cached values widened to float32: a float16 cache's in one conversion where the CPU has one (exact: every
+// half is a float).
+static inline vec load(const at::Half* p) {
+#if defined(__AVX512F__)
+  const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  float w[16];
+  _mm256_storeu_ps(w, lo);
+  _mm256_storeu_ps(w + 8, hi);
+#else
+  float w[16];
+  for (int i = 0; i < 16; i++) w[i] = static_cast<float>(p[i]);
+#endif
+  vec v;
+  __builtin_memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+// n values into a cache: copied, or rounded to float16 (c10's conversion, ties to even).
+static inline void put(float* to, const float* from, int64_t n) { std::memcpy(to, from, n * sizeof(float)); }
+static inline void put(at::Half* to, const float* from, int64_t n) {
+  for (int64_t i = 0; i < n; i++) to[i] = at::Half(from[i]);
 }
 
 // x [n, D], w [D] -> x / rms(x) * w
@@ -55,8 +92,8 @@ static inline void rope(const float* x, const float* cos, const float* sin, floa
 }
 
 // One key's products with a scaled query, per lane: lane_sum of it is the score.
-template <int DV>
-static inline vec key_products(const vec* qv, const float* k) {
+template <int DV, typename T>
+static inline vec key_products(const vec* qv, const T* k) {
   vec a = qv[0] * load(k);
 #pragma GCC unroll 8
   for (int c = 1; c < DV; c++) a += qv[c] * load(k + 16 * c);
@@ -65,8 +102,8 @@ static inline vec key_products(const vec* qv, const float* k) {
 
 // The scores of 16 keys (16 * DV floats apart) against one scaled query: lane u is key u's, summed as lane_sum
 // sums one key's products. Written out level by level so that the compiler keeps every partial in registers.
-template <int DV>
-static inline vec scores16(const vec* qv, const float* K) {
+template <int DV, typename T>
+static inline vec scores16(const vec* qv, const T* K) {
   constexpr int S = 16 * DV;
   vec a[8], b[4];
 #pragma GCC unroll 8
@@ -81,10 +118,12 @@ static inline vec scores16(const vec* qv, const float* K) {
 // target's), so each block of 16 prefetches the one kAttendAhead blocks on: in the target's whole pass at that
 // context, 4.9 -> 4.3 ms for a step and 9.5 -> 7.5 ms for 4 rows (1 and 4 blocks ahead did the same or less).
 constexpr int64_t kAttendAhead = 2;
-static inline void prefetch_block(const float* base, int64_t u0, int64_t last, int64_t d) {
+template <typename T>
+static inline void prefetch_block(const T* base, int64_t u0, int64_t last, int64_t d) {
   const int64_t ahead = u0 + 16 * kAttendAhead;
+  constexpr int64_t line = 64 / sizeof(T);  // a cache line's values
   if (ahead + 16 <= last)
-    for (int64_t l = 0; l < 16 * d; l += 16) __builtin_prefetch(base + ahead * d + l, 0, 3);
+    for (int64_t l = 0; l < 16 * d; l += line) __builtin_prefetch(base + ahead * d + l, 0, 3);
 }
 
 // Queries q0 .. q1 - 1 of the ones that read one KV head, query i being row j_i = i / group of the pass, seeing
@@ -97,18 +136,18 @@ static inline void prefetch_block(const float* base, int64_t u0, int64_t last, i
 // 16 keys at a time (lane_sums16 in place of a horizontal sum per key). Each query's arithmetic is its own, in
 // the same order whatever else the task holds: a verify's row j equals the step at that position, bit for bit
 // (greedy exactness needs that), and equals the query-at-a-time loop this replaced.
-template <int DV, typename Out>
-static void attend_queries(const float* qs, const float* K, const float* V, int64_t cap, int64_t start,
+template <int DV, typename T, typename Out>
+static void attend_queries(const float* qs, const T* K, const T* V, int64_t cap, int64_t start,
                            int64_t group, int64_t q0, int64_t q1, float* s, int64_t stride, Out out) {
   constexpr int D = 16 * DV;
   const int64_t last = start + (q1 - 1) / group + 1;  // the longest query's keys
-  alignas(64) float tail[16 * D];
+  alignas(64) T tail[16 * D];
   for (int64_t u0 = 0; u0 < last; u0 += 16) {
-    const float* block = K + u0 * D;
+    const T* block = K + u0 * D;
     prefetch_block(K, u0, last, D);
     if (u0 + 16 > cap) {  // past the cache's end: a zero-padded copy (keys past a query's own are never used)
-      std::memcpy(tail, block, (cap - u0) * D * sizeof(float));
-      std::memset(tail + (cap - u0) * D, 0, (16 - (cap - u0)) * D * sizeof(float));
+      std::memcpy(tail, block, (cap - u0) * D * sizeof(T));
+      std::memset(tail + (cap - u0) * D, 0, (16 - (cap - u0)) * D * sizeof(T));
       block = tail;
     }
     for (int64_t i = q0; i < q1; i++) {
@@ -150,7 +189,7 @@ static void attend_queries(const float* qs, const float* K, const float* V, int6
       vec ov[DV];
       for (int c = 0; c < DV; c++) ov[c] = acc[(i - q0) * DV + c];
       for (int64_t u = u0; u < stop; u++) {
-        const float* v = V + u * D;
+        const T* v = V + u * D;
         for (int c = 0; c < DV; c++) ov[c] += si[u] * load(v + 16 * c);
       }
       for (int c = 0; c < DV; c++) acc[(i - q0) * DV + c] = ov[c];
@@ -160,12 +199,13 @@ static void attend_queries(const float* qs, const float* K, const float* V, int6
     for (int c = 0; c < DV; c++) store(out(i) + 16 * c, acc[(i - q0) * DV + c] * inv[i - q0]);
 }
 
-static void attend_row_any(const float* q, const float* K, const float* V, int64_t len, int64_t d, float scale,
+template <typename T>
+static void attend_row_any(const float* q, const T* K, const T* V, int64_t len, int64_t d, float scale,
                            float* s, float* out) {
   float mx = -INFINITY;
   for (int64_t u = 0; u < len; u++) {
     float acc = 0;
-    for (int64_t c = 0; c < d; c++) acc += q[c] * K[u * d + c];
+    for (int64_t c = 0; c < d; c++) acc += q[c] * static_cast<float>(K[u * d + c]);
     s[u] = acc * scale;
     mx = s[u] > mx ? s[u] : mx;
   }
@@ -173,15 +213,16 @@ static void attend_row_any(const float* q, const float* K, const float* V, int64
   for (int64_t u = 0; u < len; u++) sum += (s[u] = std::exp(s[u] - mx));
   for (int64_t c = 0; c < d; c++) out[c] = 0;
   for (int64_t u = 0; u < len; u++)
-    for (int64_t c = 0; c < d; c++) out[c] += s[u] * V[u * d + c];
+    for (int64_t c = 0; c < d; c++) out[c] += s[u] * static_cast<float>(V[u * d + c]);
   for (int64_t c = 0; c < d; c++) out[c] /= sum;
 }
 
-// One session's rows in a pass: rows row .. row + n - 1 of qkv, its cache layer (k, v: [kv, cap, d]) holding
-// `start` tokens.
+// One session's rows in a pass: rows row .. row + n - 1 of qkv, its cache layer (k, v: [kv, cap, d], of type T)
+// holding `start` tokens.
+template <typename T>
 struct Segment {
   int64_t row, n, start, cap;
-  float *k, *v;
+  T *k, *v;
 };
 
 // The attention of every segment's rows over its own cache, after writing their keys (rotated) and values there.
@@ -189,18 +230,21 @@ struct Segment {
 // batched pass pays one fork and join a layer, not one per session. Each query's arithmetic is its own, in the
 // same order whatever the segments around it and however the tasks split: a session's rows get in a batched
 // pass exactly what they get alone, and a verify row exactly the step at its position.
-static void attend_segments(const float* x, const float* cp, const float* sp, const std::vector<Segment>& segs,
+template <typename T>
+static void attend_segments(const float* x, const float* cp, const float* sp, const std::vector<Segment<T>>& segs,
                             int64_t h, int64_t kv, int64_t d, float* op) {
   const int64_t group = h / kv, width = (h + 2 * kv) * d;
   int64_t work = 0;
+  std::vector<float> key(d);
   for (const auto& g : segs) {
     TORCH_CHECK(g.start >= 0 && g.start + g.n <= g.cap, "attend: ", g.start + g.n,
                 " tokens exceed the cache's capacity of ", g.cap);
     for (int64_t j = 0; j < g.n; j++) {
       const int64_t r = g.row + j;
       for (int64_t b = 0; b < kv; b++) {
-        rope(x + r * width + (h + b) * d, cp + r * d, sp + r * d, g.k + (b * g.cap + g.start + j) * d, d);
-        std::memcpy(g.v + (b * g.cap + g.start + j) * d, x + r * width + (h + kv + b) * d, d * sizeof(float));
+        rope(x + r * width + (h + b) * d, cp + r * d, sp + r * d, key.data(), d);
+        put(g.k + (b * g.cap + g.start + j) * d, key.data(), d);
+        put(g.v + (b * g.cap + g.start + j) * d, x + r * width + (h + kv + b) * d, d);
       }
     }
     work += h * g.n * (g.start + g.n) * d;
@@ -218,7 +262,7 @@ static void attend_segments(const float* x, const float* cp, const float* sp, co
       std::vector<float> q(d), s;
       for (int64_t t = lo; t < hi; t++) {
         const auto [gi, a, j] = tasks[t];
-        const Segment& g = segs[gi];
+        const Segment<T>& g = segs[gi];
         const int64_t r = g.row + j, b = a / group, len = g.start + j + 1;
         s.resize(len);
         rope(x + r * width + a * d, cp + r * d, sp + r * d, q.data(), d);
@@ -246,7 +290,7 @@ static void attend_segments(const float* x, const float* cp, const float* sp, co
     std::vector<float> qs, s;
     for (int64_t t = lo; t < hi; t++) {
       const auto [gi, b, q0, q1] = tasks[t];
-      const Segment& g = segs[gi];
+      const Segment<T>& g = segs[gi];
       const int64_t stride = (g.start + g.n + 15) / 16 * 16;
       qs.resize((q1 - q0) * d);
       s.resize((q1 - q0) * stride);
@@ -257,7 +301,7 @@ static void attend_segments(const float* x, const float* cp, const float* sp, co
         for (int64_t c = 0; c < d; c++) q[c] *= scale;
       }
       auto to = [&](int64_t i) { return op + (g.row + i / group) * h * d + (b * group + i % group) * d; };
-      const float *K = g.k + b * g.cap * d, *V = g.v + b * g.cap * d;
+      const T *K = g.k + b * g.cap * d, *V = g.v + b * g.cap * d;
       switch (d / 16) {
 #define DV(c) case c: attend_queries<c>(qs.data(), K, V, g.cap, g.start, group, q0, q1, s.data(), stride, to); break;
         DV(1) DV(2) DV(3) DV(4) DV(5) DV(6) DV(7) DV(8)
@@ -268,6 +312,11 @@ static void attend_segments(const float* x, const float* cp, const float* sp, co
   if (serial) run(0, tasks.size());
   else at::parallel_for(0, tasks.size(), 1, run);
 }
+
+static void attend_caches(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                          const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
+                          const std::vector<int64_t>& starts, const std::vector<int64_t>& ns, int64_t layer,
+                          int64_t h, torch::Tensor& out);
 
 static void check_rows(torch::Tensor& qkv, torch::Tensor& cos, torch::Tensor& sin) {
   qkv = qkv.contiguous();
@@ -284,40 +333,51 @@ static void check_rows(torch::Tensor& qkv, torch::Tensor& cos, torch::Tensor& si
 torch::Tensor attend(torch::Tensor qkv, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                      int64_t start, int64_t h) {
   check_rows(qkv, cos, sin);
-  check_cpu_float(k, "attend: k");
-  check_cpu_float(v, "attend: v");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "attend: k and v [kv, capacity, d]");
   const int64_t n = qkv.size(0), kv = k.size(0), d = k.size(2);
   TORCH_CHECK(h % kv == 0 && qkv.size(1) == (h + 2 * kv) * d && cos.size(0) == n && cos.size(1) == d &&
               sin.sizes() == cos.sizes() && d % 2 == 0, "attend: shapes do not match");
   auto out = torch::empty({n, h * d}, qkv.options());
-  attend_segments(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                  {Segment{0, n, start, k.size(1), k.data_ptr<float>(), v.data_ptr<float>()}}, h, kv, d,
-                  out.data_ptr<float>());
+  attend_caches(qkv, cos, sin, {k}, {v}, {start}, {n}, 0, h, out);
   return out;
 }
 
 // The segments of a batched pass: session i holds rows rows_before + 0 .. ns[i] - 1, its cache ks[i], vs[i]
 // ([layers, kv, capacity, d], or [kv, capacity, d] for a single layer) at `starts[i]` tokens.
-static std::vector<Segment> segments(const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
-                                     const std::vector<int64_t>& starts, const std::vector<int64_t>& ns, int64_t rows,
-                                     int64_t layer) {
+template <typename T>
+static std::vector<Segment<T>> segments(const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
+                                        const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
+                                        int64_t rows, int64_t layer) {
   TORCH_CHECK(ks.size() == vs.size() && ks.size() == starts.size() && ks.size() == ns.size(),
               "attend: one cache, start and row count per segment");
-  std::vector<Segment> segs;
+  std::vector<Segment<T>> segs;
   int64_t row = 0;
   for (size_t i = 0; i < ks.size(); i++) {
     const auto& k = ks[i];
-    check_cpu_float(k, "attend: k");
-    check_cpu_float(vs[i], "attend: v");
-    TORCH_CHECK(vs[i].sizes() == k.sizes() && ns[i] >= 1, "attend: k and v of a segment differ, or it has no rows");
+    check_cache(k, "attend: k");
+    TORCH_CHECK(vs[i].sizes() == k.sizes() && vs[i].scalar_type() == k.scalar_type() &&
+                k.scalar_type() == ks[0].scalar_type() && vs[i].is_contiguous() && ns[i] >= 1,
+                "attend: k and v of a segment differ, a pass's caches differ in type, or a segment has no rows");
     const int64_t cap = k.size(-2), per_layer = k.size(-3) * cap * k.size(-1);
-    segs.push_back({row, ns[i], starts[i], cap, k.data_ptr<float>() + layer * per_layer,
-                    vs[i].data_ptr<float>() + layer * per_layer});
+    segs.push_back({row, ns[i], starts[i], cap, k.data_ptr<T>() + layer * per_layer,
+                    vs[i].data_ptr<T>() + layer * per_layer});
     row += ns[i];
   }
   TORCH_CHECK(row == rows, "attend: the segments hold ", row, " rows, the pass ", rows);
   return segs;
+}
+
+// attend_segments over the caches' layer `layer`, in their type (float32 or float16; all of one): out [rows, h d].
+static void attend_caches(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                          const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
+                          const std::vector<int64_t>& starts, const std::vector<int64_t>& ns, int64_t layer,
+                          int64_t h, torch::Tensor& out) {
+  const int64_t rows = qkv.size(0), kv = ks[0].size(-3), d = ks[0].size(-1);
+  const float *x = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  if (ks[0].scalar_type() == torch::kHalf)
+    attend_segments(x, cp, sp, segments<at::Half>(ks, vs, starts, ns, rows, layer), h, kv, d, out.data_ptr<float>());
+  else
+    attend_segments(x, cp, sp, segments<float>(ks, vs, starts, ns, rows, layer), h, kv, d, out.data_ptr<float>());
 }
 
 // attend for several sessions' rows in one call: qkv [rows, ...], the segments as `segments` reads them (single
@@ -332,8 +392,7 @@ torch::Tensor attend_batch(torch::Tensor qkv, std::vector<torch::Tensor> ks, std
   TORCH_CHECK(h % kv == 0 && qkv.size(1) == (h + 2 * kv) * d && cos.size(0) == qkv.size(0) && cos.size(1) == d &&
               sin.sizes() == cos.sizes() && d % 2 == 0, "attend_batch: shapes do not match");
   auto out = torch::empty({qkv.size(0), h * d}, qkv.options());
-  attend_segments(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                  segments(ks, vs, starts, ns, qkv.size(0), 0), h, kv, d, out.data_ptr<float>());
+  attend_caches(qkv, cos, sin, ks, vs, starts, ns, 0, h, out);
   return out;
 }
 
@@ -425,8 +484,7 @@ torch::Tensor LayerStack::forward_batch(torch::Tensor x, std::vector<torch::Tens
     auto qkv = product(rms_norm(x, norms_[2 * i], eps_), 4 * i);
     TORCH_CHECK(qkv.size(1) == (heads_ + 2 * kv) * d, "LayerStack: the QKV product does not match the cache");
     auto att = torch::empty({rows, heads_ * d}, x.options());
-    attend_segments(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                    segments(ks, vs, starts, ns, rows, i), heads_, kv, d, att.data_ptr<float>());
+    attend_caches(qkv, cos, sin, ks, vs, starts, ns, i, heads_, att);
     x = x + product(att, 4 * i + 1);
     x = x + product(silu_mul(product(rms_norm(x, norms_[2 * i + 1], eps_), 4 * i + 2)), 4 * i + 3);
   }
