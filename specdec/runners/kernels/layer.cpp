@@ -92,8 +92,8 @@ static inline void rope(const float* x, const float* cos, const float* sin, floa
 }
 
 // One key's products with a scaled query, per lane: lane_sum of it is the score.
-template <int DV, typename T>
-static inline vec key_products(const vec* qv, const T* k) {
+template <int DV>
+static inline vec key_products(const vec* qv, const float* k) {
   vec a = qv[0] * load(k);
 #pragma GCC unroll 8
   for (int c = 1; c < DV; c++) a += qv[c] * load(k + 16 * c);
@@ -102,8 +102,8 @@ static inline vec key_products(const vec* qv, const T* k) {
 
 // The scores of 16 keys (16 * DV floats apart) against one scaled query: lane u is key u's, summed as lane_sum
 // sums one key's products. Written out level by level so that the compiler keeps every partial in registers.
-template <int DV, typename T>
-static inline vec scores16(const vec* qv, const T* K) {
+template <int DV>
+static inline vec scores16(const vec* qv, const float* K) {
   constexpr int S = 16 * DV;
   vec a[8], b[4];
 #pragma GCC unroll 8
@@ -136,20 +136,32 @@ static inline void prefetch_block(const T* base, int64_t u0, int64_t last, int64
 // 16 keys at a time (lane_sums16 in place of a horizontal sum per key). Each query's arithmetic is its own, in
 // the same order whatever else the task holds: a verify's row j equals the step at that position, bit for bit
 // (greedy exactness needs that), and equals the query-at-a-time loop this replaced.
+// Keys or values u0 .. u0 + 15 of a cache of cap, as float32 for all of a task's queries: a float32 cache's own
+// memory where the block is whole; else a copy in buf, widened from a float16 cache's halves (once a block, not
+// once a query: a verify's 4 rows are 12 queries of a KV head) and zeros past the cache's end (keys past a query's
+// own are never used).
+static inline const float* block_of(const float* base, int64_t u0, int64_t cap, int64_t D, float* buf) {
+  if (u0 + 16 <= cap) return base + u0 * D;
+  std::memcpy(buf, base + u0 * D, (cap - u0) * D * sizeof(float));
+  std::memset(buf + (cap - u0) * D, 0, (16 - (cap - u0)) * D * sizeof(float));
+  return buf;
+}
+static inline const float* block_of(const at::Half* base, int64_t u0, int64_t cap, int64_t D, float* buf) {
+  const int64_t n = std::min<int64_t>(16, cap - u0) * D;  // a multiple of 16, as D is
+  for (int64_t i = 0; i < n; i += 16) store(buf + i, load(base + u0 * D + i));
+  std::memset(buf + n, 0, (16 * D - n) * sizeof(float));
+  return buf;
+}
+
 template <int DV, typename T, typename Out>
 static void attend_queries(const float* qs, const T* K, const T* V, int64_t cap, int64_t start,
                            int64_t group, int64_t q0, int64_t q1, float* s, int64_t stride, Out out) {
   constexpr int D = 16 * DV;
   const int64_t last = start + (q1 - 1) / group + 1;  // the longest query's keys
-  alignas(64) T tail[16 * D];
+  alignas(64) float buf[16 * D];
   for (int64_t u0 = 0; u0 < last; u0 += 16) {
-    const T* block = K + u0 * D;
     prefetch_block(K, u0, last, D);
-    if (u0 + 16 > cap) {  // past the cache's end: a zero-padded copy (keys past a query's own are never used)
-      std::memcpy(tail, block, (cap - u0) * D * sizeof(T));
-      std::memset(tail + (cap - u0) * D, 0, (16 - (cap - u0)) * D * sizeof(T));
-      block = tail;
-    }
+    const float* block = block_of(K, u0, cap, D, buf);
     for (int64_t i = q0; i < q1; i++) {
       if (u0 >= start + i / group + 1) continue;
       vec qv[DV];
@@ -182,6 +194,7 @@ static void attend_queries(const float* qs, const T* K, const T* V, int64_t cap,
   std::vector<vec> acc((q1 - q0) * DV, vec{});
   for (int64_t u0 = 0; u0 < last; u0 += 16) {  // a block of 16 values, read once for every query
     prefetch_block(V, u0, last, D);
+    const float* block = block_of(V, u0, cap, D, buf);
     for (int64_t i = q0; i < q1; i++) {
       const int64_t stop = std::min<int64_t>(u0 + 16, start + i / group + 1);
       if (stop <= u0) continue;
@@ -189,7 +202,7 @@ static void attend_queries(const float* qs, const T* K, const T* V, int64_t cap,
       vec ov[DV];
       for (int c = 0; c < DV; c++) ov[c] = acc[(i - q0) * DV + c];
       for (int64_t u = u0; u < stop; u++) {
-        const T* v = V + u * D;
+        const float* v = block + (u - u0) * D;
         for (int c = 0; c < DV; c++) ov[c] += si[u] * load(v + 16 * c);
       }
       for (int c = 0; c < DV; c++) acc[(i - q0) * DV + c] = ov[c];
