@@ -114,12 +114,17 @@ def run_jobs(send, jobs: list, workers: int) -> tuple[list[dict], float]:
     return results, wall
 
 
-def grpc_sender(address: str, k: int | None, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0):
-    """send(prompt) for run_jobs: one streamed Generate on a shared channel; returns its figures and ids."""
+def grpc_sender(
+    address: str, k: int | None, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, ignore_eos=False
+):
+    """send(prompt) for run_jobs: one streamed Generate on a shared channel; returns its figures and ids.
+    ignore_eos: every answer runs to max_tokens (a context that grows as long as asked)."""
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
 
     def send(prompt: str) -> dict:
-        req = pb.GenerateRequest(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=0)
+        req = pb.GenerateRequest(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=0, ignore_eos=ignore_eos
+        )
         req.messages.add(role="user", content=prompt)
         if k is not None:
             req.num_speculative_tokens = k

@@ -5,6 +5,7 @@ or should gain it.
     python -m bench.versions --base 07b4b0c [--head REV] [--prompts 8] [--tokens 64] [--reps 3] [--temperature 0]
         [--top-p 1] [--k K]
     python -m bench.versions --base HEAD --head HEAD --head-env SPECDEC_TARGET_ACTIVATIONS=int8
+    python -m bench.versions --base HEAD --base-env SPECDEC_TARGET_KV_CACHE_DTYPE=model --ignore-eos --tokens 1024
 
 Both checkouts' services run at once on the same machine; the prompts go one at a time to each in turn, rep by
 rep, so the machine's drift hits both. --k adds an arm at that fixed K, one prompt at a time. The target's step
@@ -40,19 +41,20 @@ def checkout(rev: str, folder: Path) -> Path:
     return folder
 
 
-def one_run(services, prompts: list[str], tokens: int, temperature: float = 0.0, top_p: float = 1.0, k=None) -> dict:
+def one_run(services, prompts: list[str], tokens: int, temperature=0.0, top_p=1.0, k=None, ignore_eos=False) -> dict:
     """The prompts one at a time at K = 0, then through the adaptive orchestrator, then at the fixed K k (if any),
     then all at once at K = 0; the target's 1-row passes."""
     _, address, urls, (auto_address, _), _ = services
+    sender = lambda address, k: grpc_sender(address, k, tokens, temperature, top_p, ignore_eos)
     before = scrape(urls["target"])
-    results, wall = run_jobs(grpc_sender(address, 0, tokens, temperature, top_p), prompts, 1)
+    results, wall = run_jobs(sender(address, 0), prompts, 1)
     d = delta(before, scrape(urls["target"]))
-    auto, auto_wall = run_jobs(grpc_sender(auto_address, None, tokens, temperature, top_p), prompts, 1)
+    auto, auto_wall = run_jobs(sender(auto_address, None), prompts, 1)
     fixed = {}
     if k:
-        at_k, k_wall = run_jobs(grpc_sender(address, k, tokens, temperature, top_p), prompts, 1)
+        at_k, k_wall = run_jobs(sender(address, k), prompts, 1)
         fixed["k_tokens_per_s"] = sum(len(r["ids"]) for r in at_k) / k_wall
-    load, load_wall = run_jobs(grpc_sender(address, 0, tokens, temperature, top_p), prompts, len(prompts))
+    load, load_wall = run_jobs(sender(address, 0), prompts, len(prompts))
     steps = value(d, "specdec_forward_seconds_count", tokens="1")
     return {
         "tokens_per_s": sum(len(r["ids"]) for r in results) / wall,
@@ -72,12 +74,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--base", required=True, help="the revision to compare with")
     p.add_argument("--head", default=None, help="the revision compared (default: the working tree)")
     p.add_argument("--head-env", action="append", default=[], help="KEY=VALUE for the head's services (repeatable)")
+    p.add_argument("--base-env", action="append", default=[], help="KEY=VALUE for the base's services (repeatable)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.0, help="every request's (seed 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="every request's")
     p.add_argument("--k", type=int, default=0, help="also run every prompt at this fixed K")
+    p.add_argument("--ignore-eos", action="store_true", help="every answer runs to --tokens")
     p.add_argument("--out", default="results/versions")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [q["prompt"] for q in load_prompts(args.prompts)]
     head = checkout(args.head, Path(tempfile.gettempdir()) / f"specdec-{args.head}") if args.head else None
     trees = {"base": base, "head": head}
-    env = {"base": {}, "head": dict(kv.split("=", 1) for kv in args.head_env)}
+    env = {name: dict(kv.split("=", 1) for kv in getattr(args, f"{name}_env")) for name in ("base", "head")}
     services = {
         name: start_services(DEFAULT_DRAFT, models.DEFAULT_TARGET, out / f"{name}.log", tree, env[name])
         for name, tree in trees.items()
@@ -97,14 +101,16 @@ def main(argv: list[str] | None = None) -> dict:
             one_run(started, prompts[:2], 8)
         for rep in range(args.reps):
             for name, started in services.items():
-                runs[name].append(one_run(started, prompts, args.tokens, args.temperature, args.top_p, args.k))
+                runs[name].append(
+                    one_run(started, prompts, args.tokens, args.temperature, args.top_p, args.k, args.ignore_eos)
+                )
                 print(f"rep {rep} {name}: {runs[name][-1]}")
     finally:
         for procs, *_ in services.values():
             stop_services(procs)
     report = {"machine": machine(), "base": args.base, "prompts": len(prompts), "tokens": args.tokens}
     report["temperature"], report["top_p"], report["k"] = args.temperature, args.top_p, args.k
-    report["head_env"] = env["head"]
+    report["head_env"], report["base_env"], report["ignore_eos"] = env["head"], env["base"], args.ignore_eos
     for key in ("tokens_per_s", "auto_tokens_per_s", "k_tokens_per_s", "all_at_once_tokens_per_s", "step_ms"):
         if key not in runs["base"][0]:
             continue
