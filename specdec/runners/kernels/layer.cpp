@@ -126,16 +126,6 @@ static inline void prefetch_block(const T* base, int64_t u0, int64_t last, int64
     for (int64_t l = 0; l < 16 * d; l += line) __builtin_prefetch(base + ahead * d + l, 0, 3);
 }
 
-// Queries q0 .. q1 - 1 of the ones that read one KV head, query i being row j_i = i / group of the pass, seeing
-// keys 0 .. start + j_i; qs: each query's rotated vector, times 1 / sqrt(d); K, V: the head's cache, cap keys of
-// 16 DV floats; s: scratch, a row of stride `stride` per query; out(i): where query i's output goes.
-//
-// A verify pass's rows and a group's query heads read the same keys and values. Reading them per query made
-// attention bound by the L2's bandwidth (a 4-row pass at a context of 2,000: 144 us a layer, 5x a step's); here
-// each block of 16 keys is read from memory once for all of a task's queries, and each query's scores come
-// 16 keys at a time (lane_sums16 in place of a horizontal sum per key). Each query's arithmetic is its own, in
-// the same order whatever else the task holds: a verify's row j equals the step at that position, bit for bit
-// (greedy exactness needs that), and equals the query-at-a-time loop this replaced.
 // Keys or values u0 .. u0 + 15 of a cache of cap, as float32 for all of a task's queries: a float32 cache's own
 // memory where the block is whole; else a copy in buf, widened from a float16 cache's halves (once a block, not
 // once a query: a verify's 4 rows are 12 queries of a KV head) and zeros past the cache's end (keys past a query's
@@ -153,6 +143,16 @@ static inline const float* block_of(const at::Half* base, int64_t u0, int64_t ca
   return buf;
 }
 
+// Queries q0 .. q1 - 1 of the ones that read one KV head, query i being row j_i = i / group of the pass, seeing
+// keys 0 .. start + j_i; qs: each query's rotated vector, times 1 / sqrt(d); K, V: the head's cache, cap keys of
+// 16 DV floats or halves (T); s: scratch, a row of stride `stride` per query; out(i): where query i's output goes.
+//
+// A verify pass's rows and a group's query heads read the same keys and values. Reading them per query made
+// attention bound by the L2's bandwidth (a 4-row pass at a context of 2,000: 144 us a layer, 5x a step's); here
+// each block of 16 keys is read from memory once for all of a task's queries, and each query's scores come
+// 16 keys at a time (lane_sums16 in place of a horizontal sum per key). Each query's arithmetic is its own, in
+// the same order whatever else the task holds: a verify's row j equals the step at that position, bit for bit
+// (greedy exactness needs that), and equals the query-at-a-time loop this replaced.
 template <int DV, typename T, typename Out>
 static void attend_queries(const float* qs, const T* K, const T* V, int64_t cap, int64_t start,
                            int64_t group, int64_t q0, int64_t q1, float* s, int64_t stride, Out out) {
