@@ -96,8 +96,10 @@ def attend_masked(qkv, k, v, cos, sin, positions, allowed, n_heads: int) -> torc
     n, (kv, _, d), h = qkv.shape[0], k.shape, n_heads
     group = h // kv
     q = rope(qkv[:, : h * d].view(n, h, d).transpose(0, 1), cos, sin)  # [h, n, d]
-    k.index_copy_(1, positions, rope(qkv[:, h * d : (h + kv) * d].view(n, kv, d).transpose(0, 1), cos, sin))
-    v.index_copy_(1, positions, qkv[:, (h + kv) * d :].view(n, kv, d).transpose(0, 1))
+    keys = rope(qkv[:, h * d : (h + kv) * d].view(n, kv, d).transpose(0, 1), cos, sin)
+    k.index_copy_(1, positions, keys.to(k.dtype))  # a cache in another dtype (a CPU's float16) takes it rounded
+    v.index_copy_(1, positions, qkv[:, (h + kv) * d :].view(n, kv, d).transpose(0, 1).to(v.dtype))
+    k, v = k.to(q.dtype), v.to(q.dtype)  # and is read widened; the same tensors where the dtypes agree (a GPU's)
     rows = q.reshape(kv, group * n, d)  # row g n + i of KV head c: query head c group + g at position i
     att = F.scaled_dot_product_attention(rows[None], k[None], v[None], attn_mask=allowed.repeat(group, 1))[0]
     return att.reshape(h, n, d).transpose(0, 1).reshape(n, h * d)
