@@ -69,10 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
     reps = []
     for r in range(args.reps):
         reps.append(one_rep(runners, args.contexts))
-        print(
-            f"rep {r}: "
-            + ", ".join(f"{kv} { ({k: round(v, 2) for k, v in arm.items()}) }" for kv, arm in reps[-1].items())
-        )
+        rounded = {kv: {k: round(v, 2) for k, v in arm.items()} for kv, arm in reps[-1].items()}
+        print(f"rep {r}: {rounded}")
     spread = lambda xs: {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
     report = {
         "date": datetime.datetime.now().isoformat(timespec="minutes"),

@@ -367,7 +367,9 @@ def parser() -> argparse.ArgumentParser:
     _generate_arguments(sub.add_parser("generate", help="stream a completion from a running orchestrator"))
     sub.add_parser("bench", help="measure the speedup side by side (specdec bench --help)", add_help=False)
     sub.add_parser(
-        "gate", help="measure a target's quantized activations against float32, record the verdict", add_help=False
+        "gate",
+        help="measure a target's quantized activations and float16 KV cache against float32, record the verdict",
+        add_help=False,
     )
     _health_arguments(sub.add_parser("health", help="check a server's gRPC health service"))
     _fetch_arguments(sub.add_parser("fetch", help="download hub models into the Hugging Face cache"))
