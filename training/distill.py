@@ -99,9 +99,10 @@ def _data_part(args, tokenizer, part: int) -> Path:
     # head reads the features it is served; the padded forward serves a GPU
     served = args.device == "cpu"
     activations = getattr(args, "activations", "auto") if served else "float32"
+    gguf = models.gguf_file(spec) if served else None
     if activations == "auto":  # as a target server takes it here
-        activations = gated_activations(models.gguf_file(spec))
-    kv_cache = resolve_kv_cache("auto", "target", activations, models.gguf_file(spec))  # and its KV cache
+        activations = gated_activations(gguf)
+    kv_cache = resolve_kv_cache("auto", "target", activations, gguf)  # and its KV cache
     tags = ["distinct", "features"] if features else ["distinct"]
     tags += [spec] if spec != models.DEFAULT_TARGET else []
     tags += [f"served-{activations}"] if served else []
@@ -113,7 +114,6 @@ def _data_part(args, tokenizer, part: int) -> Path:
         log(f"data: cached {path}")
         return path
     target = models.load_model(spec, dtype="float32" if served else compute_dtype(args.device), device=args.device)
-    gguf = models.gguf_file(spec) if served else None
     runner = LeanLlamaRunner(target, len(tokenizer), 4096, gguf=gguf, activations=activations, kv_cache=kv_cache)
     prompts = chat_prompts(tokenizer, args.num_prompts, seed)
     eos = set(models.eos_token_ids(target, tokenizer))
