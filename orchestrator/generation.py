@@ -61,6 +61,7 @@ class Generation:
                 spec.k,
                 ruled=spec.rules is not None,
                 sampling=spec.sampling.support_key,
+                run=spec.steps,
             )
             if speculation and spec.adaptive
             else None
@@ -95,10 +96,13 @@ class Generation:
                     if self.adaptive
                     else self.spec.k
                 )
-            k = await self._make_room(max(0, min(wanted, remaining - 1, self.max_model_len - n_hist - 1)))
-            if k < 0:  # the pools cannot hold one more token of it: as if the context were full
+            k = max(0, min(wanted, remaining - 1, self.max_model_len - n_hist - 1))
+            steps = 1 if k or not self.stats.rounds else self._run_length(remaining, n_hist)
+            room = await self._make_room(max(k, steps - 1))
+            if room < 0:  # the pools cannot hold one more token of it: as if the context were full
                 yield self._message([], gen_pb.FINISH_REASON_LENGTH)
                 return
+            k, steps = min(k, room), min(steps, room + 1)
             t0 = time.perf_counter()
             trace = RoundTrace()
             looked_up = self.lookup.propose(self.history, k) if self.lookup else []
@@ -106,19 +110,33 @@ class Generation:
                 looked_up = looked_up[: self.spec.grammar.valid_prefix(self.history, looked_up)]
             proposal = await self._propose(k, trace) if k and not looked_up else None
             drafts = looked_up or (list(proposal.token_ids) if proposal else [])
-            verdict = await self._verify(drafts, _draft_q(proposal, drafts, self.spec.sampling.greedy), trace)
+            q = _draft_q(proposal, drafts, self.spec.sampling.greedy)
+            verdict = await self._verify(drafts, q, trace, steps if not drafts else 1)
             t_accept = time.perf_counter()
             try:
                 n, token = await self._accept(drafts, proposal, verdict, n_hist, trace)
                 scored = await lp.of_round(self.target, verdict, drafts, n, token, n_hist, self.spec.logprobs, trace)
             except failover.RoundLost:
                 continue
-            added, finish = self._apply_stops(drafts[:n] + [token])
+            run = list(verdict.step_token_ids)  # the target's tokens after the round's own, where it ran alone
+            if run:  # the session holds the run but its last token
+                self.target.mirror = (self.history + [token] + run)[: verdict.length]
+            added, finish = self._apply_stops(drafts[:n] + [token] + run)
             self.history.extend(added)
             if finish is None and len(self.history) >= self.max_model_len:
                 finish = gen_pb.FINISH_REASON_CONTEXT_LENGTH
-            self._record_round(len(drafts), n, added, trace, t0, t_accept, looked_up=bool(looked_up))
+            self._record_round(len(drafts), n, added, trace, t0, t_accept, looked_up=bool(looked_up), run=len(run))
             yield self._message(added, finish, scored[: len(added)])
+
+    def _run_length(self, remaining: int, n_hist: int) -> int:
+        """The tokens a round at K = 0 asks the target for in one call (VerifyRequest.steps): up to the spec's steps,
+        the tokens the request may still produce and the context's room; with adaptive speculation, no further
+        than its next drafted round (AdaptiveK.zero_run). One where a round needs the target's rows (logprobs, a
+        head draft's features)."""
+        if self.head is not None or self.spec.logprobs is not None:
+            return 1
+        n = min(self.spec.steps, remaining, self.max_model_len - n_hist)
+        return max(1, min(n, self.adaptive.zero_run()) if self.adaptive else n)
 
     async def _make_room(self, k: int) -> int:
         """The round's K once the KV its sessions may come to hold (history + K) is reserved; -1 when the pools
@@ -173,10 +191,13 @@ class Generation:
         draft.mirror = (history + list(resp.token_ids[:-1]))[: resp.length]
         return resp
 
-    async def _verify(self, drafts: list[int], q: list[float], trace: RoundTrace) -> target_pb2.VerifyResponse:
+    async def _verify(
+        self, drafts: list[int], q: list[float], trace: RoundTrace, steps: int = 1
+    ) -> target_pb2.VerifyResponse:
         """The target's verdict on the drafts (q: what the ratio test gives each, sampled; the target then answers
-        up to the first draft rejected). With a head draft every Verify returns features, and one that would answer
-        with more than head_draft.VERIFY_BYTES of them goes in pieces (HeadDraft.bound_verify)."""
+        up to the first draft rejected); steps: without drafts, the tokens the target may run alone (_run_length).
+        With a head draft every Verify returns features, and one that would answer with more than
+        head_draft.VERIFY_BYTES of them goes in pieces (HeadDraft.bound_verify)."""
         target, history, cut = self.target, self.history, [False]
 
         def request():
@@ -191,6 +212,8 @@ class Generation:
                 # from a session fed from its start only: a Verify that feeds the prompt again scores it all
                 prompt_logprobs=self.spec.prompt_logprobs and self.prompt_logprobs is None and not target.mirror,
                 rules=self.spec.rules,
+                steps=steps,
+                end_token_ids=sorted(self.end_ids | self.spec.stop_ids) if steps > 1 else (),
             )
             cut[0] = self.head is not None and self.head.bound_verify(req)
             return req
@@ -298,9 +321,10 @@ class Generation:
         return added, finish
 
     def _record_round(
-        self, k: int, n: int, added: list[int], trace: RoundTrace, t0: float, t_accept: float, looked_up: bool
+        self, k: int, n: int, added: list[int], trace: RoundTrace, t0: float, t_accept: float, looked_up: bool, run=0
     ) -> None:
-        """Count the round in the request's stats and the metrics, and teach adaptive speculation what it cost."""
+        """Count the round in the request's stats and the metrics, and teach adaptive speculation what it cost; run:
+        the tokens the target ran alone after the round's own."""
         s, now = self.stats, time.perf_counter()
         s.rounds += 1
         s.draft_tokens += k
@@ -309,11 +333,13 @@ class Generation:
             s.lookup_rounds += 1
             s.lookup_tokens += k
             s.lookup_accepted_tokens += n
-        self._round_tokens += n + 1
+        self._round_tokens += n + 1 + run
         s.completion_tokens += len(added)
         if n < k:
             s.rejected_rounds += 1
-        self.metrics.record_round(k, n, len(added), trace, now - t0, now - t_accept, looked_up)
+        self.metrics.record_round(k, n, len(added), trace, now - t0, now - t_accept, looked_up, run)
+        if run and self.adaptive:
+            self.adaptive.ran(run)
         if trace.built:  # a prefill's time says nothing of a decoding round's
             if self.speculation and trace.draft_built and k:
                 self.speculation.observe_start(k, trace.draft_wall_s)
@@ -327,7 +353,7 @@ class Generation:
             if trace.recover_s:  # a sampled rejection: what recovering from it took
                 self.adaptive.observe_recovery(k, n, trace.recover_s)
         if self.adaptive and self.spec.rules is not None and trace.target_cost is not None:
-            self.adaptive.observe_rules(k, trace.target_cost, trace.draft_cost)
+            self.adaptive.observe_rules(k, trace.target_cost, trace.draft_cost, run)
 
     def _message(self, added: list[int], finish, scored=()) -> gen_pb.GenerateResponse:
         msg = gen_pb.GenerateResponse(

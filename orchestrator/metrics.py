@@ -128,6 +128,11 @@ class OrchestratorMetrics:
             registry=r,
         )
         self.generated_tokens = Counter("specdec_generated_tokens_total", "Tokens returned to clients", registry=r)
+        self.run_tokens = Counter(
+            "specdec_run_tokens_total",
+            "Tokens the target picked alone after a K = 0 round's first, in the same call (--steps-per-call)",
+            registry=r,
+        )
         self.prompt_tokens = Counter("specdec_prompt_tokens_total", "Prompt tokens of admitted requests", registry=r)
         self.requests = Counter(
             "specdec_requests_total", "Finished requests by finish reason", ["finish_reason"], registry=r
@@ -265,10 +270,11 @@ class OrchestratorMetrics:
         self.replica_rebuilds.labels(role, replica)
 
     def record_round(
-        self, k: int, n: int, emitted: int, trace: RoundTrace, round_s: float, accept_s: float, looked_up: bool
+        self, k: int, n: int, emitted: int, trace: RoundTrace, round_s: float, accept_s: float, looked_up: bool, run=0
     ) -> None:
-        """A finished round: k tokens proposed (by prompt lookup where looked_up), n of them accepted, emitted
-        tokens streamed, round_s of wall time, the last accept_s of it on the orchestrator."""
+        """A finished round: k tokens proposed (by prompt lookup where looked_up), n of them accepted, run tokens the
+        target ran alone after the round's own, emitted tokens streamed, round_s of wall time, the last accept_s of
+        it on the orchestrator."""
         if looked_up:
             self.lookup_rounds.inc()
             self.lookup_tokens.inc(k)
@@ -284,7 +290,8 @@ class OrchestratorMetrics:
             self.draft_per_position.labels(self.positions[i]).inc()
             if i < n:
                 self.accepted_per_position.labels(self.positions[i]).inc()
-        self.tokens_per_round.observe(n + 1)
+        self.tokens_per_round.observe(n + 1 + run)
+        self.run_tokens.inc(run)
         self.generated_tokens.inc(emitted)
         if trace.built:  # a prefill's time says nothing of a decoding round's: it is timed apart
             self.prefill_round_seconds.observe(round_s)

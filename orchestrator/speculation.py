@@ -177,16 +177,17 @@ class RoundCosts:
         """The draft call's time outside its queue and passes, the least of recent calls (as round_overhead)."""
         return min(self._draft_calls) if self._draft_calls else None
 
-    def round_s(self, cap: int) -> list[float] | None:
+    def round_s(self, cap: int, run: int = 1) -> list[float] | None:
         """Predicted seconds of a round at K = 0..cap, this generation's share; None until both servers' curves
-        are known and a drafted round was measured."""
+        are known and a drafted round was measured. run: the tokens a round at K = 0 asks the target for in one
+        call (--steps-per-call), whose calls' overhead the K = 0 round shares that many ways."""
         if self.draft_call is None or not self.target_curve or not self.draft_curve:
             return None
         active = self.calling
         # no more sessions meet in a drafted round's pass than call the server: the average of drafted rounds, which
         # can be few at a load's tail, may still hold the load's
         verifying = min(max(self.verify_sessions, 1.0), active)
-        out = [(costs.at(self.target_curve, active)[0] + self.round_overhead) / active]
+        out = [(costs.at(self.target_curve, active)[0] + self.round_overhead / run) / active]
         step = self._step()
         for k in range(1, cap + 1):
             verify_s = costs.at(self.target_curve, verifying * (k + 1))[0]
@@ -275,9 +276,17 @@ class AdaptiveK:
     """One request's choice of K, up to cap; start_k until the process has measured a drafted round."""
 
     def __init__(
-        self, shared: Speculation, greedy: bool, cap: int, start_k: int, ruled: bool = False, sampling: tuple = ()
+        self,
+        shared: Speculation,
+        greedy: bool,
+        cap: int,
+        start_k: int,
+        ruled: bool = False,
+        sampling: tuple = (),
+        run: int = 1,
     ):
         self.shared = shared
+        self.run = run  # the tokens a K = 0 round may ask the target for in one call (RoundCosts.round_s)
         self.ruled = ruled  # the request has output rules (a grammar, penalties): it prices their rows
         self.greedy = greedy
         self.cap = cap
@@ -299,7 +308,7 @@ class AdaptiveK:
         """remaining: the most tokens the request may still produce; draft_started: whether the draft holds
         the request's session. Before it does, drafting costs the draft's prefill first, so a request starts
         the draft only if the time it expects to save over the remaining tokens pays for that."""
-        costs = self.shared.costs.round_s(self.cap)
+        costs = self.shared.costs.round_s(self.cap, self.run)
         if costs is None or not all(math.isfinite(c) and c > 0 for c in costs):
             return self.start_k
         alpha = self.acceptance.alpha
@@ -329,6 +338,15 @@ class AdaptiveK:
             return 1
         return 0
 
+    def zero_run(self) -> int:
+        """After next_k chose 0: the rounds at K = 0 this request runs before it next drafts if nothing changes (up
+        to its probe), which one call to the target may run together (Generation._run_length)."""
+        return PROBE_EVERY - self._idle if self.cap else PROBE_EVERY
+
+    def ran(self, extra: int) -> None:
+        """A round at K = 0 that ran `extra` tokens after its own: as many rounds at K = 0 more."""
+        self._idle = min(self._idle + extra, PROBE_EVERY - 1)
+
     def observe(self, drafted: int, accepted: int) -> None:
         """A round whose drafts came from the draft (prompt lookup's are another source)."""
         self.acceptance.observe(drafted, accepted)
@@ -344,10 +362,10 @@ class AdaptiveK:
             del known[next(iter(known))]  # the oldest kind
         known[self.sampling] = costs.ewma(known.get(self.sampling), seconds, COST_RATE)
 
-    def observe_rules(self, k: int, target: CallCost, draft: CallCost | None) -> None:
-        """A decoding round's rules: the target's over its k + 1 rows, the draft's over its steps (k of them); the
-        process keeps them too, as the next ruled request's prior."""
-        seen = {"target": target.rules_s / (k + 1)}
+    def observe_rules(self, k: int, target: CallCost, draft: CallCost | None, run: int = 0) -> None:
+        """A decoding round's rules: the target's over its k + 1 rows (and a run's more), the draft's over its steps
+        (k of them); the process keeps them too, as the next ruled request's prior."""
+        seen = {"target": target.rules_s / (k + 1 + run)}
         if draft is not None and k:
             seen["draft"] = draft.rules_s / k
         for side, x in seen.items():

@@ -278,9 +278,7 @@ class OrchestratorConfig:
         default=10.0,
         metadata={"help": "how often dns:/// addresses are resolved again, to find replicas that came or went"},
     )
-    tokenizer: str = field(
-        default=DEFAULT_TARGET, metadata={"help": "the target's tokenizer: hub id, folder or embedded:NAME"}
-    )
+    tokenizer: str = _option(DEFAULT_TARGET, "the target's tokenizer: hub id, folder or embedded:NAME")
     # 3 for the embedded pair on a CPU: the fastest K in specdec bench, and where the Leviathan bound at the
     # measured alpha and c peaks (docs/performance.md, "Behind the defaults"). docker-compose.yml sets 4 for
     # the Llama 3.2 pair on a GPU, where a verify pass costs about one step, and 3 for its CPU profile.
@@ -309,6 +307,11 @@ class OrchestratorConfig:
         "earlier in it, for n from --prompt-lookup-max down to this, before asking the draft (0 = off)",
     )
     prompt_lookup_max: int = field(default=4, metadata={"help": "longest n-gram prompt lookup matches"})
+    steps_per_call: int = _option(
+        4,
+        "a round with no drafts (K = 0) asks the target for up to this many tokens in one call, picked as that many "
+        "calls would pick them: one round trip a run, not a token (1: one a call; so are first rounds, logprobs)",
+    )
     # Off, the first token waits only for the target's prefill, as without speculation, and tokens/s does not
     # change, since the draft's prefill moves to the second round (docs/performance.md, 2026-11-24, early morning).
     speculate_first_round: bool = _option(
@@ -349,9 +352,7 @@ class OrchestratorConfig:
     unavailable_retry_s: float = field(
         default=30.0, metadata={"help": "how long to wait for a model server that is down"}
     )
-    startup_timeout_s: float = field(
-        default=300.0, metadata={"help": "how long to wait for the model servers at start"}
-    )
+    startup_timeout_s: float = _option(300.0, "how long to wait for the model servers at start")
     grace_s: float = field(default=30.0, metadata={"help": "seconds in-flight streams get on shutdown"})
 
     def validate(self) -> None:
@@ -361,8 +362,10 @@ class OrchestratorConfig:
             raise ConfigError("--upstream-tls-cert, --upstream-tls-key and --upstream-tls-name need --upstream-tls-ca")
         if bool(self.upstream_tls_cert) != bool(self.upstream_tls_key):
             raise ConfigError("--upstream-tls-cert and --upstream-tls-key go together")
-        if not 0 <= self.num_speculative_tokens <= self.max_speculative_tokens:
-            raise ConfigError("--num-speculative-tokens must be within [0, --max-speculative-tokens]")
+        if not (0 <= self.num_speculative_tokens <= self.max_speculative_tokens and 1 <= self.steps_per_call <= 64):
+            raise ConfigError(
+                "need --num-speculative-tokens in [0, --max-speculative-tokens], --steps-per-call in [1, 64]"
+            )
         if not 0 <= self.draft_confidence_threshold < 1:
             raise ConfigError("--draft-confidence-threshold must be in [0, 1)")
         if not (self.prompt_lookup_max >= 1 and 0 <= self.prompt_lookup_min <= self.prompt_lookup_max):
@@ -375,10 +378,8 @@ class OrchestratorConfig:
             )
         if self.max_concurrent_requests < 0 or self.max_queued_requests < 0:
             raise ConfigError("--max-concurrent-requests and --max-queued-requests must be >= 0")
-        if self.kv_reserve_tokens < 1:
-            raise ConfigError("--kv-reserve-tokens must be >= 1")
-        if self.max_choices < 1:
-            raise ConfigError("--max-choices must be >= 1")
+        if self.kv_reserve_tokens < 1 or self.max_choices < 1:
+            raise ConfigError("--kv-reserve-tokens and --max-choices must be >= 1")
 
 
 def _one_of(values) -> str:

@@ -364,9 +364,9 @@ class CallStats:
     last: Feed | None = None
 
     def add(self, feed: Feed) -> None:
+        """A feed of the call's (a run's steps are several): its compute and queue wait add up."""
         self.compute_s += feed.compute_s
-        if self.queue_s is None:
-            self.queue_s = (feed.started_at or feed.queued_at) - feed.queued_at
+        self.queue_s = (self.queue_s or 0.0) + (feed.started_at or feed.queued_at) - feed.queued_at
         self.last = feed
 
     def fill(self, response) -> None:

@@ -1,5 +1,9 @@
 """Verify: one forward pass over the unseen tokens and the K drafts; GetFeatures: the features a session keeps.
 
+A Verify without drafts may ask for a run of `steps` tokens: the target alone, each token picked and fed as the
+next call would, in the engine's passes beside the other sessions' calls, so that K = 0 costs a round trip a run
+rather than a token (orchestrator/generation.py asks for it).
+
 With return_features, a session created by the call keeps the target's features (its final-norm output at every
 position it is fed, specdec/features.py) and the Verify returns those of the rows it fed; GetFeatures streams any
 span of them, for a head draft's session rebuilt on another replica or after it expired.
@@ -17,7 +21,9 @@ from specdec import features, logprobs
 from specdec.errors import ServiceError, invalid
 from specdec.model_server import CallStats, ModelServer, SessionRpcs
 from specdec.sampling import Purpose, argmax_rows, candidates, count_accepted, logits_to_probs, sample_sparse, uniform
-from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.v1 import model_server_pb2 as ms_pb, target_pb2, target_pb2_grpc
+
+MAX_STEPS = 64  # the longest run a Verify may ask for (VerifyRequest.steps)
 
 
 class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
@@ -67,6 +73,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         if not unseen:
             raise invalid("tokens is empty: send at least the last token of the sequence")
         logprobs.check(req)
+        check_steps(req)
         checked = core.rules.check(
             req.rules if req.HasField("rules") else None
         )  # INVALID_ARGUMENT before the session moves
@@ -98,12 +105,50 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
                 resp.rules_seconds = time.perf_counter() - t0
             s.keep_probs(None)
             resp.argmax_token_ids.extend(to_first_mismatch(picks if picks is not None else argmax_rows(logits), drafts))
-            return resp
+            return await self._run(req, s, resp.argmax_token_ids[0], params, checked, stats, resp)
         probs, resp.rules_seconds = await self._probs(logits, rules, masks, s.tokens, first, drafts, q, params)
         s.keep_probs(probs, first)
-        self._sampled_rows(resp, probs, drafts, q, params, first)
+        self._sampled_rows(resp, probs, drafts, q, params, first, always_bonus=req.steps > 1)
         logprobs.fill_bonus(resp, s.logprobs)
+        return await self._run(req, s, resp.bonus_token_id, params, checked, stats, resp)
+
+    async def _run(self, req, s, token: int, params, checked, stats: CallStats, resp):
+        """A Verify's run (VerifyRequest.steps): after the verdict's token, the target alone, each next token picked
+        as a Verify without drafts picks it, one pass each, until the run has `steps` tokens, or one of
+        end_token_ids, or the pool no room for another (the caller goes on with its next call)."""
+        ends, core = set(req.end_token_ids), self.core
+        while len(resp.step_token_ids) + 1 < req.steps and token not in ends:
+            cursor = ms_pb.SessionCursor(session_id=s.id, expected_length=len(s.tokens), keep_length=len(s.tokens))
+            try:
+                with core.session(cursor, 1) as s:
+                    rules = core.rules.state_for(s, checked)
+                    ahead = s.tokens + [token]
+                    masks = None if params.greedy else core.rules.masks(rules, ahead, len(ahead), 1)
+                    logits = await core.forward(s, [token], 1, stats)
+            except ServiceError as e:
+                if e.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE):
+                    break
+                raise
+            token, spent = await self._pick(logits, rules, masks, s, params)
+            resp.rules_seconds += spent
+            resp.step_token_ids.append(token)
+        resp.length = len(s.tokens)
+        stats.fill(resp)
         return resp
+
+    async def _pick(self, logits, rules, masks, s, params) -> tuple[int, float]:
+        """The token a Verify without drafts emits from its one row (the session's last position): greedy's argmax
+        under the rules, or the keyed draw of the bonus token; and the seconds the rules took."""
+        first = len(s.tokens)
+        if params.greedy:
+            if rules is None:
+                return argmax_rows(logits)[0], 0.0
+            t0 = time.perf_counter()
+            picks, _ = self.core.rules.argmax(rules, logits, s.tokens, first)
+            return picks[0], time.perf_counter() - t0
+        probs, spent = await self._probs(logits, rules, masks, s.tokens, first, [], None, params)
+        s.keep_probs(probs, first)
+        return sample_sparse(None, probs[0].numpy(), uniform(params.seed, first, Purpose.RESAMPLE)), spent
 
     async def _probs(self, logits, rules, masks, tokens, first: int, drafts, q, params) -> tuple[torch.Tensor, float]:
         """The rows' distributions under the rules and the sampling transforms ([rows, vocab], the first at position
@@ -137,11 +182,13 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
                 break
         return torch.cat(rows), spent
 
-    def _sampled_rows(self, resp, probs, drafts: list[int], q: list[float] | None, params, first: int) -> None:
+    def _sampled_rows(
+        self, resp, probs, drafts: list[int], q: list[float] | None, params, first: int, always_bonus: bool = False
+    ) -> None:
         """A sampled verdict's rows (probs [K+1, vocab], or with q at least those up to the first rejection; the first
         at position first): p of each draft token, each row's support, or where it is too wide to travel, a draft
-        row's candidates, and the bonus token drawn here. With the drafts' q, only the rows up to the first draft the
-        ratio test rejects: the verdict reads no other."""
+        row's candidates, and the bonus token drawn here (always_bonus: also where its row travels, for a run). With
+        the drafts' q, only the rows up to the first draft the ratio test rejects: the verdict reads no other."""
         p = [probs[i, x].item() for i, x in enumerate(drafts[: probs.shape[0]])]
         n = count_accepted(q, p, params.seed, first) if q is not None else len(drafts)
         rows = n + 1 if q is not None else len(drafts) + 1
@@ -152,7 +199,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
                 ids, pc = candidates(None, probs[i].numpy(), params.seed, first + i)
                 row.candidate_ids.extend(ids.tolist())
                 row.candidate_probs.extend(pc.tolist())
-        if rows == len(drafts) + 1 and not resp.distributions[-1].complete:  # it would be fetched for the bonus
+        if rows == len(drafts) + 1 and (always_bonus or not resp.distributions[-1].complete):  # else fetched for it
             u = uniform(params.seed, first + len(drafts), Purpose.RESAMPLE)
             resp.bonus_token_id = sample_sparse(None, probs[-1].numpy(), u)
 
@@ -167,6 +214,16 @@ def check_q(q, k: int) -> list[float] | None:
     if len(q) != k or not all(0.0 < x < math.inf for x in q):
         raise invalid(f"draft_token_q must hold a positive probability for each of the {k} draft tokens, not {list(q)}")
     return list(q)
+
+
+def check_steps(req: target_pb2.VerifyRequest) -> None:
+    """INVALID_ARGUMENT for a run (steps > 1) that is too long or asked with what a run does not answer."""
+    if req.steps <= 1:
+        return
+    if req.steps > MAX_STEPS:
+        raise invalid(f"steps {req.steps} exceeds the limit of {MAX_STEPS}")
+    if req.draft_tokens or req.logprobs or req.return_features or req.prompt_logprobs:
+        raise invalid("steps > 1 is a run of the target alone: send it without draft tokens, logprobs or features")
 
 
 def to_first_mismatch(argmax: list[int], drafts: list[int]) -> list[int]:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import model_server_pb2 as specdec_dot_v1_dot_model__server__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x1dspecdec/v1/model_server.proto\"\x97\x02\n\rVerifyRequest\x12)\n\x06\x63ursor\x18\x01 \x01(\x0b\x32\x19.specdec.v1.SessionCursor\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x15\n\rdraft_token_q\x18\x04 \x03(\x02\x12\x17\n\x0freturn_features\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18( \x01(\x08\x12\x14\n\x0ctop_logprobs\x18) \x01(\r\x12\x17\n\x0fprompt_logprobs\x18+ \x01(\x08\x12&\n\x05rules\x18\x32 \x01(\x0b\x32\x17.specdec.v1.OutputRules\"2\n\x0bRowLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x98\x04\n\x0eVerifyResponse\x12\x18\n\x10\x61rgmax_token_ids\x18\x01 \x03(\r\x12\x19\n\x11\x64raft_token_probs\x18\x02 \x03(\x02\x12\x35\n\rdistributions\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x0e\n\x06length\x18\x04 \x01(\r\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x02\x12\x1b\n\x0e\x62onus_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12$\n\x05\x62\x61tch\x18\x07 \x01(\x0b\x32\x15.specdec.v1.BatchInfo\x12\x15\n\rrules_seconds\x18\x0c \x01(\x02\x12\x10\n\x08\x66\x65\x61tures\x18\n \x01(\x0c\x12\x16\n\x0e\x66\x65\x61tures_start\x18\x0b \x01(\r\x12\x1c\n\x14\x64raft_token_logprobs\x18( \x03(\x02\x12-\n\x0ctop_logprobs\x18) \x03(\x0b\x32\x17.specdec.v1.RowLogprobs\x12 \n\x13\x62onus_token_logprob\x18* \x01(\x02H\x01\x88\x01\x01\x12\x1d\n\x15prompt_token_logprobs\x18+ \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18, \x03(\x0b\x32\x17.specdec.v1.RowLogprobsB\x11\n\x0f_bonus_token_idB\x16\n\x14_bonus_token_logprob\"M\n\x12GetLogprobsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"\'\n\x13GetLogprobsResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"]\n\x12GetFeaturesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\r\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0b\n\x03\x65nd\x18\x04 \x01(\r\"?\n\rFeaturesChunk\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0c\x32\xfb\x04\n\rTargetService\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12I\n\x0cVerifyStream\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12\x45\n\x08Truncate\x12\x1b.specdec.v1.TruncateRequest\x1a\x1c.specdec.v1.TruncateResponse\x12Z\n\x0fGetDistribution\x12\".specdec.v1.GetDistributionRequest\x1a#.specdec.v1.GetDistributionResponse\x12N\n\x0bGetLogprobs\x12\x1e.specdec.v1.GetLogprobsRequest\x1a\x1f.specdec.v1.GetLogprobsResponse\x12W\n\x0eReleaseSession\x12!.specdec.v1.ReleaseSessionRequest\x1a\".specdec.v1.ReleaseSessionResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.specdec.v1.GetModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12J\n\x0bGetFeatures\x12\x1e.specdec.v1.GetFeaturesRequest\x1a\x19.specdec.v1.FeaturesChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x1dspecdec/v1/model_server.proto\"\xbd\x02\n\rVerifyRequest\x12)\n\x06\x63ursor\x18\x01 \x01(\x0b\x32\x19.specdec.v1.SessionCursor\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x15\n\rdraft_token_q\x18\x04 \x03(\x02\x12\x17\n\x0freturn_features\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18( \x01(\x08\x12\x14\n\x0ctop_logprobs\x18) \x01(\r\x12\x17\n\x0fprompt_logprobs\x18+ \x01(\x08\x12&\n\x05rules\x18\x32 \x01(\x0b\x32\x17.specdec.v1.OutputRules\x12\r\n\x05steps\x18< \x01(\r\x12\x15\n\rend_token_ids\x18= \x03(\r\"2\n\x0bRowLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xb0\x04\n\x0eVerifyResponse\x12\x18\n\x10\x61rgmax_token_ids\x18\x01 \x03(\r\x12\x19\n\x11\x64raft_token_probs\x18\x02 \x03(\x02\x12\x35\n\rdistributions\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x0e\n\x06length\x18\x04 \x01(\r\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x02\x12\x1b\n\x0e\x62onus_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12$\n\x05\x62\x61tch\x18\x07 \x01(\x0b\x32\x15.specdec.v1.BatchInfo\x12\x15\n\rrules_seconds\x18\x0c \x01(\x02\x12\x10\n\x08\x66\x65\x61tures\x18\n \x01(\x0c\x12\x16\n\x0e\x66\x65\x61tures_start\x18\x0b \x01(\r\x12\x1c\n\x14\x64raft_token_logprobs\x18( \x03(\x02\x12-\n\x0ctop_logprobs\x18) \x03(\x0b\x32\x17.specdec.v1.RowLogprobs\x12 \n\x13\x62onus_token_logprob\x18* \x01(\x02H\x01\x88\x01\x01\x12\x1d\n\x15prompt_token_logprobs\x18+ \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18, \x03(\x0b\x32\x17.specdec.v1.RowLogprobs\x12\x16\n\x0estep_token_ids\x18< \x03(\rB\x11\n\x0f_bonus_token_idB\x16\n\x14_bonus_token_logprob\"M\n\x12GetLogprobsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"\'\n\x13GetLogprobsResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"]\n\x12GetFeaturesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\r\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0b\n\x03\x65nd\x18\x04 \x01(\r\"?\n\rFeaturesChunk\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0c\x32\xfb\x04\n\rTargetService\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12I\n\x0cVerifyStream\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12\x45\n\x08Truncate\x12\x1b.specdec.v1.TruncateRequest\x1a\x1c.specdec.v1.TruncateResponse\x12Z\n\x0fGetDistribution\x12\".specdec.v1.GetDistributionRequest\x1a#.specdec.v1.GetDistributionResponse\x12N\n\x0bGetLogprobs\x12\x1e.specdec.v1.GetLogprobsRequest\x1a\x1f.specdec.v1.GetLogprobsResponse\x12W\n\x0eReleaseSession\x12!.specdec.v1.ReleaseSessionRequest\x1a\".specdec.v1.ReleaseSessionResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.specdec.v1.GetModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12J\n\x0bGetFeatures\x12\x1e.specdec.v1.GetFeaturesRequest\x1a\x19.specdec.v1.FeaturesChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.target_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYREQUEST']._serialized_start=71
-  _globals['_VERIFYREQUEST']._serialized_end=350
-  _globals['_ROWLOGPROBS']._serialized_start=352
-  _globals['_ROWLOGPROBS']._serialized_end=402
-  _globals['_VERIFYRESPONSE']._serialized_start=405
-  _globals['_VERIFYRESPONSE']._serialized_end=941
-  _globals['_GETLOGPROBSREQUEST']._serialized_start=943
-  _globals['_GETLOGPROBSREQUEST']._serialized_end=1020
-  _globals['_GETLOGPROBSRESPONSE']._serialized_start=1022
-  _globals['_GETLOGPROBSRESPONSE']._serialized_end=1061
-  _globals['_GETFEATURESREQUEST']._serialized_start=1063
-  _globals['_GETFEATURESREQUEST']._serialized_end=1156
-  _globals['_FEATURESCHUNK']._serialized_start=1158
-  _globals['_FEATURESCHUNK']._serialized_end=1221
-  _globals['_TARGETSERVICE']._serialized_start=1224
-  _globals['_TARGETSERVICE']._serialized_end=1859
+  _globals['_VERIFYREQUEST']._serialized_end=388
+  _globals['_ROWLOGPROBS']._serialized_start=390
+  _globals['_ROWLOGPROBS']._serialized_end=440
+  _globals['_VERIFYRESPONSE']._serialized_start=443
+  _globals['_VERIFYRESPONSE']._serialized_end=1003
+  _globals['_GETLOGPROBSREQUEST']._serialized_start=1005
+  _globals['_GETLOGPROBSREQUEST']._serialized_end=1082
+  _globals['_GETLOGPROBSRESPONSE']._serialized_start=1084
+  _globals['_GETLOGPROBSRESPONSE']._serialized_end=1123
+  _globals['_GETFEATURESREQUEST']._serialized_start=1125
+  _globals['_GETFEATURESREQUEST']._serialized_end=1218
+  _globals['_FEATURESCHUNK']._serialized_start=1220
+  _globals['_FEATURESCHUNK']._serialized_end=1283
+  _globals['_TARGETSERVICE']._serialized_start=1286
+  _globals['_TARGETSERVICE']._serialized_end=1921
 # @@protoc_insertion_point(module_scope)
