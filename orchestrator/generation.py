@@ -130,13 +130,11 @@ class Generation:
 
     def _run_length(self, remaining: int, n_hist: int) -> int:
         """The tokens a round at K = 0 asks the target for in one call (VerifyRequest.steps): up to the spec's steps,
-        the tokens the request may still produce and the context's room; with adaptive speculation, no further
-        than its next drafted round (AdaptiveK.zero_run). One where a round needs the target's rows (logprobs, a
-        head draft's features)."""
+        the tokens the request may still produce and the context's room. One where a round needs the target's rows
+        (logprobs, a head draft's features)."""
         if self.head is not None or self.spec.logprobs is not None:
             return 1
-        n = min(self.spec.steps, remaining, self.max_model_len - n_hist)
-        return max(1, min(n, self.adaptive.zero_run()) if self.adaptive else n)
+        return max(1, min(self.spec.steps, remaining, self.max_model_len - n_hist))
 
     async def _make_room(self, k: int) -> int:
         """The round's K once the KV its sessions may come to hold (history + K) is reserved; -1 when the pools
@@ -338,8 +336,6 @@ class Generation:
         if n < k:
             s.rejected_rounds += 1
         self.metrics.record_round(k, n, len(added), trace, now - t0, now - t_accept, looked_up, run)
-        if run and self.adaptive:
-            self.adaptive.ran(run)
         if trace.built:  # a prefill's time says nothing of a decoding round's
             if self.speculation and trace.draft_built and k:
                 self.speculation.observe_start(k, trace.draft_wall_s)

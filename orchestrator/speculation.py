@@ -14,7 +14,8 @@ ways, a row costs its multiply-adds in full, and K falls to 0 by itself; on a GP
 speculation stays on under load. A request starts the draft (whose first call prefills the prompt) only when the
 time it expects to save over its remaining tokens is more than that prefill costs. So that alpha and the costs
 keep being measured where the target alone wins, a request that settles at K = 0 still drafts one token every
-PROBE_EVERY rounds, and every PROBE_EVERY-th request starts the draft regardless.
+PROBE_EVERY rounds, and every PROBE_EVERY-th request starts the draft regardless. A round at K = 0 may be a run of
+several tokens (--steps-per-call): it is priced with its call's overhead shared by them, and counts as one round.
 
 Which K a round drafts changes the speed, never the output: the choice depends only on rounds already
 finished, so greedy output stays the target's and sampled output is distributed as the target's. A seeded

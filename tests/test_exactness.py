@@ -228,12 +228,6 @@ def test_greedy_output_equals_target_alone_whatever_k_each_round_drafts(adaptive
         def observe(self, drafted, accepted):
             pass
 
-        def zero_run(self):  # a K = 0 round runs the target alone for up to 3 tokens
-            return 3
-
-        def ran(self, extra):
-            pass
-
     monkeypatch.setattr(generation, "AdaptiveK", Cycle)
     before = _rounds_by_k(adaptive_stack)
     for text, expected in zip(PROMPTS[:3], reference):
