@@ -339,15 +339,6 @@ class AdaptiveK:
             return 1
         return 0
 
-    def zero_run(self) -> int:
-        """After next_k chose 0: the rounds at K = 0 this request runs before it next drafts if nothing changes (up
-        to its probe), which one call to the target may run together (Generation._run_length)."""
-        return PROBE_EVERY - self._idle if self.cap else PROBE_EVERY
-
-    def ran(self, extra: int) -> None:
-        """A round at K = 0 that ran `extra` tokens after its own: as many rounds at K = 0 more."""
-        self._idle = min(self._idle + extra, PROBE_EVERY - 1)
-
     def observe(self, drafted: int, accepted: int) -> None:
         """A round whose drafts came from the draft (prompt lookup's are another source)."""
         self.acceptance.observe(drafted, accepted)
