@@ -242,8 +242,10 @@ class ModelServer:
     @contextlib.contextmanager
     def session(self, cursor: pb.SessionCursor, n_new: int, keep_features: bool = False):
         """The cursor's session, positioned and holding room for n_new tokens, for one call: another call on it
-        meanwhile is ABORTED. If the call fails or is cancelled after feeding part of its tokens, the session
-        is dropped (the client resends the history): a partial feed serves no one.
+        meanwhile is ABORTED. If the call fails or is cancelled after feeding part of its tokens, or created the
+        session, the session is dropped (the client resends the history): a partial feed serves no one, and a
+        session created by a cancelled call would wait out its idle time unreleased, since its client may have sent
+        its ReleaseSession before the call came through.
         keep_features: the call wants features; a session it creates keeps them from its first token on."""
         if keep_features and not self.feature_size:
             raise ServiceError(
@@ -272,7 +274,7 @@ class ModelServer:
         try:
             yield s
         except BaseException:
-            if len(s.tokens) != length:
+            if len(s.tokens) != length or cursor.expected_length == 0:  # a partial feed, or a session it created
                 self.pool.release(s.id)
             raise
         finally:
