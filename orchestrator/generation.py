@@ -49,6 +49,10 @@ class Generation:
         self.target = Link(Role.TARGET, target, session_id, cfg, metrics)
         self.head = HeadDraft(self.draft, self.target, draft.feature_size) if draft.reads_features else None
         self.end_ids = set() if spec.ignore_eos else set(eos_ids)  # end it as an EOS; stop_ids as a stop
+        # a round at K = 0 runs the target alone for up to this many tokens (VerifyRequest.steps), ending a run after
+        # any of run_ends; one where a round needs the target's rows (logprobs, a head draft's features)
+        self.steps = 1 if self.head is not None or spec.logprobs is not None else spec.steps
+        self.run_ends = sorted(self.end_ids | spec.stop_ids)
         self.kv = kv  # its KV reservation in admission; None: unlimited (tests of the loop alone)
         self.max_model_len = max_model_len
         self.metrics = metrics
@@ -61,7 +65,7 @@ class Generation:
                 spec.k,
                 ruled=spec.rules is not None,
                 sampling=spec.sampling.support_key,
-                run=spec.steps,
+                run=self.steps,
             )
             if speculation and spec.adaptive
             else None
@@ -97,7 +101,7 @@ class Generation:
                     else self.spec.k
                 )
             k = max(0, min(wanted, remaining - 1, self.max_model_len - n_hist - 1))
-            steps = 1 if k or not self.stats.rounds else self._run_length(remaining, n_hist)
+            steps = 1 if k or not self.stats.rounds else max(1, min(self.steps, remaining, self.max_model_len - n_hist))
             room = await self._make_room(max(k, steps - 1))
             if room < 0:  # the pools cannot hold one more token of it: as if the context were full
                 yield self._message([], gen_pb.FINISH_REASON_LENGTH)
@@ -111,7 +115,7 @@ class Generation:
             proposal = await self._propose(k, trace) if k and not looked_up else None
             drafts = looked_up or (list(proposal.token_ids) if proposal else [])
             q = _draft_q(proposal, drafts, self.spec.sampling.greedy)
-            verdict = await self._verify(drafts, q, trace, steps if not drafts else 1)
+            verdict = await self._verify(drafts, q, trace, steps)
             t_accept = time.perf_counter()
             try:
                 n, token = await self._accept(drafts, proposal, verdict, n_hist, trace)
@@ -127,14 +131,6 @@ class Generation:
                 finish = gen_pb.FINISH_REASON_CONTEXT_LENGTH
             self._record_round(len(drafts), n, added, trace, t0, t_accept, looked_up=bool(looked_up), run=len(run))
             yield self._message(added, finish, scored[: len(added)])
-
-    def _run_length(self, remaining: int, n_hist: int) -> int:
-        """The tokens a round at K = 0 asks the target for in one call (VerifyRequest.steps): up to the spec's steps,
-        the tokens the request may still produce and the context's room. One where a round needs the target's rows
-        (logprobs, a head draft's features)."""
-        if self.head is not None or self.spec.logprobs is not None:
-            return 1
-        return max(1, min(self.spec.steps, remaining, self.max_model_len - n_hist))
 
     async def _make_room(self, k: int) -> int:
         """The round's K once the KV its sessions may come to hold (history + K) is reserved; -1 when the pools
@@ -193,7 +189,7 @@ class Generation:
         self, drafts: list[int], q: list[float], trace: RoundTrace, steps: int = 1
     ) -> target_pb2.VerifyResponse:
         """The target's verdict on the drafts (q: what the ratio test gives each, sampled; the target then answers
-        up to the first draft rejected); steps: without drafts, the tokens the target may run alone (_run_length).
+        up to the first draft rejected); steps: without drafts, the tokens the target may run alone (self.steps).
         With a head draft every Verify returns features, and one that would answer with more than
         head_draft.VERIFY_BYTES of them goes in pieces (HeadDraft.bound_verify)."""
         target, history, cut = self.target, self.history, [False]
@@ -211,7 +207,7 @@ class Generation:
                 prompt_logprobs=self.spec.prompt_logprobs and self.prompt_logprobs is None and not target.mirror,
                 rules=self.spec.rules,
                 steps=steps,
-                end_token_ids=sorted(self.end_ids | self.spec.stop_ids) if steps > 1 else (),
+                end_token_ids=self.run_ends if steps > 1 else (),
             )
             cut[0] = self.head is not None and self.head.bound_verify(req)
             return req

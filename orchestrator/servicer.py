@@ -116,7 +116,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             min_confidence=confidence,
             lookup=(lookup_min, cfg.prompt_lookup_max),
             speculate_first_round=cfg.speculate_first_round,
-            steps=1 if req.logprobs else cfg.steps_per_call,
+            steps=cfg.steps_per_call,
             adaptive=adaptive,
             ignore_eos=req.ignore_eos,
             stop_ids=frozenset(req.stop_token_ids),

@@ -26,6 +26,6 @@ class GenerationSpec:
     rules: ms_pb.OutputRules | None = None  # sent on every model call (specdec/rules.py); None: no rules
     grammar: Any = None  # a specdec.rules.RuleState of the rules' grammar, which cuts prompt-lookup proposals
     prompt_logprobs: bool = False  # ask the target for the prompt's logprobs (an echo's) in the first round
-    steps: int = 1  # tokens a round at K = 0 asks the target for in one call (VerifyRequest.steps)
+    steps: int = 1  # tokens a round at K = 0 may ask the target for in one call (Generation.steps)
     adaptive: bool = False  # each round chooses K in 0..k (orchestrator.speculation), k until the process has
     # measured a drafted round; False: every round drafts k

@@ -88,8 +88,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
                 else core.rules.masks(rules, s.tokens + unseen + drafts, start + len(unseen), len(drafts) + 1)
             )
             logits = await core.forward(s, unseen + drafts, scored, stats)  # [scored, vocab]
-        resp = target_pb2.VerifyResponse(length=len(s.tokens))
-        stats.fill(resp)
+        resp = target_pb2.VerifyResponse()  # its length and BatchInfo once the run is done (_run)
         if req.prompt_logprobs:  # the rows before the last unseen token score the unseen tokens after the first
             logprobs.fill_prompt(resp, logits[: len(unseen) - 1], unseen[1:], req.top_logprobs)
             logits = logits[len(unseen) - 1 :]  # [K+1, vocab]
@@ -115,7 +114,8 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
     async def _run(self, req, s, token: int, params, checked, stats: CallStats, resp):
         """A Verify's run (VerifyRequest.steps): after the verdict's token, the target alone, each next token picked
         as a Verify without drafts picks it, one pass each, until the run has `steps` tokens, or one of
-        end_token_ids, or the pool no room for another (the caller goes on with its next call)."""
+        end_token_ids, or the pool no room for another (the caller goes on with its next call). Then the response's
+        length and BatchInfo, for every Verify."""
         ends, core = set(req.end_token_ids), self.core
         while len(resp.step_token_ids) + 1 < req.steps and token not in ends:
             cursor = ms_pb.SessionCursor(session_id=s.id, expected_length=len(s.tokens), keep_length=len(s.tokens))
