@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from specdec.errors import ServiceError, invalid
-from specdec.grammar import best_allowed, check_grammar, forced_tokens, grammar_text, lltokenizer, unpack
+from specdec.grammar import allows, best_allowed, check_grammar, forced_tokens, grammar_text, lltokenizer, unpack
+from specdec.mask_check import Trust
 from specdec.penalties import TokenCounts
 from specdec.prefix_cache import common_prefix
 from specdec.runners.kernels import kernels_for
@@ -166,7 +167,13 @@ class RuleState:
             if pick is None:  # the mask decides, for this row alone
                 row = self._bitmask(1, vocab)[:1]
                 matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-                pick = argmax_rows(self._mask(out[i : i + 1], row, vocab, ids))[0]
+                masked = self._mask(out[i : i + 1], row, vocab, ids)
+                pick = argmax_rows(masked)[0]
+                token = pick if columns is None else int(columns[pick])  # -inf: the mask allows none of the columns
+                if masked[0, pick] > -np.inf and not allows(matcher, token, self.ends):  # never emitted
+                    raise ServiceError(
+                        grpc.StatusCode.INTERNAL, f"the grammar's mask allowed {token}, which it refuses"
+                    )
             picks.append(pick)
             if to_mismatch and (i == n - 1 or pick != drafts[i]):
                 break
@@ -346,6 +353,7 @@ class RuleBook:
         self._tokenizer = None
         self._checked: dict[bytes, Rules | None] = {}
         self._matchers: dict[str, object] = {}  # grammar text -> a matcher at its start (``_pristine``)
+        self._trust = Trust()  # whether this machine's masks agree with the grammar engine (specdec/mask_check.py)
 
     @property
     def tokenizer(self):
@@ -361,6 +369,7 @@ class RuleBook:
             rules = from_proto(msg, self.vocab_size) if key else None
             if rules is not None and rules.grammar is not None:
                 check_grammar(rules.grammar, self.tokenizer)
+                self._trust.require(self)
             if len(self._checked) >= 64:
                 self._checked.pop(next(iter(self._checked)))
             self._checked[key] = rules

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import llguidance
 import numpy as np
 import pytest
 import torch
 
-from specdec import grammar, rules
+from specdec import grammar, mask_check, rules
 from specdec.errors import ServiceError
 from specdec.v1 import model_server_pb2 as pb
 from target_service.servicer import to_first_mismatch
@@ -437,3 +438,43 @@ def test_sessions_of_one_grammar_each_get_a_matcher_of_their_own(book, tokenizer
     assert np.array_equal(b.masks([], 0, 1, vocab), start.masks([], 0, 1, vocab))
     assert not np.array_equal(a.masks(history, len(history), 1, vocab), start.masks([], 0, 1, vocab))
     assert a.matcher is not b.matcher
+
+
+def test_this_machines_masks_agree_with_the_grammar_engine(book):
+    # what a server checks at its first grammar (specdec/mask_check.py); a machine where it fails refuses grammars
+    assert mask_check.disagreement(book) is None
+
+
+def test_masks_that_disagree_with_the_grammar_refuse_grammars_saying_why(tokenizer, monkeypatch):
+    # a mask one row late, as an H100 machine's Xeon gave one (docs/performance.md, item 41): each row allows what
+    # the grammar allowed a token before
+    masks = rules.RuleState.masks
+
+    def late(self, tokens, first, n, vocab):
+        out = masks(self, tokens, first, n, vocab).copy()
+        out[1:] = out[:-1].copy()
+        return out
+
+    monkeypatch.setattr(rules.RuleState, "masks", late)
+    book = rules.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])  # a server that checks them now
+    assert "which the grammar refuses" in mask_check.disagreement(book)
+    for _ in range(2):  # checked once, refused every time
+        with pytest.raises(ServiceError) as e:
+            book.check(schema_rules())
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "structured output is off" in str(e.value)
+    assert book.check(pb.OutputRules(output_start=0, presence_penalty=0.5)) is not None  # other rules still run
+
+
+def test_greedy_never_emits_a_token_its_mask_allowed_wrongly(book, tokenizer, monkeypatch):
+    # after '{"name":' the grammar forces ' "' and no whole token, so the mask picks the row's token (best_allowed);
+    # a mask that lets the row's best token through, which the grammar refuses, fails the call instead
+    answer = encode(tokenizer, '{"name":')
+    state = book.state_for(type("Session", (), {"rules": None})(), book.check(schema_rules()))
+    assert state.argmax(torch.zeros(1, len(tokenizer)), answer, len(answer), len(tokenizer))[0] != [0]
+    monkeypatch.setattr(rules.RuleState, "_mask", lambda self, out, packed, vocab, ids: out)  # masks nothing
+    refused = encode(tokenizer, ":")[0]
+    logits = torch.zeros(1, len(tokenizer))
+    logits[0, refused] = 10.0
+    with pytest.raises(ServiceError) as e:
+        state.argmax(logits, answer, len(answer), len(tokenizer))
+    assert e.value.code == grpc.StatusCode.INTERNAL and f"allowed {refused}" in str(e.value)
