@@ -213,7 +213,7 @@ def test_auto_gives_a_target_the_activations_its_file_passed_the_gate_with(tiny_
     )
     assert resolve("cpu", "auto", gguf) == "float32"  # no record yet
     gate.record(gguf, _gate_report(0.97, 0.999))
-    wide = "int16" if isas[0] in ("amx", "avx512-vnni") else "float32"  # auto's instruction sets (AUTO_ISAS)
+    wide = "int16" if specdec.runners.quantized_rows_pay() else "float32"  # where they are the faster (below)
     assert resolve("cpu", "auto", gguf) == wide
     gate.record(gguf, _gate_report(0.995, 0.999))
     assert resolve("cpu", "auto", gguf) == ("int8" if wide != "float32" else "float32")  # the faster first
@@ -222,12 +222,33 @@ def test_auto_gives_a_target_the_activations_its_file_passed_the_gate_with(tiny_
     assert resolve("cpu", "auto", None) == "float32"  # no blocks
     assert resolve("cuda", "auto", gguf) == "float32"
     assert resolve("cpu", "hf", gguf) == "float32"
-    monkeypatch.setattr(specdec.runners, "AUTO_ISAS", ("no-such-isa",))
+    monkeypatch.setattr(specdec.runners, "quantized_rows_pay", lambda: False)
     assert resolve("cpu", "auto", gguf) == "float32"  # only where the quantized forms were measured faster
     assert resolve_activations("float32", "target", tiny_draft, "cpu", "auto", gguf) == "float32"
     assert resolve_activations("int8", "target", tiny_draft, "cuda", "auto", None) == "int8"  # as asked
     with pytest.raises(ValueError, match="lean runner"):
         make_runner(tiny_draft, 49152, 64, "hf", activations="int16")
+
+
+@pytest.mark.parametrize(
+    "best, flags, pays",
+    [
+        ("amx", {"avx2", "avx512f"}, True),
+        ("avx512-vnni", {"avx2", "avx512f"}, True),
+        ("avx2", {"avx2", "avx512f"}, False),  # AVX-512 without VNNI: float32 rows run in 512 bits, int8 in 256
+        ("avx-vnni", {"avx2", "avx512f"}, False),
+        ("avx2", {"avx2"}, True),  # no AVX-512F: both run in 256 bits
+        ("avx-vnni", {"avx2", "avx_vnni"}, True),
+        (None, {"avx2"}, False),  # no quantized forms built
+    ],
+)
+def test_quantized_rows_are_chosen_where_float32_rows_run_no_wider(best, flags, pays, monkeypatch):
+    import specdec.runners
+    from specdec.runners import kernels
+
+    monkeypatch.setattr(specdec.runners, "q8_isas", lambda: [best, "avx2"] if best else [])
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(flags))
+    assert specdec.runners.quantized_rows_pay() is pays
 
 
 def test_the_repositorys_gate_record_is_for_the_embedded_targets_file():

@@ -154,13 +154,11 @@ def resolve_kv_cache(kv_cache: str, role: str, activations: str, gguf: str | Non
 
 def gated_activations(gguf: str | None) -> str:
     """The activations auto gives a float32 target from this GGUF file on this CPU: the form the file passed the
-    quality gate with (int8 before int16, the faster), where the CPU's best form is one of AUTO_ISAS; else
-    float32."""
+    quality gate with (int8 before int16, the faster), where they are the faster on this CPU (quantized_rows_pay);
+    else float32."""
     from specdec.runners import gate
 
-    if gguf is None:
-        return "float32"
-    if not has_auto_isa():
+    if gguf is None or not quantized_rows_pay():
         return "float32"
     passed = gate.passed(gguf)
     return next((form for form in ("int8", "int16") if form in passed), "float32")
@@ -168,17 +166,33 @@ def gated_activations(gguf: str | None) -> str:
 
 def has_auto_isa() -> bool:
     """Whether the best form of the quantized-activation products on this CPU is one of AUTO_ISAS."""
+    isas = q8_isas()
+    return bool(isas) and isas[0] in AUTO_ISAS
+
+
+def quantized_rows_pay() -> bool:
+    """Whether a target's products with quantized activations beat its float32 ones on this CPU: where their best
+    form is one of AUTO_ISAS, or where the CPU has no AVX-512F, so that its float32 products run in 256 bits too."""
+    from specdec.runners.kernels import cpu_flags
+
+    return has_auto_isa() or (bool(q8_isas()) and "avx512f" not in cpu_flags())
+
+
+def q8_isas() -> list[str]:
+    """The instruction-set forms of the quantized-activation products built here, the best first; [] without them."""
     from specdec.runners.kernels import cpu_kernels
 
     kernels = cpu_kernels()
-    isas = list(kernels.q8_isas()) if kernels is not None else []
-    return bool(isas) and isas[0] in AUTO_ISAS
+    return list(kernels.q8_isas()) if kernels is not None else []
 
 
 # auto's rules beyond the gate, measured (docs/performance.md):
 # - the instruction set: with AVX-512 VNNI a verify row of the embedded target costs 0.28 ms with 8-bit activations
 #   and 0.33-0.36 with 16-bit ones, against 0.74-0.77 with float32 ones; in the 256-bit forms (AVX-VNNI, AVX2) the
 #   layers' products at 8 rows cost 6.8-7.8 ms with 8 bits and 9.6-11.8 with 16, against 6.3 in float32 (2026-11-26).
+#   That float32 was AVX-512's: on a CPU without AVX-512F (a 2-core AMD EPYC VM with AVX2, 2026-11-27) the embedded
+#   target's step at a context of 200 cost 87 ms in float32 (its gguf form; 30 in fewrow on float32 weights), 9.5 ms
+#   with 16-bit activations and 7.8-9.2 with 8-bit ones; a verify of 4 rows 114, 25.8 and 19.7 ms.
 # - a draft: its numbers only change q; through the services (2026-11-26) the embedded draft's step, bound by
 #   reading its int8 weights, gained nothing from 8-bit activations, and its greedy alpha was 0.005 lower. On Q4_1
 #   blocks (0.625 bytes a weight) it reads half the bytes: one stream with adaptive K 1.07x greedy and 1.11x at

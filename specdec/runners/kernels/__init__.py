@@ -31,6 +31,15 @@ HEADERS = ("vec.h", "layer.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags as /proc/cpuinfo names them (avx2, avx512f...); empty where it cannot be read."""
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split())
+
+
 def _cpu_signature() -> str:
     """The CPU's model and instruction-set flags: -march=native code is valid for these only."""
     try:
