@@ -272,7 +272,10 @@ def run_requests(services: Services, args: argparse.Namespace, check: Checks) ->
         first[0] == second[0],
         "" if first[0] == second[0] else f"differ at token {first_divergence(first[0], second[0])}",
     )
-    check_structured(address, k, n, check)
+    try:  # a grammar refused or failed is one check's failure; the checks after it still run
+        check_structured(address, k, n, check)
+    except grpc.RpcError as e:
+        check("structured output", False, f"{e.code().name}: {e.details()[:300]}")
     # at once: greedy and sampled alternate, each greedy one checked against K = 0 alone
     jobs = [
         (PROMPTS[i // 2 % len(PROMPTS)], speculative if i % 2 == 0 else dict(sampled, seed=100 + i))
