@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from specdec.errors import ServiceError
-from specdec.grammar import JSON_FORM, allows
+from specdec.grammar import JSON_FORM, allows, unpack
 
 log = logging.getLogger(__name__)
 
@@ -37,31 +37,45 @@ ALL_ALLOWED = 1024  # allows, and every token it allows where it allows at most 
 
 def disagreement(book) -> str | None:
     """None when this server's masks agree with the grammar's token checks at every row of PROBE_ANSWER; else the
-    first row and token where they differ. book: the server's RuleBook (its tokenizer and vocabulary)."""
+    first row and token where they differ, and which reading of the mask differs: the grammar engine's bits
+    themselves, or the bits as the mask kernel applies them to a row (numpy's unpacking where the kernel is not
+    built), or numpy's unpacking of them (RuleState.allowed). book: the server's RuleBook (tokenizer, vocabulary)."""
     import llguidance
 
     from specdec.rules import Rules, RuleState
 
     grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(PROBE_SCHEMA), defaults=JSON_FORM)
     answer = book.hf_tokenizer.encode(PROBE_ANSWER, add_special_tokens=False)
-    vocab = book.vocab_size
+    vocab, n = book.vocab_size, len(answer) + 1
     state = RuleState(Rules(output_start=0, grammar=grammar), book.tokenizer, book.eos_ids)
-    rows = state.apply(torch.zeros(len(answer) + 1, vocab), answer, 0, vocab)  # every row: the answer's drafts
-    allowed = (rows > -np.inf).numpy()
+    packed = state.masks(answer, 0, n, vocab).copy()  # every row: the answer as one call's drafts
+    columns = np.arange(vocab)
+    bits = ((packed[:, columns >> 5] >> (columns & 31)) & 1).astype(bool)  # [n, vocab], read without unpackbits
+    readings = {
+        "the mask applied to a row": (
+            state.apply(torch.zeros(n, vocab), answer, 0, vocab, packed=packed.copy()) > -np.inf
+        ).numpy(),
+        "numpy's unpacking of the mask": unpack(packed, vocab),
+    }
+    for name, reading in readings.items():
+        wrong = np.argwhere(reading != bits)
+        if len(wrong):
+            i, t = wrong[0].tolist()
+            return f"after {answer[:i]} {name} {'allows' if reading[i, t] else 'refuses'} token {t}, unlike its bits"
     checker = llguidance.LLMatcher(book.tokenizer, grammar)
     ends = frozenset(book.tokenizer.eos_tokens)
     sample = np.arange(0, vocab, SAMPLE_EVERY)
-    for i in range(len(answer) + 1):
-        if not allowed[i].any():
-            return f"after {answer[:i]} the mask allows nothing"
+    for i in range(n):
+        if not bits[i].any():
+            return f"after {answer[:i]} the grammar engine's mask allows nothing"
         forced = bool(checker.compute_ff_bytes())  # there a mask keeps the grammar's canonical tokens alone
-        kept = np.flatnonzero(allowed[i])
+        kept = np.flatnonzero(bits[i])
         for t in np.union1d(kept if len(kept) <= ALL_ALLOWED else kept[::SAMPLE_EVERY], sample).tolist():
             accepted = allows(checker, t, ends)
-            if allowed[i, t] and not accepted:
-                return f"after {answer[:i]} the mask allows token {t}, which the grammar refuses"
-            if accepted and not allowed[i, t] and not forced:
-                return f"after {answer[:i]} the mask refuses token {t}, which the grammar accepts"
+            if bits[i, t] and not accepted:
+                return f"after {answer[:i]} the grammar engine's mask allows token {t}, which the grammar refuses"
+            if accepted and not bits[i, t] and not forced:
+                return f"after {answer[:i]} the grammar engine's mask refuses token {t}, which the grammar accepts"
         if i < len(answer) and not checker.consume_token(answer[i]):
             return f"the grammar refuses its own probe answer at token {i}"
     return None

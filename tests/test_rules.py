@@ -457,12 +457,27 @@ def test_masks_that_disagree_with_the_grammar_refuse_grammars_saying_why(tokeniz
 
     monkeypatch.setattr(rules.RuleState, "masks", late)
     book = rules.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])  # a server that checks them now
-    assert "which the grammar refuses" in mask_check.disagreement(book)
+    assert "the grammar engine's mask allows token" in mask_check.disagreement(book)
     for _ in range(2):  # checked once, refused every time
         with pytest.raises(ServiceError) as e:
             book.check(schema_rules())
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "structured output is off" in str(e.value)
     assert book.check(pb.OutputRules(output_start=0, presence_penalty=0.5)) is not None  # other rules still run
+
+
+@pytest.mark.parametrize(
+    "broken, named",
+    [("kernel", "the mask applied to a row allows token"), ("unpack", "numpy's unpacking of the mask refuses token")],
+)
+def test_the_check_names_the_reading_of_the_mask_that_differs(book, monkeypatch, broken, named):
+    # where the engine's bits are right but a reading of them is not, the check says which reading
+    if broken == "kernel":  # masks nothing
+        monkeypatch.setattr(rules.RuleState, "_mask", lambda self, out, packed, vocab, ids: out)
+    else:  # loses the last word's tokens
+        unpack = grammar.unpack
+        monkeypatch.setattr(mask_check, "unpack", lambda packed, vocab: unpack(packed[:, :-1], vocab))
+    fault = mask_check.disagreement(book)
+    assert fault is not None and named in fault and fault.endswith("unlike its bits")
 
 
 def test_greedy_never_emits_a_token_its_mask_allowed_wrongly(book, tokenizer, monkeypatch):
