@@ -272,10 +272,7 @@ def run_requests(services: Services, args: argparse.Namespace, check: Checks) ->
         first[0] == second[0],
         "" if first[0] == second[0] else f"differ at token {first_divergence(first[0], second[0])}",
     )
-    try:  # a grammar refused or failed is one check's failure; the checks after it still run
-        check_structured(address, k, n, check)
-    except grpc.RpcError as e:
-        check("structured output", False, f"{e.code().name}: {e.details()[:300]}")
+    check_structured(address, k, n, check)
     # at once: greedy and sampled alternate, each greedy one checked against K = 0 alone
     jobs = [
         (PROMPTS[i // 2 % len(PROMPTS)], speculative if i % 2 == 0 else dict(sampled, seed=100 + i))
@@ -320,9 +317,13 @@ def check_structured(address: str, k: int, n: int, check: Checks) -> None:
     prompt = "The weather in Oslo for the next days, as JSON."
     # room for the whole answer (about 15 tokens), whatever --tokens the other checks run
     rules = dict(grammar=ms_pb.Grammar(json_schema=json.dumps(SCHEMA)), prompt_lookup_min=0, max_tokens=max(n, 48))
-    ref = generate(address, prompt, num_speculative_tokens=0, temperature=0.0, **rules)
-    got = generate(address, prompt, num_speculative_tokens=k, temperature=0.0, **rules)
-    sampled = generate(address, prompt, num_speculative_tokens=k, seed=3, **SAMPLED, **rules)
+    try:
+        ref = generate(address, prompt, num_speculative_tokens=0, temperature=0.0, **rules)
+        got = generate(address, prompt, num_speculative_tokens=k, temperature=0.0, **rules)
+        sampled = generate(address, prompt, num_speculative_tokens=k, seed=3, **SAMPLED, **rules)
+    except grpc.RpcError as e:  # a grammar refused or failed fails this check; the checks after it still run
+        check("structured output", False, f"{e.code().name}: {e.details()[:300]}")
+        return
     compare_greedy(check, f"K = {k} greedy under a JSON schema", got[0], ref[0], (got[1], ref[1]))
     for name, (_, text, stats) in (("greedy", got), ("sampled", sampled)):
         try:
