@@ -153,8 +153,11 @@ class Duplex:
             self._call, self._answered = getattr(self.client.stub, self.method)(), 0
         call, reused = self._call, self._answered > 0
         try:
-            response = await asyncio.wait_for(_write_read(call, request), self.client.cfg.rpc_timeout_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: before Python 3.12, wait_for returns an answer that arrives as its
+            # task is cancelled and drops the cancellation, so a request whose client left ran on to its end.
+            async with asyncio.timeout(self.client.cfg.rpc_timeout_s):
+                response = await _write_read(call, request)
+        except TimeoutError:
             self.close()
             raise rpc_error(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.client.cfg.rpc_timeout_s:g} s"

@@ -254,25 +254,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         last: list[float | None] = [None] * len(gens)
         finished = [False] * len(gens)
         try:
-            async for i, msg in choices.interleave(gens, self._release):
-                gen, now = gens[i], time.perf_counter()
-                if last[i] is None:
-                    gen.stats.time_to_first_token_seconds = now - arrived
-                    m.ttft.observe(now - arrived)
-                    if request.echo:
-                        msg.prompt_token_ids.extend(spec.prompt_ids)
-                        msg.prompt_logprobs.extend(gens[0].prompt_logprobs or ())
-                else:
-                    m.inter_token.observe(now - last[i])
-                last[i], msg.index = now, i
-                if msg.HasField("stats"):
-                    msg.stats.time_to_first_token_seconds = gen.stats.time_to_first_token_seconds
-                    msg.stats.total_seconds = now - arrived
-                    finished[i] = True
-                    if all(finished):
-                        m.requests.labels(gen_pb.FinishReason.Name(gens[0].stats.finish_reason)).inc()
-                    m.request_acceptance.observe(msg.stats.acceptance_rate)
-                yield msg
+            async with contextlib.aclosing(choices.interleave(gens, self._release)) as messages:
+                async for i, msg in messages:
+                    gen, now = gens[i], time.perf_counter()
+                    if last[i] is None:
+                        gen.stats.time_to_first_token_seconds = now - arrived
+                        m.ttft.observe(now - arrived)
+                        if request.echo:
+                            msg.prompt_token_ids.extend(spec.prompt_ids)
+                            msg.prompt_logprobs.extend(gens[0].prompt_logprobs or ())
+                    else:
+                        m.inter_token.observe(now - last[i])
+                    last[i], msg.index = now, i
+                    if msg.HasField("stats"):
+                        msg.stats.time_to_first_token_seconds = gen.stats.time_to_first_token_seconds
+                        msg.stats.total_seconds = now - arrived
+                        finished[i] = True
+                        if all(finished):
+                            m.requests.labels(gen_pb.FinishReason.Name(gens[0].stats.finish_reason)).inc()
+                        m.request_acceptance.observe(msg.stats.acceptance_rate)
+                    yield msg
         except ServiceError as e:
             m.request_errors.labels(e.code.name).inc()
             raise

@@ -299,9 +299,9 @@ class Engine:
             return
         self._back = asyncio.Event()
         try:
-            await asyncio.wait_for(self._back.wait(), limit)
-        except asyncio.TimeoutError:
-            pass
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout, not wait_for (see orchestrator/link.py)
+                async with asyncio.timeout(limit):
+                    await self._back.wait()
         finally:
             self._back = None
             self._expected = set()

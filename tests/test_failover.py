@@ -187,6 +187,38 @@ def test_a_stream_torn_down_under_a_message_counts_as_unavailable(code):
     assert failover.broken_stream(Code.NOT_FOUND, "x", reused=True) == (Code.NOT_FOUND, "x")
 
 
+def test_a_round_call_cancelled_as_its_answer_arrives_ends_cancelled():
+    """The request's task cancelled in the same turn of the loop as its stream's answer arrives (its client left as
+    the round came back) ends cancelled rather than going on to its next round: a generation that ignored it ran
+    to max_tokens, holding its sessions."""
+    from orchestrator.link import Duplex
+
+    async def go():
+        answer = asyncio.get_running_loop().create_future()
+
+        class Call:
+            async def write(self, request):
+                pass
+
+            async def read(self):
+                return await answer
+
+            def cancel(self):
+                pass
+
+        client = FakeClient("a:1", OrchestratorConfig())
+        client.stub = type("Stub", (), {"VerifyStream": staticmethod(Call)})()
+        task = asyncio.ensure_future(Duplex(client, "VerifyStream").call("request"))
+        for _ in range(3):  # to the read
+            await asyncio.sleep(0)
+        answer.set_result("answer")  # the read is woken first, then the task's cancellation
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())
+
+
 def test_a_cursor_keeps_exactly_the_prefix_the_mirror_shares_with_the_history():
     """common_prefix, which sets a cursor's keep_length, against a count one token at a time: lists parting at
     their ends (a round's rejected drafts), far from them (a rebuilt session), or not at all."""

@@ -26,7 +26,7 @@ def _certificates(folder):
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def issue(name, issuer=None, ca=False, sans=()):
         key = ec.generate_private_key(ec.SECP256R1())
