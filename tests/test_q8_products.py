@@ -152,6 +152,20 @@ def test_q4_1s_minimum_term_takes_the_blocks_integer_sum(kernels, isas, bits):
         torch.testing.assert_close(got, want[:, None].expand(2, n), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("bits", [8, 16])
+def test_q4_1_blocks_at_their_largest_sum_exactly(kernels, isas, bits):
+    """Every nibble 15 and every x at its block's largest |q|, one sign a row: the largest sums a block's integer
+    products reach (AVX2 adds a block's maddubs pairs in 16 bits, 16 * 15 * 127 = 30,480 at most)."""
+    n, k = 16, 64
+    q = torch.full((n, k // 32 * 16), 255, dtype=torch.uint8)
+    scales = torch.tensor([1.0, 0.0]).repeat(n, k // 32)
+    x = torch.ones(2, k)
+    x[1] = -1.0
+    for isa in isas:
+        got = qb.pack_q4_1(q, scales).with_isa(isa, bits).product(kernels, x)
+        assert torch.equal(got, torch.tensor([[15.0 * k], [-15.0 * k]]).expand(2, n)), isa
+
+
 def test_q4_1_quantization_writes_blocks_llama_cpp_reads_each_weight_within_half_a_step():
     """A draft's int4 weights (forms.quantize_q4_1) are GGUF Q4_1 blocks: laid out as a file's, gguf's own
     dequantizer gives back every weight within half its block's step (d / 2, plus fp16's rounding of d and m)."""

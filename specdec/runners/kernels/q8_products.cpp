@@ -306,6 +306,16 @@ inline __m256i block_dot256(const __m256i* w, const int8_t* xp, const Tile& t, i
   const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
   int32_t x4[8];
   std::memcpy(x4, xp, sizeof x4);
+  if (F == Format::Q4_1 && !Vnni) {
+    // maddubs's pairs of 4-bit w and |x| <= 127 are at most 3,810: eight of them add in 16 bits exactly, so one
+    // madd widens the block's sums instead of one a group
+    __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g += 2) {
+      p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(x4[g])));
+      p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(w[g + 1], _mm256_set1_epi32(x4[g + 1])));
+    }
+    return _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
+  }
   __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
   for (int g = 0; g < 8; g++) {
     const __m256i xb = _mm256_set1_epi32(x4[g]);
