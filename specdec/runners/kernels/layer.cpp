@@ -199,6 +199,7 @@ static void attend_queries(const float* qs, const T* K, const T* V, int64_t cap,
       const int64_t stop = std::min<int64_t>(u0 + 16, start + i / group + 1);
       if (stop <= u0) continue;
       const float* si = s + (i - q0) * stride;
+#ifdef __AVX512F__
       vec ov[DV];
       for (int c = 0; c < DV; c++) ov[c] = acc[(i - q0) * DV + c];
       for (int64_t u = u0; u < stop; u++) {
@@ -206,6 +207,19 @@ static void attend_queries(const float* qs, const T* K, const T* V, int64_t cap,
         for (int c = 0; c < DV; c++) ov[c] += si[u] * load(v + 16 * c);
       }
       for (int c = 0; c < DV; c++) acc[(i - q0) * DV + c] = ov[c];
+#else
+      // The same multiply-add per lane in 8-float vectors: without AVX-512, GCC builds a 16-float splat of si[u]
+      // through 16 stores to the stack and keeps the accumulators there, so AVX2 takes this form (the same bits)
+      vec8 ov[2 * DV];
+      std::memcpy(ov, &acc[(i - q0) * DV], sizeof ov);
+      for (int64_t u = u0; u < stop; u++) {
+        const float* v = block + (u - u0) * D;
+        const float w = si[u];
+        const vec8 wv = {w, w, w, w, w, w, w, w};
+        for (int c = 0; c < 2 * DV; c++) ov[c] += wv * load8(v + 8 * c);
+      }
+      std::memcpy(&acc[(i - q0) * DV], ov, sizeof ov);
+#endif
     }
   }
   for (int64_t i = q0; i < q1; i++)

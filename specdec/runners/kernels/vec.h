@@ -22,6 +22,12 @@ static inline vec load(const float* p) {
 
 static inline void store(float* p, vec v) { __builtin_memcpy(p, &v, sizeof v); }
 
+static inline vec8 load8(const float* p) {
+  vec8 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
 // A tree of shuffles: indexing lanes would give the accumulators an address and keep them in memory.
 static inline float lane_sum(vec v) {
   vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
