@@ -131,8 +131,13 @@ def test_every_dashboard_and_alert_expression_returns_data(
         time.sleep(2)
         for i in range(3):  # a short load: greedy, sampled, and one bad request
             stack.generate(prompt="Tell me about the sea.", max_tokens=12, temperature=0.7 * (i % 2), seed=i)
+        # a K asked for is kept: adaptive speculation could price drafting out on a slow CPU, and then nothing looks up
         _, _, stats = stack.generate(
-            prompt="red green blue red green blue red green", max_tokens=12, temperature=0.0, prompt_lookup_min=2
+            prompt="red green blue red green blue red green",
+            max_tokens=12,
+            temperature=0.0,
+            prompt_lookup_min=2,
+            num_speculative_tokens=4,
         )
         assert stats.lookup_rounds > 0  # the pattern repeats, so prompt lookup proposed
         stack.generate(prompt="A JSON object:", max_tokens=12, temperature=0.0, grammar=ms_pb.Grammar(json_object=True))
