@@ -107,8 +107,10 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
         core, head = self.core, rows is not None
         dists = []
         # greedy asks the grammar about its best tokens instead of masking the row (RuleState.argmax), unless the
-        # confidence is read, which needs the masked row's top probability
-        lazy = rules is not None and params.greedy and not min_confidence
+        # confidence is read, which needs the masked row's top probability; a sampled step masks its row only where
+        # the grammar refuses the row's best token (RuleState.sample_row)
+        how = "argmax" if params.greedy and not min_confidence else "apply"
+        how = "sample_row" if rules is not None and rules.matcher is not None and not params.greedy else how
         confidence = 1.0  # the draft's estimate that the target accepts every token so far
         jump = rules is not None and rules.matcher is not None and not head
         while len(resp.token_ids) < k:  # each step a pass of the engine, beside the other sessions' steps
@@ -120,20 +122,12 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
                     self._take_forced(forced, params, resp, dists)
                     feed = feed + forced
                     continue
-            masks = None if lazy else core.rules.masks(rules, s.tokens + feed, len(s.tokens) + len(feed), 1)  # beside
+            masks = core.rules.masks(rules, s.tokens + feed, len(s.tokens) + len(feed), 1) if how == "apply" else None
             step = await core.feed(s, feed, 1, stats, scored_only=True, features_in=rows, norm_rows=int(head))
-            logits = step.logits  # [1, scored tokens]
-            position = len(s.tokens)  # absolute position of the token drafted now
-            pick = None
+            logits, position = step.logits, len(s.tokens)  # [1, scored tokens]; the drafted token's position
+            pick = best = None
             if rules is not None:
-                t0 = time.perf_counter()
-                if lazy:
-                    (pick,), logits = core.rules.argmax(rules, logits, s.tokens, position, self.ids)
-                    blocked = logits[0, pick].item() == float("-inf")  # the best allowed is -inf: nothing is
-                else:
-                    logits = await core.rules.apply(rules, logits, s.tokens, position, self.ids, masks)
-                    blocked = logits.numpy().max() == -np.inf  # a reduction: isneginf's temporaries cost more
-                resp.rules_seconds += time.perf_counter() - t0
+                logits, pick, best, blocked = await self._ruled(rules, how, logits, s.tokens, position, masks, resp)
                 if blocked:  # nothing allowed: the round ends at the token before this step
                     if resp.token_ids:  # it was fed to reach this step: the session keeps the drafts but the last
                         core.pool.truncate(s, position - 1)
@@ -143,21 +137,52 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
                 if min_confidence:
                     confidence *= top_probability(logits[0])
             else:
-                probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)[0]
-                columns, p = support(probs)
-                found = (columns if self.ids is None else self.column_tokens[columns], p)  # ids stay ascending
-                x = sample_sparse(*found, uniform(params.seed, position, Purpose.DRAFT))
-                qx = float(p[np.searchsorted(found[0], x)])
-                dists.append(probs)
-                resp.distributions.append(self._row(found, probs))
+                x, qx = self._sample(logits, params, position, resp, dists)
                 confidence *= qx
             resp.token_ids.append(x)
             resp.token_probs.append(qx)
+            if best is not None and x != best and self._refused(rules, x, resp):  # drawn from an unmasked row: the
+                break  # round ends on it, a draft the target rejects (p = 0)
             if confidence < min_confidence:
                 break
             feed = [x]
             rows = step.normed if head else None  # [1, hidden]: g at the last position, read beside x
         return dists or None  # a row per draft: its probabilities, or a forced token
+
+    async def _ruled(self, rules, how: str, logits, tokens: list[int], position: int, masks, resp):
+        """A step's row under the rules, by RuleState's ``argmax``, ``sample_row`` or ``apply`` (how), timed into resp:
+        the row, greedy's pick (a column) or None, the token sample_row left the row unmasked for or None, and whether
+        the grammar allows none of the row's tokens."""
+        book, t0 = self.core.rules, time.perf_counter()
+        pick = best = None
+        if how == "argmax":
+            (pick,), logits = book.argmax(rules, logits, tokens, position, self.ids)
+            blocked = logits[0, pick].item() == float("-inf")  # the best allowed is -inf: nothing is
+        elif how == "sample_row":
+            logits, best = book.sample_row(rules, logits, tokens, position, self.ids)
+            blocked = best is None and logits.numpy().max() == -np.inf
+        else:
+            logits = await book.apply(rules, logits, tokens, position, self.ids, masks)
+            blocked = logits.numpy().max() == -np.inf  # a reduction: isneginf's temporaries cost more
+        resp.rules_seconds += time.perf_counter() - t0
+        return logits, pick, best, blocked
+
+    def _refused(self, rules, token: int, resp) -> bool:
+        """Whether the grammar refuses token at the step sample_row last saw, timed into resp."""
+        t0 = time.perf_counter()
+        refused = not self.core.rules.timed(0, rules.allows, token)
+        resp.rules_seconds += time.perf_counter() - t0
+        return refused
+
+    def _sample(self, logits, params, position: int, resp, dists: list) -> tuple[int, float]:
+        """A sampled step's token and its q, keyed by the position; its row goes to resp and dists."""
+        probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)[0]
+        columns, p = support(probs)
+        found = (columns if self.ids is None else self.column_tokens[columns], p)  # ids stay ascending
+        x = sample_sparse(*found, uniform(params.seed, position, Purpose.DRAFT))
+        dists.append(probs)
+        resp.distributions.append(self._row(found, probs))
+        return x, float(p[np.searchsorted(found[0], x)])
 
     def _take_forced(self, forced: list[int], params, resp, dists: list) -> None:
         """Draft the tokens a grammar forces, each with q = 1: the target's row there allows that token alone, so

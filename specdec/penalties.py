@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from specdec.prefix_cache import common_prefix
+from specdec.sampling import lookup
 
 
 class TokenCounts:
@@ -51,3 +52,42 @@ class TokenCounts:
             t = np.asarray(tokens, dtype=np.int64)
             np.add.at(self.held, t, sign)
             np.add.at(self.output, t[max(self.output_start - at, 0) :], sign)
+
+
+def row_edits(rules, counts: TokenCounts | None, tokens: list[int], first: int, n: int, scored=None) -> list:
+    """(row index, column index, function of those logits) for the bias, the penalties and min_tokens of rules
+    (specdec.rules.Rules), in that order, as numpy indices: only the columns they touch. counts: the session's, where
+    the rules count tokens; scored: a draft's scored token ids (ascending), whose columns its rows hold, or None."""
+    edits, every_row = [], np.arange(n)[:, None]
+    if rules.bias:
+        cols, found = _columns([t for t, _ in rules.bias], scored)
+        if len(cols):
+            add = np.array([b for _, b in rules.bias], dtype=np.float32)[found]
+            edits.append((every_row, cols, lambda x: x + add))
+    if rules.counts_tokens:
+        cand, occurrences, seen = counts.rows(tokens, first, n)  # tokens, [n, len(cand)] twice
+        cols, keep = _columns(cand, scored)
+        if len(cols):
+            c, s = occurrences[:, keep], seen[:, keep]
+            edits.append((every_row, cols, lambda x: _penalize(rules, x, c, s)))
+    short = [i for i in range(n) if first + i - rules.output_start < rules.min_tokens]
+    blocked, _ = _columns(rules.blocked, scored)
+    if short and len(blocked):
+        edits.append((np.array(short)[:, None], blocked, lambda x: np.full_like(x, -np.inf)))
+    return edits
+
+
+def _columns(tokens, scored: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """The columns of the tokens a row holds (a token's own, or its column among a draft's scored ids), and which of
+    the tokens have one."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if scored is None or not len(tokens):
+        return tokens, np.ones(len(tokens), dtype=bool)
+    at, found = lookup(scored, tokens)
+    return at[found], found
+
+
+def _penalize(rules, x: np.ndarray, counts: np.ndarray, seen: np.ndarray) -> np.ndarray:
+    if rules.repetition != 1.0:
+        x = np.where(seen, np.where(x > 0, x / np.float32(rules.repetition), x * np.float32(rules.repetition)), x)
+    return x - np.float32(rules.frequency) * counts - np.float32(rules.presence) * (counts > 0)

@@ -1,8 +1,10 @@
 """A generation's output rules on a model server: its grammar, logit_bias, penalties and min_tokens.
 
 The rules change each row's logits before temperature, top-k and top-p, on both model servers alike: the target's
-p becomes the constrained distribution the output follows, and the draft's q proposes only what it allows, so the
-ratio test keeps the output exact (Leviathan et al. hold for any p and q). Row by row, in this order:
+p becomes the constrained distribution the output follows, and the draft's q proposes what it allows, so the
+ratio test keeps the output exact (Leviathan et al. hold for any p and q). A sampled draft step skips the grammar's
+mask where the grammar allows its row's best token (``sample_row``): its q may then draw a token the grammar refuses,
+which ends its round and which the target rejects. Row by row, in this order:
 
   1. logit_bias: added to the token's logit;
   2. repetition_penalty r (vLLM's): a token seen in the prompt or the output before the row has a positive logit
@@ -36,10 +38,10 @@ import torch
 from specdec.errors import ServiceError, invalid
 from specdec.grammar import allows, best_allowed, check_grammar, forced_tokens, grammar_text, lltokenizer, unpack
 from specdec.mask_check import Trust
-from specdec.penalties import TokenCounts
+from specdec.penalties import TokenCounts, row_edits
 from specdec.prefix_cache import common_prefix
 from specdec.runners.kernels import kernels_for
-from specdec.sampling import argmax_rows, lookup
+from specdec.sampling import argmax_rows
 
 _NO_IDS = torch.empty(0, dtype=torch.long)  # mask_rows' columns for a full row
 
@@ -182,13 +184,38 @@ class RuleState:
                 self.consumed.append(drafts[i])
         return picks, out
 
+    def sample_row(
+        self, logits, tokens: list[int], first: int, vocab: int, ids=None
+    ) -> tuple[torch.Tensor, int | None]:
+        """A sampled draft step's row under the rules, and the token its mask was skipped for (None: masked, as by
+        ``apply``). Where nothing is forced and the grammar allows the row's best token, the row stays unmasked: q
+        is the row under the other rules, which the ratio test takes like any q, and a token drawn from it that the
+        grammar refuses (``allows``) ends the round, a draft the target rejects (p = 0; its residual max(0, p - q) is
+        the constrained p's). That saves the mask, 60-200 us, in about nine rows of ten (docs/performance.md, item
+        44). Arguments as ``apply``'s, for one row."""
+        out = self._edited(logits, tokens, first, ids, vocab)
+        if self._follow(tokens[self.rules.output_start : first]) and not self.matcher.compute_ff_bytes():
+            host = out.numpy()[0]
+            best = int(host.argmax())
+            token = best if ids is None else int(self._id_tensor(ids).numpy()[best])
+            if host[best] > -np.inf and allows(self.matcher, token, self.ends):
+                return out, token
+        return self._mask(out, self.masks(tokens, first, 1, vocab), vocab, ids), None
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows token after the history of the last ``sample_row``."""
+        return allows(self.matcher, token, self.ends)
+
     def _edited(self, logits: torch.Tensor, tokens: list[int], first: int, ids, vocab: int) -> torch.Tensor:
         """The rows with biases, penalties and min_tokens applied: float32 on the host, in place where they are."""
         out = logits.cpu()  # the rules run on the host: a device's few rows cross once, and are sampled there
         out = out if out.dtype == torch.float32 else out.float()  # [n, columns], edited in place
         if self.rules.has_edits:
+            if self.rules.counts_tokens and self._counts is None:
+                self._counts = TokenCounts(self.rules.output_start, vocab)
+            scored = None if ids is None else self._id_tensor(ids).numpy()
             host = out.numpy()
-            for rows, cols, fn in self._sparse_edits(tokens, first, logits.shape[0], ids, vocab):
+            for rows, cols, fn in row_edits(self.rules, self._counts, tokens, first, host.shape[0], scored):
                 host[rows, cols] = fn(host[rows, cols])
         return out
 
@@ -213,44 +240,8 @@ class RuleState:
         return torch.from_numpy(packed)
 
     def _id_tensor(self, ids: torch.Tensor) -> torch.Tensor:
-        """A draft's scored ids as an int64 CPU tensor, kept with its column map."""
-        return _columns_of(ids)[1]
-
-    def _column_map(self, ids: torch.Tensor | None):
-        """token id -> its column in the logits (None where a draft does not score it)."""
-        return (lambda t: t) if ids is None else _columns_of(ids)[0]
-
-    def _sparse_edits(self, tokens: list[int], first: int, n: int, ids, vocab: int) -> list:
-        """(row index, column index, function of those logits) for the bias, the penalties and min_tokens, in that
-        order, as numpy indices: only the columns they touch."""
-        rules, edits, column = self.rules, [], self._column_map(ids)
-        every_row = np.arange(n)[:, None]
-        if rules.bias:
-            cols = [(column(t), b) for t, b in rules.bias if column(t) is not None]
-            if cols:
-                add = np.array([b for _, b in cols], dtype=np.float32)
-                edits.append((every_row, np.array([c for c, _ in cols]), lambda x, add=add: x + add))
-        if rules.counts_tokens:
-            self._counts = self._counts or TokenCounts(rules.output_start, vocab)
-            cand, counts, seen = self._counts.rows(tokens, first, n)  # tokens, [n, len(cand)] twice
-            cols, keep = cand, slice(None)
-            if ids is not None:  # the columns of the tokens a draft scores (its ids ascend)
-                scored = self._id_tensor(ids).numpy()
-                at, keep = lookup(scored, cand)
-                cols = at[keep]
-            if len(cols):
-                edits.append((every_row, cols, lambda x, c=counts[:, keep], s=seen[:, keep]: self._penalize(x, c, s)))
-        short = [i for i in range(n) if first + i - rules.output_start < rules.min_tokens]
-        blocked = [column(t) for t in rules.blocked if column(t) is not None]
-        if short and blocked:
-            edits.append((np.array(short)[:, None], np.array(blocked), lambda x: np.full_like(x, -np.inf)))
-        return edits
-
-    def _penalize(self, x: np.ndarray, counts: np.ndarray, seen: np.ndarray) -> np.ndarray:
-        rules = self.rules
-        if rules.repetition != 1.0:
-            x = np.where(seen, np.where(x > 0, x / np.float32(rules.repetition), x * np.float32(rules.repetition)), x)
-        return x - np.float32(rules.frequency) * counts - np.float32(rules.presence) * (counts > 0)
+        """A draft's scored ids as an int64 CPU tensor."""
+        return _columns_of(ids)
 
     def allowed(self, tokens: list[int], first: int, n: int, vocab: int) -> np.ndarray:
         """[n, vocab] bool: what the grammar allows at each row. FAILED_PRECONDITION when the committed tokens
@@ -322,11 +313,10 @@ class RuleState:
 
 
 @functools.lru_cache(maxsize=4)
-def _columns_of(ids: torch.Tensor):
-    """A draft's scored ids (its server's one tensor, hashed by identity): token -> column, and the ids as an int64
-    CPU tensor; built once for the server, not for each session (13,146 entries for the embedded draft)."""
-    as_list = ids.tolist()
-    return {t: c for c, t in enumerate(as_list)}.get, torch.tensor(as_list, dtype=torch.long)
+def _columns_of(ids: torch.Tensor) -> torch.Tensor:
+    """A draft's scored ids (its server's one tensor, hashed by identity) as an int64 CPU tensor, made once for the
+    server, not for each session (13,146 entries for the embedded draft)."""
+    return torch.tensor(ids.tolist(), dtype=torch.long)
 
 
 _MASKS: ThreadPoolExecutor | None = None
@@ -407,16 +397,23 @@ class RuleBook:
     def argmax(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids=None, **how):
         """state.argmax over this server's vocabulary (greedy's columns and the rows), timed into the server's
         metrics; it needs no masks started beside the pass."""
-        t0 = time.perf_counter()
-        picks, out = state.argmax(logits, tokens, first, self.vocab_size, ids, **how)
-        spent = time.perf_counter() - t0
-        self._count(spent, spent, logits.shape[0])
-        return picks, out
+        return self.timed(logits.shape[0], state.argmax, logits, tokens, first, self.vocab_size, ids, **how)
+
+    def sample_row(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids=None):
+        """state.sample_row over this server's vocabulary, timed (no mask beside the pass: most rows need none)."""
+        return self.timed(1, state.sample_row, logits, tokens, first, self.vocab_size, ids)
 
     def forced(self, state: RuleState, tokens: list[int]) -> list[int]:
         """state.forced, timed into the server's metrics (no row: nothing is masked)."""
-        t0, out = time.perf_counter(), state.forced(tokens)
-        self._count(time.perf_counter() - t0, time.perf_counter() - t0, 0)
+        return self.timed(0, state.forced, tokens)
+
+    def timed(self, rows: int, fn, *args, **kwargs):
+        """fn(*args, **kwargs), a RuleState method that the call waits for, timed into the server's metrics (work and
+        wait alike); rows: the rows it rules (0 for a question about tokens, such as ``forced`` or ``allows``)."""
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        spent = time.perf_counter() - t0
+        self._count(spent, spent, rows)
         return out
 
     def _count(self, work_s: float, wait_s: float, rows: int) -> None:

@@ -377,6 +377,52 @@ def test_greedy_without_the_mask_picks_what_the_masked_rows_pick(book, tokenizer
     assert rows > 60
 
 
+@pytest.mark.parametrize("restricted", [False, True])
+def test_a_sampled_draft_row_goes_unmasked_only_where_the_grammar_allows_its_best_token(book, tokenizer, restricted):
+    """RuleState.sample_row: where nothing is forced and the grammar allows the row's best token, the row under the
+    other rules as it is, with that token; elsewhere the masked row, as ``apply`` gives it. ``allows`` then answers
+    for every token as the mask does. Along an answer with biases and penalties, over a draft's columns, with forced
+    keys, open values and the grammar's end."""
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    answer = encode(tokenizer, '{"name": "Ada Byron", "age": 36}') + [eos]
+    prompt = [5, 6, 7]
+    msg = schema_rules(len(prompt))
+    msg.logit_bias[answer[4]] = 1.5
+    msg.frequency_penalty = 0.4
+    checked = book.check(msg)
+    g, rng = torch.Generator().manual_seed(5), np.random.default_rng(5)
+    ids = torch.unique(torch.cat([torch.randperm(vocab, generator=g)[:9000], torch.tensor(answer)]))
+    tokens_of = ids.numpy() if restricted else np.arange(vocab)
+    seen = {"unmasked": 0, "masked": 0}
+    for trial in range(40):
+        cut = int(rng.integers(0, len(answer) + 1))
+        tokens = prompt + answer[:cut]
+        logits = torch.randn(1, vocab, generator=g) * 2
+        if cut < len(answer) and rng.random() < 0.6:  # the answer's token likely, as a model would make it
+            logits[0, answer[cut]] += 8
+        if cut < len(answer) and rng.random() < 0.5:  # or its first letter: it fits forced bytes, not canonically
+            logits[0, encode(tokenizer, tokenizer.decode(answer[cut])[:1])[0]] += 9
+        logits = logits[:, ids] if restricted else logits
+        columns = ids if restricted else None
+        fresh = lambda: rules.RuleState(checked, book.tokenizer, book.eos_ids)
+        edited = fresh()._edited(logits.clone(), tokens, len(tokens), columns, vocab)
+        masked = fresh().apply(logits.clone(), tokens, len(tokens), vocab, columns)
+        state = fresh()
+        out, best = state.sample_row(logits.clone(), tokens, len(tokens), vocab, columns)
+        if best is None:
+            seen["masked"] += 1
+            assert torch.equal(out, masked), f"trial {trial}"
+            continue
+        seen["unmasked"] += 1
+        top = int(edited[0].argmax())
+        assert torch.equal(out, edited) and best == int(tokens_of[top]), f"trial {trial}"
+        assert masked[0, top] == edited[0, top]  # the mask allows it
+        asked = rng.choice(len(tokens_of), 200, replace=False)
+        for c in asked:  # the matcher stays at the row's history: each token's answer is the mask's
+            assert state.allows(int(tokens_of[c])) == bool(masked[0, c] > -np.inf), f"trial {trial}, column {c}"
+    assert seen["unmasked"] >= 5 and seen["masked"] >= 5, seen
+
+
 @pytest.mark.parametrize("which", range(len(WALK_GRAMMARS)))
 def test_a_calls_masks_are_the_grammar_engines_own_row_by_row(book, tokenizer, which):
     """RuleState.masks over an answer sent as one call's drafts (forced rows written from the forced tokens, the rest
