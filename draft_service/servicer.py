@@ -125,9 +125,11 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
             masks = core.rules.masks(rules, s.tokens + feed, len(s.tokens) + len(feed), 1) if how == "apply" else None
             step = await core.feed(s, feed, 1, stats, scored_only=True, features_in=rows, norm_rows=int(head))
             logits, position = step.logits, len(s.tokens)  # [1, scored tokens]; the drafted token's position
-            pick = best = None
+            pick = checked = q = None
             if rules is not None:
-                logits, pick, best, blocked = await self._ruled(rules, how, logits, s.tokens, position, masks, resp)
+                logits, pick, checked, q, blocked = await self._ruled(
+                    rules, how, logits, s.tokens, position, masks, resp, params
+                )
                 if blocked:  # nothing allowed: the round ends at the token before this step
                     if resp.token_ids:  # it was fed to reach this step: the session keeps the drafts but the last
                         core.pool.truncate(s, position - 1)
@@ -137,35 +139,44 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
                 if min_confidence:
                     confidence *= top_probability(logits[0])
             else:
-                x, qx = self._sample(logits, params, position, resp, dists)
+                x, qx = self._sample(q or self._q(logits, params), params, position, resp, dists)
                 confidence *= qx
             resp.token_ids.append(x)
             resp.token_probs.append(qx)
-            if best is not None and x != best and self._refused(rules, x, resp):  # drawn from an unmasked row: the
-                break  # round ends on it, a draft the target rejects (p = 0)
+            if checked is not None and x not in checked and self._refused(rules, x, resp):  # drawn from an unmasked
+                break  # row, outside the tokens checked: the round ends on it, a draft the target rejects (p = 0)
             if confidence < min_confidence:
                 break
             feed = [x]
             rows = step.normed if head else None  # [1, hidden]: g at the last position, read beside x
         return dists or None  # a row per draft: its probabilities, or a forced token
 
-    async def _ruled(self, rules, how: str, logits, tokens: list[int], position: int, masks, resp):
+    async def _ruled(self, rules, how: str, logits, tokens: list[int], position: int, masks, resp, params):
         """A step's row under the rules, by RuleState's ``argmax``, ``sample_row`` or ``apply`` (how), timed into resp:
-        the row, greedy's pick (a column) or None, the token sample_row left the row unmasked for or None, and whether
-        the grammar allows none of the row's tokens."""
+        the row, greedy's pick (a column) or None, the tokens sample_row checked for an unmasked row or None, that
+        row's q (probabilities and support) or None, and whether the grammar allows none of the row's tokens."""
         book, t0 = self.core.rules, time.perf_counter()
-        pick = best = None
+        pick = checked = q = None
         if how == "argmax":
             (pick,), logits = book.argmax(rules, logits, tokens, position, self.ids)
             blocked = logits[0, pick].item() == float("-inf")  # the best allowed is -inf: nothing is
         elif how == "sample_row":
-            logits, best = book.sample_row(rules, logits, tokens, position, self.ids)
-            blocked = best is None and logits.numpy().max() == -np.inf
+            found = []
+
+            def q_support(row):  # the unmasked row's q, kept for the draw
+                found.append(self._q(row, params))
+                return found[0][1]
+
+            logits, checked, rules_s = book.sample_row(rules, logits, tokens, position, self.ids, q_support)
+            resp.rules_seconds += rules_s
+            q = found[0] if checked is not None else None
+            blocked = checked is None and logits.numpy().max() == -np.inf
+            return logits, pick, checked, q, blocked
         else:
             logits = await book.apply(rules, logits, tokens, position, self.ids, masks)
             blocked = logits.numpy().max() == -np.inf  # a reduction: isneginf's temporaries cost more
         resp.rules_seconds += time.perf_counter() - t0
-        return logits, pick, best, blocked
+        return logits, pick, checked, q, blocked
 
     def _refused(self, rules, token: int, resp) -> bool:
         """Whether the grammar refuses token at the step sample_row last saw, timed into resp."""
@@ -174,15 +185,20 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
         resp.rules_seconds += time.perf_counter() - t0
         return refused
 
-    def _sample(self, logits, params, position: int, resp, dists: list) -> tuple[int, float]:
-        """A sampled step's token and its q, keyed by the position; its row goes to resp and dists."""
+    def _q(self, logits, params) -> tuple[torch.Tensor, tuple[np.ndarray, np.ndarray]]:
+        """A sampled step's q: its probabilities over the columns, and its support by token id (ids ascending)."""
         probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)[0]
         columns, p = support(probs)
-        found = (columns if self.ids is None else self.column_tokens[columns], p)  # ids stay ascending
+        return probs, (columns if self.ids is None else self.column_tokens[columns], p)
+
+    def _sample(self, q, params, position: int, resp, dists: list) -> tuple[int, float]:
+        """A sampled step's token and its q(x), keyed by the position, from q (``_q``); its row goes to resp and
+        dists."""
+        probs, found = q
         x = sample_sparse(*found, uniform(params.seed, position, Purpose.DRAFT))
         dists.append(probs)
         resp.distributions.append(self._row(found, probs))
-        return x, float(p[np.searchsorted(found[0], x)])
+        return x, float(found[1][np.searchsorted(found[0], x)])
 
     def _take_forced(self, forced: list[int], params, resp, dists: list) -> None:
         """Draft the tokens a grammar forces, each with q = 1: the target's row there allows that token alone, so

@@ -3,8 +3,8 @@
 The rules change each row's logits before temperature, top-k and top-p, on both model servers alike: the target's
 p becomes the constrained distribution the output follows, and the draft's q proposes what it allows, so the
 ratio test keeps the output exact (Leviathan et al. hold for any p and q). A sampled draft step skips the grammar's
-mask where the grammar allows its row's best token (``sample_row``): its q may then draw a token the grammar refuses,
-which ends its round and which the target rejects. Row by row, in this order:
+mask where the grammar allows the likeliest tokens of its q (``sample_row``): its q may then draw a token the grammar
+refuses, which ends its round and which the target rejects. Row by row, in this order:
 
   1. logit_bias: added to the token's logit;
   2. repetition_penalty r (vLLM's): a token seen in the prompt or the output before the row has a positive logit
@@ -29,76 +29,26 @@ import asyncio
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
 import torch
 
-from specdec.errors import ServiceError, invalid
-from specdec.grammar import allows, best_allowed, check_grammar, forced_tokens, grammar_text, lltokenizer, unpack
+from specdec.errors import ServiceError
+from specdec.grammar import allows, best_allowed, check_grammar, forced_tokens, lltokenizer, unpack
 from specdec.mask_check import Trust
 from specdec.penalties import TokenCounts, row_edits
 from specdec.prefix_cache import common_prefix
+from specdec.rule_fields import Rules, from_proto
 from specdec.runners.kernels import kernels_for
-from specdec.sampling import argmax_rows
+from specdec.sampling import argmax_rows, likeliest
 
 _NO_IDS = torch.empty(0, dtype=torch.long)  # mask_rows' columns for a full row
-
-MAX_BIAS = 100.0
-
-
-@dataclass(frozen=True)
-class Rules:
-    """One generation's rules, checked (from specdec.v1.OutputRules)."""
-
-    output_start: int
-    grammar: str | None = None
-    bias: tuple[tuple[int, float], ...] = ()
-    presence: float = 0.0
-    frequency: float = 0.0
-    repetition: float = 1.0
-    min_tokens: int = 0
-    blocked: tuple[int, ...] = ()
-
-    @property
-    def counts_tokens(self) -> bool:
-        return bool(self.presence or self.frequency or self.repetition != 1.0)
-
-    @property
-    def has_edits(self) -> bool:
-        """Whether any rule but the grammar changes a row (bias, penalties, min_tokens)."""
-        return bool(self.bias or self.counts_tokens or self.blocked)
-
-
-def from_proto(msg, vocab_size: int) -> Rules | None:
-    """The rules of a request's OutputRules, or None where they change nothing; INVALID_ARGUMENT when out of range."""
-    if msg is None:
-        return None
-    bias = tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items() if b))
-    tokens = [t for t, _ in bias] + list(msg.min_tokens_blocked)
-    if any(t >= vocab_size for t in tokens):
-        raise invalid(f"a token id of the rules is outside the vocabulary of {vocab_size}")
-    if any(not abs(b) <= MAX_BIAS for _, b in bias):
-        raise invalid(f"logit_bias values must be within [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
-    if not (abs(msg.presence_penalty) <= 2 and abs(msg.frequency_penalty) <= 2):
-        raise invalid("presence_penalty and frequency_penalty must be within [-2, 2]")
-    repetition = msg.repetition_penalty or 1.0
-    if not 0 < repetition < float("inf"):
-        raise invalid(f"repetition_penalty must be a finite number > 0, got {msg.repetition_penalty}")
-    rules = Rules(
-        output_start=msg.output_start,
-        grammar=grammar_text(msg.grammar) if msg.HasField("grammar") else None,
-        bias=bias,
-        presence=msg.presence_penalty,
-        frequency=msg.frequency_penalty,
-        repetition=repetition,
-        min_tokens=msg.min_tokens,
-        blocked=tuple(msg.min_tokens_blocked) if msg.min_tokens else (),
-    )
-    if rules == Rules(output_start=msg.output_start):
-        return None
-    return rules
+# A sampled draft row skips its grammar mask only where its likeliest tokens, at most CHECKED_TOKENS of them, hold
+# all but UNCHECKED_MASS of its q and the grammar allows each (RuleState.sample_row): a token asked costs about
+# 1 us, a mask 60-200 us, and q's mass on tokens the grammar refuses is mass the target rejects
+CHECKED_TOKENS = 16
+UNCHECKED_MASS = 0.05
 
 
 class RuleState:
@@ -185,21 +135,21 @@ class RuleState:
         return picks, out
 
     def sample_row(
-        self, logits, tokens: list[int], first: int, vocab: int, ids=None
-    ) -> tuple[torch.Tensor, int | None]:
-        """A sampled draft step's row under the rules, and the token its mask was skipped for (None: masked, as by
-        ``apply``). Where nothing is forced and the grammar allows the row's best token, the row stays unmasked: q
-        is the row under the other rules, which the ratio test takes like any q, and a token drawn from it that the
-        grammar refuses (``allows``) ends the round, a draft the target rejects (p = 0; its residual max(0, p - q) is
-        the constrained p's). That saves the mask, 60-200 us, in about nine rows of ten (docs/performance.md, item
-        44). Arguments as ``apply``'s, for one row."""
+        self, logits, tokens: list[int], first: int, vocab: int, ids, q_support
+    ) -> tuple[torch.Tensor, np.ndarray | None]:
+        """A sampled draft step's row under the rules, and the tokens its mask was skipped for (None: masked, as by
+        ``apply``). q_support(row): the support of the q the unmasked row gives (ids, p as ``sampling.support``).
+        Where nothing is forced and the grammar allows each of q's likeliest tokens that hold all but
+        UNCHECKED_MASS of it (at most CHECKED_TOKENS), the row stays unmasked: q is the row under the
+        other rules, which the ratio test takes like any q, putting at most UNCHECKED_MASS on tokens the grammar may
+        refuse. A token drawn outside those (``allows``) that the grammar refuses ends the round, a draft the target
+        rejects (p = 0; its residual max(0, p - q) is the constrained p's). That saves the mask, 60-200 us, in most
+        rows (docs/performance.md, item 44). Arguments as ``apply``'s, for one row."""
         out = self._edited(logits, tokens, first, ids, vocab)
         if self._follow(tokens[self.rules.output_start : first]) and not self.matcher.compute_ff_bytes():
-            host = out.numpy()[0]
-            best = int(host.argmax())
-            token = best if ids is None else int(self._id_tensor(ids).numpy()[best])
-            if host[best] > -np.inf and allows(self.matcher, token, self.ends):
-                return out, token
+            checked = likeliest(*q_support(out), CHECKED_TOKENS, UNCHECKED_MASS)
+            if checked is not None and all(allows(self.matcher, int(t), self.ends) for t in checked):
+                return out, checked
         return self._mask(out, self.masks(tokens, first, 1, vocab), vocab, ids), None
 
     def allows(self, token: int) -> bool:
@@ -399,9 +349,23 @@ class RuleBook:
         metrics; it needs no masks started beside the pass."""
         return self.timed(logits.shape[0], state.argmax, logits, tokens, first, self.vocab_size, ids, **how)
 
-    def sample_row(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids=None):
-        """state.sample_row over this server's vocabulary, timed (no mask beside the pass: most rows need none)."""
-        return self.timed(1, state.sample_row, logits, tokens, first, self.vocab_size, ids)
+    def sample_row(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids, q_support):
+        """state.sample_row over this server's vocabulary and its rules' seconds, timed into the server's metrics
+        without q_support's own time, which is the sampler's (no mask beside the pass: most rows need none)."""
+        spent = [0.0]
+
+        def timed_support(row):
+            t0 = time.perf_counter()
+            try:
+                return q_support(row)
+            finally:
+                spent[0] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        row, checked = state.sample_row(logits, tokens, first, self.vocab_size, ids, timed_support)
+        rules_s = time.perf_counter() - t0 - spent[0]
+        self._count(rules_s, rules_s, 1)
+        return row, checked, rules_s
 
     def forced(self, state: RuleState, tokens: list[int]) -> list[int]:
         """state.forced, timed into the server's metrics (no row: nothing is masked)."""

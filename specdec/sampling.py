@@ -220,6 +220,17 @@ def head(probs: torch.Tensor, n: int = HEAD_TOKENS) -> tuple[np.ndarray, np.ndar
     return columns, row[columns].astype(np.float64), floor
 
 
+def likeliest(ids: np.ndarray, p: np.ndarray, most: int, leave: float) -> np.ndarray | None:
+    """The fewest of a support's tokens (ids, p as ``support`` gives them), likeliest first, whose mass reaches
+    1 - leave; None where the `most` likeliest do not reach it."""
+    order = np.argsort(-p, kind="stable") if len(p) <= most else np.argpartition(p, -most)[-most:]
+    order = order[np.argsort(-p[order], kind="stable")]
+    reach = int(np.searchsorted(np.cumsum(p[order]), 1.0 - leave)) + 1  # the first prefix at 1 - leave or past it
+    if len(order) == len(p):  # the whole support holds all of q, whatever its sum's last bits
+        reach = min(reach, len(p))
+    return ids[order[:reach]] if reach <= len(order) else None
+
+
 def lookup(sorted_ids: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Where each of ids sits in sorted_ids (ascending, not empty), and whether it is there: a sparse row's
     entries, or a restricted draft's columns, found by token id."""

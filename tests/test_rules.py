@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec import grammar, mask_check, rules
+from specdec import grammar, mask_check, rules, sampling
 from specdec.errors import ServiceError
 from specdec.v1 import model_server_pb2 as pb
 from target_service.servicer import to_first_mismatch
@@ -377,12 +377,16 @@ def test_greedy_without_the_mask_picks_what_the_masked_rows_pick(book, tokenizer
     assert rows > 60
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
 @pytest.mark.parametrize("restricted", [False, True])
-def test_a_sampled_draft_row_goes_unmasked_only_where_the_grammar_allows_its_best_token(book, tokenizer, restricted):
-    """RuleState.sample_row: where nothing is forced and the grammar allows the row's best token, the row under the
-    other rules as it is, with that token; elsewhere the masked row, as ``apply`` gives it. ``allows`` then answers
-    for every token as the mask does. Along an answer with biases and penalties, over a draft's columns, with forced
-    keys, open values and the grammar's end."""
+def test_a_sampled_draft_row_goes_unmasked_only_where_the_grammar_allows_its_qs_likeliest_tokens(
+    book, tokenizer, restricted, top_p
+):
+    """RuleState.sample_row: where nothing is forced and the grammar allows each of the likeliest tokens that hold all
+    but UNCHECKED_MASS of the unmasked row's q, the row under the other rules as it is, with those tokens; elsewhere
+    the masked row, as ``apply`` gives it. So q puts at most UNCHECKED_MASS on tokens the grammar refuses, and
+    ``allows`` then answers for every token as the mask does. Along an answer with biases and penalties, over a
+    draft's columns, with forced keys, open values and the grammar's end; q at T = 0.3, its support whole or cut."""
     vocab, eos = len(tokenizer), tokenizer.eos_token_id
     answer = encode(tokenizer, '{"name": "Ada Byron", "age": 36}') + [eos]
     prompt = [5, 6, 7]
@@ -393,34 +397,54 @@ def test_a_sampled_draft_row_goes_unmasked_only_where_the_grammar_allows_its_bes
     g, rng = torch.Generator().manual_seed(5), np.random.default_rng(5)
     ids = torch.unique(torch.cat([torch.randperm(vocab, generator=g)[:9000], torch.tensor(answer)]))
     tokens_of = ids.numpy() if restricted else np.arange(vocab)
-    seen = {"unmasked": 0, "masked": 0}
-    for trial in range(40):
+
+    def q_of(row):  # the draft's q of a row, over its columns
+        return sampling.logits_to_probs(row, 0.3, top_p=top_p)[0]
+
+    def q_support(row):
+        columns, p = sampling.support(q_of(row))
+        return tokens_of[columns], p
+
+    seen = {"unmasked": 0, "masked": 0, "open": 0}
+    for trial in range(60):
         cut = int(rng.integers(0, len(answer) + 1))
         tokens = prompt + answer[:cut]
-        logits = torch.randn(1, vocab, generator=g) * 2
+        logits = torch.randn(1, vocab, generator=g)
         if cut < len(answer) and rng.random() < 0.6:  # the answer's token likely, as a model would make it
-            logits[0, answer[cut]] += 8
+            logits[0, answer[cut]] += 4
         if cut < len(answer) and rng.random() < 0.5:  # or its first letter: it fits forced bytes, not canonically
-            logits[0, encode(tokenizer, tokenizer.decode(answer[cut])[:1])[0]] += 9
+            logits[0, encode(tokenizer, tokenizer.decode(answer[cut])[:1])[0]] += 4.5
+        if rng.random() < 0.5:  # and a runner-up with a little of q's mass, which the grammar may refuse
+            logits[0, int(rng.integers(vocab))] += 3.2
         logits = logits[:, ids] if restricted else logits
         columns = ids if restricted else None
         fresh = lambda: rules.RuleState(checked, book.tokenizer, book.eos_ids)
         edited = fresh()._edited(logits.clone(), tokens, len(tokens), columns, vocab)
         masked = fresh().apply(logits.clone(), tokens, len(tokens), vocab, columns)
         state = fresh()
-        out, best = state.sample_row(logits.clone(), tokens, len(tokens), vocab, columns)
-        if best is None:
+        out, kept = state.sample_row(logits.clone(), tokens, len(tokens), vocab, columns, q_support)
+        q = q_of(edited).numpy()
+        refused = masked[0].numpy() == -np.inf
+        likeliest = sampling.likeliest(*q_support(edited), rules.CHECKED_TOKENS, rules.UNCHECKED_MASS)
+        if kept is None:
             seen["masked"] += 1
             assert torch.equal(out, masked), f"trial {trial}"
+            at = None if likeliest is None else np.searchsorted(tokens_of, likeliest)
+            matcher = llguidance.LLMatcher(book.tokenizer, checked.grammar)
+            assert matcher.consume_tokens(answer[:cut])
+            forced = matcher.is_stopped() or bool(matcher.compute_ff_bytes())
+            assert likeliest is None or refused[at].any() or forced, f"trial {trial}: masked for nothing"
             continue
         seen["unmasked"] += 1
-        top = int(edited[0].argmax())
-        assert torch.equal(out, edited) and best == int(tokens_of[top]), f"trial {trial}"
-        assert masked[0, top] == edited[0, top]  # the mask allows it
+        assert torch.equal(out, edited) and np.array_equal(kept, likeliest), f"trial {trial}"
+        assert not refused[np.searchsorted(tokens_of, kept)].any()  # the mask allows each
+        assert q[refused].sum() <= rules.UNCHECKED_MASS + 1e-6  # q's mass on what the grammar refuses
+        seen["open"] += q[refused].sum() > 0
         asked = rng.choice(len(tokens_of), 200, replace=False)
         for c in asked:  # the matcher stays at the row's history: each token's answer is the mask's
             assert state.allows(int(tokens_of[c])) == bool(masked[0, c] > -np.inf), f"trial {trial}, column {c}"
     assert seen["unmasked"] >= 5 and seen["masked"] >= 5, seen
+    assert seen["open"] >= (2 if top_p == 1.0 else 0), seen
 
 
 @pytest.mark.parametrize("which", range(len(WALK_GRAMMARS)))

@@ -242,15 +242,17 @@ def test_sampled_answers_follow_the_targets_constrained_distribution(
     stack, tokenizer, target_model, monkeypatch, answers, best_allowed
 ):
     """600 seeded answers with speculation, each bin within 5 sigma of the exact constrained probability. The draft's
-    sampled rows go unmasked where the grammar allows their best token (RuleState.sample_row): with the second
-    grammar some do, and some of their draws are tokens the grammar refuses, which the target rejects (p = 0)."""
+    sampled rows go unmasked where the grammar allows the likeliest tokens of their q (RuleState.sample_row); at
+    T = 1 the draft's rows here are too flat for that, so the second grammar's run checks the best token alone
+    (UNCHECKED_MASS 1, exact for any value): some rows go unmasked, and some of their draws are tokens the grammar
+    refuses, which the target rejects (p = 0)."""
     seen_rows = {"unmasked": 0, "masked": 0, "refused": 0}
     sample_row, allows = rules.RuleState.sample_row, rules.RuleState.allows
 
     def counted_row(self, *args):
-        out, best = sample_row(self, *args)
-        seen_rows["masked" if best is None else "unmasked"] += 1
-        return out, best
+        out, checked = sample_row(self, *args)
+        seen_rows["masked" if checked is None else "unmasked"] += 1
+        return out, checked
 
     def counted_allows(self, token):
         ok = allows(self, token)
@@ -259,6 +261,8 @@ def test_sampled_answers_follow_the_targets_constrained_distribution(
 
     monkeypatch.setattr(rules.RuleState, "sample_row", counted_row)
     monkeypatch.setattr(rules.RuleState, "allows", counted_allows)
+    if best_allowed:
+        monkeypatch.setattr(rules, "UNCHECKED_MASS", 1.0)
     prompt_text = "Pick a colour."
     regex = "(" + "|".join(re.escape(a) for a in answers) + ")"
     chat = [{"role": "user", "content": prompt_text}]
