@@ -44,9 +44,10 @@ from specdec.runners.kernels import kernels_for
 from specdec.sampling import argmax_rows, likeliest
 
 _NO_IDS = torch.empty(0, dtype=torch.long)  # mask_rows' columns for a full row
-# A sampled draft row skips its grammar mask only where its likeliest tokens, at most CHECKED_TOKENS of them, hold
-# all but UNCHECKED_MASS of its q and the grammar allows each (RuleState.sample_row): a token asked costs about
-# 1 us, a mask 60-200 us, and q's mass on tokens the grammar refuses is mass the target rejects
+# A sampled draft row skips its grammar mask only where the grammar allows the tokens that hold all but
+# UNCHECKED_MASS of its q, in a support of at most CHECKED_TOKENS (a nucleus), or a wider row's best token
+# (RuleState.sample_row): a token asked costs about 1 us, a mask 60-200 us, and q's mass on tokens the grammar
+# refuses is mass the target rejects (docs/performance.md, item 44)
 CHECKED_TOKENS = 16
 UNCHECKED_MASS = 0.05
 
@@ -139,16 +140,19 @@ class RuleState:
     ) -> tuple[torch.Tensor, np.ndarray | None]:
         """A sampled draft step's row under the rules, and the tokens its mask was skipped for (None: masked, as by
         ``apply``). q_support(row): the support of the q the unmasked row gives (ids, p as ``sampling.support``).
-        Where nothing is forced and the grammar allows each of q's likeliest tokens that hold all but
-        UNCHECKED_MASS of it (at most CHECKED_TOKENS), the row stays unmasked: q is the row under the
-        other rules, which the ratio test takes like any q, putting at most UNCHECKED_MASS on tokens the grammar may
-        refuse. A token drawn outside those (``allows``) that the grammar refuses ends the round, a draft the target
-        rejects (p = 0; its residual max(0, p - q) is the constrained p's). That saves the mask, 60-200 us, in most
-        rows (docs/performance.md, item 44). Arguments as ``apply``'s, for one row."""
+        Where nothing is forced and the grammar allows the tokens checked (those holding all but UNCHECKED_MASS of
+        a support of at most CHECKED_TOKENS, else the row's best), the row stays unmasked: q is the row under the
+        other rules, which the ratio test takes like any q. A token drawn outside those (``allows``) that the
+        grammar refuses ends the round, a draft the target rejects (p = 0; its residual max(0, p - q) is the
+        constrained p's). That saves the mask, 60-200 us, in most rows (docs/performance.md, item 44). Arguments as
+        ``apply``'s, for one row."""
         out = self._edited(logits, tokens, first, ids, vocab)
         if self._follow(tokens[self.rules.output_start : first]) and not self.matcher.compute_ff_bytes():
-            checked = likeliest(*q_support(out), CHECKED_TOKENS, UNCHECKED_MASS)
-            if checked is not None and all(allows(self.matcher, int(t), self.ends) for t in checked):
+            ids_q, p_q = q_support(out)
+            # a small support (a nucleus): the tokens holding all but UNCHECKED_MASS of q; a wide one: its best
+            # token alone, since finding its likeliest would cost about what the mask does
+            checked = likeliest(ids_q, p_q, UNCHECKED_MASS) if len(p_q) <= CHECKED_TOKENS else ids_q[[p_q.argmax()]]
+            if all(allows(self.matcher, int(t), self.ends) for t in checked):
                 return out, checked
         return self._mask(out, self.masks(tokens, first, 1, vocab), vocab, ids), None
 

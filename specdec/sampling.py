@@ -220,15 +220,12 @@ def head(probs: torch.Tensor, n: int = HEAD_TOKENS) -> tuple[np.ndarray, np.ndar
     return columns, row[columns].astype(np.float64), floor
 
 
-def likeliest(ids: np.ndarray, p: np.ndarray, most: int, leave: float) -> np.ndarray | None:
-    """The fewest of a support's tokens (ids, p as ``support`` gives them), likeliest first, whose mass reaches
-    1 - leave; None where the `most` likeliest do not reach it."""
-    order = np.argsort(-p, kind="stable") if len(p) <= most else np.argpartition(p, -most)[-most:]
-    order = order[np.argsort(-p[order], kind="stable")]
+def likeliest(ids: np.ndarray, p: np.ndarray, leave: float) -> np.ndarray:
+    """The fewest of a support's tokens (ids, p as ``support`` gives them), likeliest first (ties by id), whose mass
+    reaches 1 - leave; the whole support at most, whatever its sum's last bits. A sort: for small supports."""
+    order = np.argsort(-p, kind="stable")
     reach = int(np.searchsorted(np.cumsum(p[order]), 1.0 - leave)) + 1  # the first prefix at 1 - leave or past it
-    if len(order) == len(p):  # the whole support holds all of q, whatever its sum's last bits
-        reach = min(reach, len(p))
-    return ids[order[:reach]] if reach <= len(order) else None
+    return ids[order[: min(reach, len(p))]]
 
 
 def lookup(sorted_ids: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -242,10 +242,10 @@ def test_sampled_answers_follow_the_targets_constrained_distribution(
     stack, tokenizer, target_model, monkeypatch, answers, best_allowed
 ):
     """600 seeded answers with speculation, each bin within 5 sigma of the exact constrained probability. The draft's
-    sampled rows go unmasked where the grammar allows the likeliest tokens of their q (RuleState.sample_row); at
-    T = 1 the draft's rows here are too flat for that, so the second grammar's run checks the best token alone
-    (UNCHECKED_MASS 1, exact for any value): some rows go unmasked, and some of their draws are tokens the grammar
-    refuses, which the target rejects (p = 0)."""
+    sampled rows go unmasked where the grammar allows the tokens holding 95% of a small support, or a wide row's best
+    token (RuleState.sample_row). The second grammar's run checks every row's best token alone (CHECKED_TOKENS 0;
+    exact for any value): some rows go unmasked, and some of their draws are tokens the grammar refuses, which the
+    target rejects (p = 0)."""
     seen_rows = {"unmasked": 0, "masked": 0, "refused": 0}
     sample_row, allows = rules.RuleState.sample_row, rules.RuleState.allows
 
@@ -262,7 +262,7 @@ def test_sampled_answers_follow_the_targets_constrained_distribution(
     monkeypatch.setattr(rules.RuleState, "sample_row", counted_row)
     monkeypatch.setattr(rules.RuleState, "allows", counted_allows)
     if best_allowed:
-        monkeypatch.setattr(rules, "UNCHECKED_MASS", 1.0)
+        monkeypatch.setattr(rules, "CHECKED_TOKENS", 0)
     prompt_text = "Pick a colour."
     regex = "(" + "|".join(re.escape(a) for a in answers) + ")"
     chat = [{"role": "user", "content": prompt_text}]
