@@ -64,7 +64,9 @@ def unpack(bitmask: np.ndarray, vocab: int) -> np.ndarray:
 CANDIDATES = 16  # a row's best tokens asked one by one before its whole mask is filled
 
 
-def best_allowed(matcher, row: np.ndarray, tokens: np.ndarray | None, ends: frozenset[int]) -> int | None:
+def best_allowed(
+    matcher, row: np.ndarray, tokens: np.ndarray | None, ends: frozenset[int], forced: list[int] | None
+) -> int | None:
     """The column the grammar's mask would leave as the row's argmax (the largest logit the grammar allows, the first
     such column on ties), or None where the mask must decide. Greedy needs only this column, so it asks the matcher
     about a few tokens, about a microsecond each, instead of filling the mask over the vocabulary (10-200 us, and
@@ -77,11 +79,12 @@ def best_allowed(matcher, row: np.ndarray, tokens: np.ndarray | None, ends: froz
         asked in order; None when none of the best CANDIDATES is allowed.
     The row is the caller's: columns asked are set aside in it and restored before this returns.
     matcher: at the row's history; row: [columns] float32 logits; tokens: each column's token id, ascending (a draft's
-    scored tokens), None where column = token; ends: the tokenizer's end-of-sequence ids (LLTokenizer.eos_tokens)."""
-    if matcher.compute_ff_bytes():
-        forced = matcher.compute_ff_tokens()
-        if not forced:
-            return None
+    scored tokens), None where column = token; ends: the tokenizer's end-of-sequence ids (LLTokenizer.eos_tokens);
+    forced: the tokens the grammar forces here, [] where it forces no bytes, None where their first token is open
+    (RuleState.forced_here)."""
+    if forced is None:
+        return None
+    if forced:
         c = forced[0] if tokens is None else int(np.searchsorted(tokens, forced[0]))
         return c if c < row.shape[0] and (tokens is None or tokens[c] == forced[0]) and row[c] > -np.inf else None
     best = int(row.argmax())  # numpy's argmax: the first maximal column
@@ -106,10 +109,14 @@ def best_allowed(matcher, row: np.ndarray, tokens: np.ndarray | None, ends: froz
         row[aside] = kept
 
 
-def forced_tokens(matcher) -> list[int]:
+def forced_tokens(matcher) -> list[int] | None:
     """The tokens the grammar forces next, in order (a strict schema's keys and punctuation; where the mask allows
-    the first alone, tests/test_rules.py), [] where it forces none or their first token is open."""
-    return matcher.compute_ff_tokens() if matcher.compute_ff_bytes() else []
+    the first alone, and once it is taken the rest are what is forced, tests/test_rules.py), [] where it forces no
+    bytes, None where it forces bytes whose first token is open. About 100 us with the caches cold after a forward
+    pass (a tokenization), where asking whether bytes are forced costs a few (RuleState.forced_here keeps a run)."""
+    if not matcher.compute_ff_bytes():
+        return []
+    return matcher.compute_ff_tokens() or None
 
 
 def allows(matcher, token: int, ends: frozenset[int]) -> bool:

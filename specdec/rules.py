@@ -20,7 +20,8 @@ xgrammar's 96-152 us). A session keeps a matcher at its committed tokens; a call
 the drafts (greedy's ``argmax`` walks the matcher itself; the next call rolls back what it does not hold). Rows after
 a draft the grammar rejects keep the last allowed row's mask (never all -inf); the ratio test never reads them, since
 that draft has p = 0. Greedy rows need only their best allowed token, which ``argmax`` finds by asking the matcher
-about the row's best few tokens, filling a mask only where that cannot decide (specdec/grammar.py).
+about the row's best few tokens, filling a mask only where that cannot decide (specdec/grammar.py); a sampled row
+where the grammar forces a token needs no mask either (``probs``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class RuleState:
         self._mask_buffer = None  # the grammar's bitmasks, [rows, words] int32
         self._mask_tensor = None  # the same as a tensor
         self._counts: TokenCounts | None = None  # the penalties' token counts, following the session's history
+        self._run: tuple[int, list[int]] | None = None  # forced tokens found at a position of consumed (forced_here)
         if rules.grammar is not None:
             import llguidance
 
@@ -110,13 +112,13 @@ class RuleState:
             return argmax_rows(self._mask(out, self.masks(tokens, first, n, vocab), vocab, ids)), out
         drafts, matcher = tokens[first : first + n - 1], self.matcher
         valid = matcher.validate_tokens(drafts) if drafts else 0
-        host, columns = out.numpy(), None if ids is None else self._id_tensor(ids).numpy()
+        host, columns = out.numpy(), None if ids is None else _columns_of(ids).numpy()
         picks = []
         # the session's matcher walks the drafts itself (a copy costs more, cold after a pass, than the rollback of
         # what the next call does not hold, ``_follow``); rows after a draft the grammar rejects keep it where it
         # stopped
         for i in range(n):
-            pick = best_allowed(matcher, host[i], columns, self.ends)
+            pick = best_allowed(matcher, host[i], columns, self.ends, self.forced_here())
             if pick is None:  # the mask decides, for this row alone
                 row = self._bitmask(1, vocab)[:1]
                 matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
@@ -156,6 +158,31 @@ class RuleState:
                 return out, checked
         return self._mask(out, self.masks(tokens, first, 1, vocab), vocab, ids), None
 
+    def probs(self, logits, tokens: list[int], first: int, vocab: int, transform) -> torch.Tensor:
+        """transform (the sampling transforms) of ``apply``'s one full row. Where the grammar forces tokens its mask
+        allows the first alone (tests/test_rules.py): that token's logit among -inf, written without the mask (80 us
+        a row cold), the run found once for its rows (``forced_here``). Arguments as ``apply``'s."""
+        out = self._edited(logits, tokens, first, None, vocab)
+        if self.matcher is None:
+            return transform(out)
+        if self._follow(tokens[self.rules.output_start : first]) and (forced := self.forced_here()):
+            alone = torch.full_like(out, float("-inf"))
+            alone[0, forced[0]] = out[0, forced[0]]
+            return transform(alone)
+        return transform(self._mask(out, self.masks(tokens, first, 1, vocab), vocab, None))
+
+    def forced_here(self) -> list[int] | None:
+        """grammar.forced_tokens at the matcher's history, the rest of a run found earlier where the matcher has taken
+        its first tokens since (a verify's rows through a key): a run is tokenized once, not at each of its rows."""
+        at = len(self.consumed)
+        if self._run is not None:
+            start, run = self._run
+            if 0 <= at - start < len(run) and self.consumed[start:at] == run[: at - start]:
+                return run[at - start :]
+        forced = forced_tokens(self.matcher)
+        self._run = (at, forced) if forced else None
+        return forced
+
     def allows(self, token: int) -> bool:
         """Whether the grammar allows token after the history of the last ``sample_row``."""
         return allows(self.matcher, token, self.ends)
@@ -167,7 +194,7 @@ class RuleState:
         if self.rules.has_edits:
             if self.rules.counts_tokens and self._counts is None:
                 self._counts = TokenCounts(self.rules.output_start, vocab)
-            scored = None if ids is None else self._id_tensor(ids).numpy()
+            scored = None if ids is None else _columns_of(ids).numpy()
             host = out.numpy()
             for rows, cols, fn in row_edits(self.rules, self._counts, tokens, first, host.shape[0], scored):
                 host[rows, cols] = fn(host[rows, cols])
@@ -177,13 +204,13 @@ class RuleState:
         """out with -inf where the bitmasks packed ([rows, words] int32) refuse the column's token, in place."""
         kernels = kernels_for(out)
         if kernels is not None:  # specdec's kernel: one pass over each row, in place
-            kernels.mask_rows(out, self._as_tensor(packed), _NO_IDS if ids is None else self._id_tensor(ids))
+            kernels.mask_rows(out, self._as_tensor(packed), _NO_IDS if ids is None else _columns_of(ids))
             return out
         host = out.numpy()
         if ids is None:
             np.putmask(host, ~unpack(packed, vocab), -np.inf)
         else:  # only the draft's columns: a quarter of the row for the embedded draft
-            where = self._id_tensor(ids).numpy()
+            where = _columns_of(ids).numpy()
             np.putmask(host, ((packed[:, where >> 5] >> (where & 31)) & 1) == 0, -np.inf)
         return out
 
@@ -192,10 +219,6 @@ class RuleState:
         if self._mask_buffer is not None and packed.base is self._mask_buffer:
             return self._mask_tensor[: packed.shape[0]]
         return torch.from_numpy(packed)
-
-    def _id_tensor(self, ids: torch.Tensor) -> torch.Tensor:
-        """A draft's scored ids as an int64 CPU tensor."""
-        return _columns_of(ids)
 
     def allowed(self, tokens: list[int], first: int, n: int, vocab: int) -> np.ndarray:
         """[n, vocab] bool: what the grammar allows at each row. FAILED_PRECONDITION when the committed tokens
@@ -230,7 +253,7 @@ class RuleState:
     def forced(self, tokens: list[int]) -> list[int]:
         """The tokens the grammar forces after tokens (grammar.forced_tokens); [] past its end or without one."""
         ok = self.matcher is not None and self._follow(tokens[self.rules.output_start :])
-        return forced_tokens(self.matcher) if ok else []
+        return (self.forced_here() or []) if ok else []
 
     def valid_prefix(self, tokens: list[int], drafts: list[int]) -> int:
         """How many of the drafts after tokens the grammar accepts, in order: where proposals made without the
@@ -247,6 +270,8 @@ class RuleState:
         matcher never takes an end, so only the tokens past what it holds are searched for one: a call costs its
         round's tokens, not the output's (an 8,000-token output took 90 us a call)."""
         keep = common_prefix(self.consumed, output)
+        if self._run is not None and keep < self._run[0]:  # the run was found after a history rolled back
+            self._run = None
         if self.eos_ids.intersection(output[keep:]):
             return False
         if len(self.consumed) > keep and not self.matcher.rollback(len(self.consumed) - keep):
@@ -356,20 +381,30 @@ class RuleBook:
     def sample_row(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids, q_support):
         """state.sample_row over this server's vocabulary and its rules' seconds, timed into the server's metrics
         without q_support's own time, which is the sampler's (no mask beside the pass: most rows need none)."""
+        (row, checked), rules_s = self._timed_without(q_support, state.sample_row, logits, tokens, first, ids)
+        return row, checked, rules_s
+
+    def probs(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, transform):
+        """state.probs over this server's vocabulary and its rules' seconds, timed into the server's metrics without
+        transform's own time, which is the sampler's (no mask beside the pass: rows in forced runs need none)."""
+        return self._timed_without(transform, state.probs, logits, tokens, first)
+
+    def _timed_without(self, sampler, fn, logits, tokens, first, *args):
+        """fn(logits, tokens, first, vocab, *args, sampler) for one row, and its seconds less the sampler's, counted."""
         spent = [0.0]
 
-        def timed_support(row):
+        def timed(row):
             t0 = time.perf_counter()
             try:
-                return q_support(row)
+                return sampler(row)
             finally:
                 spent[0] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        row, checked = state.sample_row(logits, tokens, first, self.vocab_size, ids, timed_support)
+        out = fn(logits, tokens, first, self.vocab_size, *args, timed)
         rules_s = time.perf_counter() - t0 - spent[0]
         self._count(rules_s, rules_s, 1)
-        return row, checked, rules_s
+        return out, rules_s
 
     def forced(self, state: RuleState, tokens: list[int]) -> list[int]:
         """state.forced, timed into the server's metrics (no row: nothing is masked)."""

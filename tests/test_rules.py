@@ -284,25 +284,32 @@ WALK_GRAMMARS = [  # (grammar, an answer it accepts, which the walks follow in p
 def test_a_token_check_or_the_forced_tokens_give_the_masks_answer_over_the_vocabulary(book, tokenizer, which, follow):
     """grammar.best_allowed asks the matcher about single tokens instead of filling the mask: where the grammar forces
     no bytes a token check is the mask's answer, and where it forces tokens the mask allows the first alone (forced
-    bytes whose first token is open keep only canonical tokens, and best_allowed leaves those rows to the mask).
-    Checked for every token at every state of a walk through the grammar: along the answer to its end (follow 1), or
-    leaving it at random."""
+    bytes whose first token is open keep only canonical tokens, and best_allowed leaves those rows to the mask); once
+    the first is taken, the rest are what the grammar forces (RuleState.forced_here keeps the run). Checked for every
+    token at every state of a walk through the grammar: along the answer to its end (follow 1), or leaving it at
+    random."""
     vocab = len(tokenizer)
     ends = frozenset(book.tokenizer.eos_tokens)
     text, answer = grammar.grammar_text(WALK_GRAMMARS[which][0]), encode(tokenizer, WALK_GRAMMARS[which][1])
     matcher = llguidance.LLMatcher(book.tokenizer, text)
     bitmask = np.zeros((1, (vocab + 31) // 32), dtype=np.int32)
     rng = np.random.default_rng(which)
-    free = 0
+    free = runs = 0
+    rest = []  # what the last step's forced tokens leave after their first
     for step in range(len(answer) + 1 if follow == 1 else 24):
         matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
         mask = grammar.unpack(bitmask, vocab)[0]
+        forced = grammar.forced_tokens(matcher)
+        if rest:  # the step took the first of a run: the rest are forced
+            assert forced == rest, f"step {step}"
+            runs += 1
         if not matcher.compute_ff_bytes():
             free += 1
             asked = np.array([grammar.allows(matcher, t, ends) for t in range(vocab)])
             assert np.array_equal(asked, mask), f"step {step}: {np.flatnonzero(asked != mask)[:8]}"
-        elif forced := matcher.compute_ff_tokens():  # forced tokens: the mask allows the first alone
+        elif forced:  # forced tokens: the mask allows the first alone
             assert np.flatnonzero(mask).tolist() == forced[:1], f"step {step}"
+        rest = forced[1:] if forced else []
         if step == len(answer):  # the answer's end: only the end of sequence
             assert follow < 1 or ends <= set(np.flatnonzero(mask).tolist())
             break
@@ -312,7 +319,7 @@ def test_a_token_check_or_the_forced_tokens_give_the_masks_answer_over_the_vocab
             break
         on_answer = mask[answer[step]] and rng.random() < follow
         assert matcher.consume_token(answer[step] if on_answer else int(rng.choice(choices)))
-    assert free >= 2
+    assert free >= 2 and (runs >= 2 or which > 0 or follow < 1)  # the schema's keys are runs
 
 
 @pytest.mark.parametrize("restricted", [False, True])
@@ -570,3 +577,52 @@ def test_greedy_never_emits_a_token_its_mask_allowed_wrongly(book, tokenizer, mo
     with pytest.raises(ServiceError) as e:
         state.argmax(logits, answer, len(answer), len(tokenizer))
     assert e.value.code == grpc.StatusCode.INTERNAL and f"allowed {refused}" in str(e.value)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+@pytest.mark.parametrize("which", range(len(WALK_GRAMMARS)))
+def test_a_sampled_target_rows_distribution_is_the_masked_rows_bit_for_bit(book, tokenizer, which, top_p):
+    """RuleState.probs (a forced token's row written without the mask) equals the sampling transforms of ``apply``'s
+    row, bit for bit, for one session's rows as verifies walk them: through forced runs and free values, after
+    rejected rounds that roll back into a run, with a bias and penalties; and its forced_here is a fresh matcher's."""
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    answer = encode(tokenizer, WALK_GRAMMARS[which][1]) + [eos]
+    prompt = [5, 6, 7]
+    msg = pb.OutputRules(output_start=len(prompt), grammar=WALK_GRAMMARS[which][0])
+    msg.logit_bias[answer[1]] = 1.5
+    msg.frequency_penalty, msg.repetition_penalty = 0.4, 1.1
+    checked = book.check(msg)
+    kept = rules.RuleState(checked, book.tokenizer, book.eos_ids)
+    masked, real_mask = [], kept._mask
+    kept._mask = lambda out, *a: masked.append(len(out)) or real_mask(out, *a)
+    g, rng = torch.Generator().manual_seed(which), np.random.default_rng(which)
+
+    def transform(row):
+        return sampling.logits_to_probs(row, 0.7, top_p=top_p)
+
+    at, seen = 0, {"forced": 0, "free": 0}
+    for _ in range(400):  # rounds, until the answer is through
+        if at >= len(answer):
+            break
+        drafts = answer[at : at + int(rng.integers(1, 5))]
+        tokens = prompt + answer[:at] + drafts
+        for i in range(len(drafts) + 1):  # a verify's rows, in order
+            first = len(prompt) + at + i
+            if first > len(tokens) or tokens[first - 1 : first] == [eos]:
+                break
+            logits = torch.randn(1, vocab, generator=g) * 3
+            logits[0, tokens[first] if first < len(tokens) else eos] += 6
+            fresh = rules.RuleState(checked, book.tokenizer, book.eos_ids)
+            want = transform(fresh.apply(logits.clone(), tokens, first, vocab))
+            masks_before = len(masked)
+            assert torch.equal(kept.probs(logits.clone(), tokens, first, vocab, transform), want), (at, i)
+            matcher = llguidance.LLMatcher(book.tokenizer, checked.grammar)
+            assert matcher.consume_tokens(tokens[len(prompt) : first])
+            forced = grammar.forced_tokens(matcher)
+            assert kept.forced_here() == forced, (at, i)
+            assert len(masked) == masks_before + (not forced), (at, i)  # a forced token's row fills no mask
+            seen["forced" if forced else "free"] += 1
+        # the round keeps some of its drafts; a rejected one steps back a little, into a run it had entered
+        at = max(0, at + int(rng.integers(0, len(drafts) + 1)) - (2 if rng.random() < 0.3 else 0))
+        at = at + 1 if rng.random() < 0.25 else at
+    assert seen["free"] >= 3 and (seen["forced"] >= 3 or which > 0), seen  # the schema's keys
