@@ -152,32 +152,34 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
 
     async def _probs(self, logits, rules, masks, tokens, first: int, drafts, q, params) -> tuple[torch.Tensor, float]:
         """The rows' distributions under the rules and the sampling transforms ([rows, vocab], the first at position
-        first), and the seconds the rules took. With the drafts' q, row by row up to the first draft the ratio test
-        rejects: a row's distribution (and a grammar's mask, where the masks were not computed beside the pass)
-        costs more than its test, and the session's matcher walks to each row by one token (docs/performance.md,
-        items 37 and 38)."""
+        first), and the seconds the rules took. With the drafts' q, or for one row, row by row up to the first draft
+        the ratio test rejects: a row's distribution (and a grammar's mask, where the masks were not computed beside
+        the pass, and the grammar forces no token there: RuleState.probs) costs more than its test, and the
+        session's matcher walks to each row by one token (docs/performance.md, items 37, 38 and 45)."""
         core, spent = self.core, 0.0
 
         def transform(rows):
             return logits_to_probs(rows, params.temperature, params.top_k, params.top_p, params.min_p)
 
-        by_row = rules is not None and q is not None and masks is None and rules.matcher is not None
+        by_row = masks is None and rules is not None and rules.matcher is not None and (q is not None or not drafts)
         if rules is not None and not by_row:  # every row's rules at once
             t0 = time.perf_counter()
             logits = await core.rules.apply(rules, logits, tokens, first, masks=masks)
             spent = time.perf_counter() - t0
-        if q is None:
+        if q is None and not by_row:
             return transform(logits), spent
         rows = []
         for i in range(len(drafts) + 1):
-            row = logits[i : i + 1]
-            if by_row:
-                t0 = time.perf_counter()
-                row = await core.rules.apply(rules, row, tokens, first + i)
-                spent += time.perf_counter() - t0
-            rows.append(transform(row))
-            if i < len(drafts) and not count_accepted(
-                q[i : i + 1], [rows[-1][0, drafts[i]].item()], params.seed, first + i
+            if by_row:  # the row under the rules, its mask left out where the grammar forces its token
+                row, rules_s = core.rules.probs(rules, logits[i : i + 1], tokens, first + i, transform)
+                spent += rules_s
+            else:
+                row = transform(logits[i : i + 1])
+            rows.append(row)
+            if (
+                q is not None
+                and i < len(drafts)
+                and not count_accepted(q[i : i + 1], [row[0, drafts[i]].item()], params.seed, first + i)
             ):
                 break
         return torch.cat(rows), spent
