@@ -175,12 +175,12 @@ def same_text_agreement(draft: str, target: str, answers: list[dict]) -> dict:
     own effect apart from what the answers say: unconstrained answers are other text (code fences, indentation)."""
     import torch
 
-    from specdec import rules
+    from specdec import rule_book, rules
     from specdec.runners.vocab import output_token_ids
 
     tokenizer, model = models.load_tokenizer(target), models.load_model(draft)
     scored = output_token_ids(model)
-    book = rules.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    book = rule_book.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     hits = {"masked": 0, "unmasked": 0}
     total = 0
     for a in answers:

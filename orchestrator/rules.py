@@ -7,7 +7,7 @@ sends the same OutputRules on every Verify and ProposeTokens of the generation.
 
 from __future__ import annotations
 
-from specdec import rules
+from specdec import rule_book, rules
 from specdec.errors import invalid
 from specdec.v1 import generation_pb2 as gen_pb, model_server_pb2 as ms_pb
 
@@ -16,7 +16,7 @@ class RuleChecker:
     """The orchestrator's side of the rules: the grammar engine's tokenizer (built on first use) and the checks."""
 
     def __init__(self, tokenizer, eos_ids: set[int]):
-        self.book = rules.RuleBook(tokenizer, len(tokenizer), sorted(eos_ids))
+        self.book = rule_book.RuleBook(tokenizer, len(tokenizer), sorted(eos_ids))
 
     def of(self, req: gen_pb.GenerateRequest, prompt_length: int) -> ms_pb.OutputRules | None:
         """The OutputRules of a request whose prompt holds prompt_length tokens, checked; None when it sets none."""

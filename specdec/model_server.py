@@ -36,7 +36,7 @@ from specdec.errors import ServiceError, invalid
 from specdec.kv_pool import Session, SessionPool
 from specdec.memory import kv_capacity
 from specdec.prefix_cache import PrefixCache
-from specdec.rules import RuleBook
+from specdec.rule_book import RuleBook
 from specdec.runners import attention_kernels, make_runner, resolve_forms
 from specdec.sampling import SamplingParams, supports
 from specdec.server_metrics import ModelServerMetrics

@@ -26,21 +26,17 @@ where the grammar forces a token needs no mask either (``probs``).
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 import torch
 
 from specdec.errors import ServiceError
-from specdec.grammar import allows, best_allowed, check_grammar, forced_tokens, lltokenizer, unpack
-from specdec.mask_check import Trust
+from specdec.grammar import allows, best_allowed, forced_tokens, unpack
 from specdec.penalties import TokenCounts, row_edits
 from specdec.prefix_cache import common_prefix
-from specdec.rule_fields import Rules, from_proto
+from specdec.rule_fields import Rules
 from specdec.runners.kernels import kernels_for
 from specdec.sampling import argmax_rows, likeliest
 
@@ -68,6 +64,7 @@ class RuleState:
         self._mask_tensor = None  # the same as a tensor
         self._counts: TokenCounts | None = None  # the penalties' token counts, following the session's history
         self._run: tuple[int, list[int]] | None = None  # forced tokens found at a position of consumed (forced_here)
+        self._here: tuple[int, list[int] | None] | None = None  # forced_here's answer at a position of consumed
         if rules.grammar is not None:
             import llguidance
 
@@ -111,7 +108,8 @@ class RuleState:
         if not self._follow(tokens[self.rules.output_start : first]):  # past the grammar's end: nothing allowed
             return argmax_rows(self._mask(out, self.masks(tokens, first, n, vocab), vocab, ids)), out
         drafts, matcher = tokens[first : first + n - 1], self.matcher
-        valid = matcher.validate_tokens(drafts) if drafts else 0
+        # a verify's rows walk only drafts equal to their picks, which the grammar allows: no validation needed
+        valid = len(drafts) if to_mismatch else matcher.validate_tokens(drafts) if drafts else 0
         host, columns = out.numpy(), None if ids is None else _columns_of(ids).numpy()
         picks = []
         # the session's matcher walks the drafts itself (a copy costs more, cold after a pass, than the rollback of
@@ -133,8 +131,13 @@ class RuleState:
             if to_mismatch and (i == n - 1 or pick != drafts[i]):
                 break
             if i < min(valid, n - 1):
-                matcher.consume_token(drafts[i])
-                self.consumed.append(drafts[i])
+                self._take(drafts[i])
+        # the last row's pick comes next in the history (a verdict's token, a draft step's): taken now, with the
+        # caches warm, where the next call would take it cold
+        last, token = len(picks) - 1, pick if columns is None else int(columns[pick])
+        at_last = len(self.consumed) - (first - self.rules.output_start) == last
+        if at_last and out[last, pick] > -np.inf and token not in self.ends and token not in self.eos_ids:
+            self._take(token)
         return picks, out
 
     def sample_row(
@@ -149,7 +152,7 @@ class RuleState:
         constrained p's). That saves the mask, 60-200 us, in most rows (docs/performance.md, item 44). Arguments as
         ``apply``'s, for one row."""
         out = self._edited(logits, tokens, first, ids, vocab)
-        if self._follow(tokens[self.rules.output_start : first]) and not self.matcher.compute_ff_bytes():
+        if self._follow(tokens[self.rules.output_start : first]) and self._forces_nothing():
             ids_q, p_q = q_support(out)
             # a small support (a nucleus): the tokens holding all but UNCHECKED_MASS of q; a wide one: its best
             # token alone, since finding its likeliest would cost about what the mask does
@@ -173,15 +176,49 @@ class RuleState:
 
     def forced_here(self) -> list[int] | None:
         """grammar.forced_tokens at the matcher's history, the rest of a run found earlier where the matcher has taken
-        its first tokens since (a verify's rows through a key): a run is tokenized once, not at each of its rows."""
+        its first tokens since (a verify's rows through a key): a run is tokenized once, not at each of its rows, and
+        a position is asked once (a draft asks before its step's pass and after it)."""
         at = len(self.consumed)
+        if self._here is not None and self._here[0] == at:
+            return self._here[1]
+        forced = None
         if self._run is not None:
             start, run = self._run
             if 0 <= at - start < len(run) and self.consumed[start:at] == run[: at - start]:
-                return run[at - start :]
-        forced = forced_tokens(self.matcher)
-        self._run = (at, forced) if forced else None
+                forced = run[at - start :]
+        if forced is None:
+            forced = forced_tokens(self.matcher)
+            self._run = (at, forced) if forced else None
+        self._here = (at, forced)
         return forced
+
+    def _forces_nothing(self) -> bool:
+        """Whether the grammar forces no bytes at the matcher's history: forced_here's answer where it has one, else
+        the engine's question about bytes alone (a few us; finding forced tokens costs about 100)."""
+        if self._here is not None and self._here[0] == len(self.consumed):
+            return self._here[1] == []
+        return not self.matcher.compute_ff_bytes()
+
+    def advance(self, tokens: list[int], position: int, token: int) -> None:
+        """Take token at position (after tokens[:position]) where the grammar allows it, and find what it forces
+        after it: a server calls this for the token it knows comes next (a bonus token it drew), while the caches are
+        warm from the row's rules, where the next call, after a forward pass, would find them cold (about 20 us a
+        call to the grammar engine; docs/performance.md, item 46). A call whose history does not hold it rolls it
+        back (``_follow``)."""
+        if self.matcher is None or token in self.eos_ids or token in self.ends:
+            return
+        if self._follow(tokens[self.rules.output_start : position]) and self.matcher.validate_tokens([token]) == 1:
+            self._take(token)
+
+    def _take(self, token: int) -> None:
+        """The matcher takes token, which the grammar allows at its history, and finds what is forced after it."""
+        if not self.matcher.consume_token(token):
+            error = self.matcher.get_error()
+            self.matcher.reset()
+            self.consumed, self._run, self._here = [], None, None
+            raise ServiceError(grpc.StatusCode.INTERNAL, f"the grammar refused {token}, which it allowed: {error}")
+        self.consumed.append(token)
+        self.forced_here()
 
     def allows(self, token: int) -> bool:
         """Whether the grammar allows token after the history of the last ``sample_row``."""
@@ -272,6 +309,8 @@ class RuleState:
         keep = common_prefix(self.consumed, output)
         if self._run is not None and keep < self._run[0]:  # the run was found after a history rolled back
             self._run = None
+        if self._here is not None and keep < self._here[0]:
+            self._here = None
         if self.eos_ids.intersection(output[keep:]):
             return False
         if len(self.consumed) > keep and not self.matcher.rollback(len(self.consumed) - keep):
@@ -282,7 +321,7 @@ class RuleState:
         if fresh and not self.matcher.consume_tokens(fresh):
             error = self.matcher.get_error()
             self.matcher.reset()
-            self.consumed = []
+            self.consumed, self._run, self._here = [], None, None
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the session's output breaks its grammar (it was not generated under these rules): {error}",
@@ -296,155 +335,3 @@ def _columns_of(ids: torch.Tensor) -> torch.Tensor:
     """A draft's scored ids (its server's one tensor, hashed by identity) as an int64 CPU tensor, made once for the
     server, not for each session (13,146 entries for the embedded draft)."""
     return torch.tensor(ids.tolist(), dtype=torch.long)
-
-
-_MASKS: ThreadPoolExecutor | None = None
-
-
-def _masks_thread() -> ThreadPoolExecutor:
-    """The process's one thread for grammar masks computed beside forward passes: it lives with the process, as a
-    server does, and holds nothing of a server between calls."""
-    global _MASKS
-    if _MASKS is None:
-        _MASKS = ThreadPoolExecutor(1, thread_name_prefix="rules")
-    return _MASKS
-
-
-class RuleBook:
-    """A model server's rules: the tokenizer its grammars mask over, built on first use, and each session's state."""
-
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: list[int], metrics=None, beside: bool = True):
-        self.hf_tokenizer, self.vocab_size, self.eos_ids = hf_tokenizer, vocab_size, list(eos_ids)
-        # compute a grammar's masks on a thread beside the forward pass: where the pass leaves a core free (a GPU's
-        # host, a one-thread draft); a CPU pass on every core would only lose what the masks take from it
-        self.beside = beside
-        self.metrics = metrics  # a server's ModelServerMetrics: the rules' seconds and rows
-        self._tokenizer = None
-        self._checked: dict[bytes, Rules | None] = {}
-        self._matchers: dict[str, object] = {}  # grammar text -> a matcher at its start (``_pristine``)
-        self._trust = Trust()  # whether this machine's masks agree with the grammar engine (specdec/mask_check.py)
-
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            self._tokenizer = lltokenizer(self.hf_tokenizer, self.vocab_size, self.eos_ids)
-        return self._tokenizer
-
-    def check(self, msg) -> Rules | None:
-        """A request's rules (OutputRules, or None), checked; INVALID_ARGUMENT when out of range or when the grammar
-        does not compile. The last few are remembered, since every call of a generation sends the same."""
-        key = msg.SerializeToString(deterministic=True) if msg is not None else b""
-        if key not in self._checked:
-            rules = from_proto(msg, self.vocab_size) if key else None
-            if rules is not None and rules.grammar is not None:
-                check_grammar(rules.grammar, self.tokenizer)
-                self._trust.require(self)
-            if len(self._checked) >= 64:
-                self._checked.pop(next(iter(self._checked)))
-            self._checked[key] = rules
-        return self._checked[key]
-
-    def masks(self, state: RuleState | None, tokens: list[int], first: int, n: int) -> asyncio.Future | None:
-        """The grammar's masks of n rows (RuleState.masks), computed on the rules' own thread while the caller runs
-        the rows' forward pass (llguidance releases the GIL, and the pass mostly runs in C++); None without a
-        grammar, or where no core is free for them (``apply`` computes them then). tokens: what the session will hold
-        once the pass has fed it."""
-        if state is None or state.matcher is None or not self.beside:
-            return None
-        future = asyncio.get_running_loop().run_in_executor(_masks_thread(), self._timed, state, tokens, first, n)
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failed call may never await it
-        return future
-
-    def _timed(self, state: RuleState, tokens: list[int], first: int, n: int) -> np.ndarray:
-        t0 = time.perf_counter()
-        try:
-            return state.masks(tokens, first, n, self.vocab_size)
-        finally:
-            if self.metrics is not None:
-                self.metrics.rules_seconds.inc(time.perf_counter() - t0)
-
-    async def apply(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids=None, masks=None):
-        """state.apply over this server's vocabulary, with the masks ``masks`` started (or None), timed into the
-        server's metrics: the work (rules_seconds) and what the call waited for it (rules_wait_seconds)."""
-        t0 = time.perf_counter()
-        packed = await masks if masks is not None else None
-        t1 = time.perf_counter()
-        out = state.apply(logits, tokens, first, self.vocab_size, ids, packed)
-        self._count(time.perf_counter() - t1, time.perf_counter() - t0, logits.shape[0])
-        return out
-
-    def argmax(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids=None, **how):
-        """state.argmax over this server's vocabulary (greedy's columns and the rows), timed into the server's
-        metrics; it needs no masks started beside the pass."""
-        return self.timed(logits.shape[0], state.argmax, logits, tokens, first, self.vocab_size, ids, **how)
-
-    def sample_row(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, ids, q_support):
-        """state.sample_row over this server's vocabulary and its rules' seconds, timed into the server's metrics
-        without q_support's own time, which is the sampler's (no mask beside the pass: most rows need none)."""
-        (row, checked), rules_s = self._timed_without(q_support, state.sample_row, logits, tokens, first, ids)
-        return row, checked, rules_s
-
-    def probs(self, state: RuleState, logits: torch.Tensor, tokens: list[int], first: int, transform):
-        """state.probs over this server's vocabulary and its rules' seconds, timed into the server's metrics without
-        transform's own time, which is the sampler's (no mask beside the pass: rows in forced runs need none)."""
-        return self._timed_without(transform, state.probs, logits, tokens, first)
-
-    def _timed_without(self, sampler, fn, logits, tokens, first, *args):
-        """fn(logits, tokens, first, vocab, *args, sampler) for one row, and its seconds less the sampler's, counted."""
-        spent = [0.0]
-
-        def timed(row):
-            t0 = time.perf_counter()
-            try:
-                return sampler(row)
-            finally:
-                spent[0] += time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        out = fn(logits, tokens, first, self.vocab_size, *args, timed)
-        rules_s = time.perf_counter() - t0 - spent[0]
-        self._count(rules_s, rules_s, 1)
-        return out, rules_s
-
-    def forced(self, state: RuleState, tokens: list[int]) -> list[int]:
-        """state.forced, timed into the server's metrics (no row: nothing is masked)."""
-        return self.timed(0, state.forced, tokens)
-
-    def timed(self, rows: int, fn, *args, **kwargs):
-        """fn(*args, **kwargs), a RuleState method that the call waits for, timed into the server's metrics (work and
-        wait alike); rows: the rows it rules (0 for a question about tokens, such as ``forced`` or ``allows``)."""
-        t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        spent = time.perf_counter() - t0
-        self._count(spent, spent, rows)
-        return out
-
-    def _count(self, work_s: float, wait_s: float, rows: int) -> None:
-        """A call's rules into the server's metrics: their work, what the call waited for them, its rows."""
-        if self.metrics is not None:
-            self.metrics.rules_seconds.inc(work_s)
-            self.metrics.rules_wait_seconds.inc(wait_s)
-            self.metrics.rules_rows.inc(rows)
-
-    def state_for(self, session, rules: Rules | None) -> RuleState | None:
-        """The session's RuleState for a request's rules (as ``check`` returned them), kept on the session and rebuilt
-        when the rules change."""
-        if session.rules is not None and session.rules[0] == rules:
-            return session.rules[1]
-        state = None
-        if rules is not None:
-            fresh = self._pristine(rules.grammar).deep_copy() if rules.grammar else None
-            state = RuleState(rules, self.tokenizer if rules.grammar else None, self.eos_ids, fresh)
-        session.rules = (rules, state)
-        return state
-
-    def _pristine(self, grammar: str):
-        """A matcher of the grammar at its start, kept for the last few grammars: each new session takes a copy (a
-        matcher built anew compiles the grammar, 0.3-0.7 ms, once a request on each server)."""
-        import llguidance
-
-        if grammar not in self._matchers:
-            if len(self._matchers) >= 16:
-                self._matchers.pop(next(iter(self._matchers)))
-            self._matchers[grammar] = llguidance.LLMatcher(self.tokenizer, grammar)
-        return self._matchers[grammar]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec import grammar, mask_check, rules, sampling
+from specdec import grammar, mask_check, rule_book, rule_fields, rules, sampling
 from specdec.errors import ServiceError
 from specdec.v1 import model_server_pb2 as pb
 from target_service.servicer import to_first_mismatch
@@ -91,8 +91,8 @@ def test_a_draft_that_scores_some_tokens_gets_the_full_rows_columns():
 
 
 def test_neutral_rules_are_no_rules():
-    assert rules.from_proto(pb.OutputRules(output_start=7, repetition_penalty=1.0), VOCAB) is None
-    assert rules.from_proto(pb.OutputRules(output_start=7, logit_bias={3: 0.0}), VOCAB) is None
+    assert rule_fields.from_proto(pb.OutputRules(output_start=7, repetition_penalty=1.0), VOCAB) is None
+    assert rule_fields.from_proto(pb.OutputRules(output_start=7, logit_bias={3: 0.0}), VOCAB) is None
 
 
 @pytest.mark.parametrize(
@@ -101,13 +101,13 @@ def test_neutral_rules_are_no_rules():
 )
 def test_rules_out_of_range_are_invalid_argument(fields):
     with pytest.raises(ServiceError) as e:
-        rules.from_proto(pb.OutputRules(**fields), VOCAB)
+        rule_fields.from_proto(pb.OutputRules(**fields), VOCAB)
     assert e.value.code.name == "INVALID_ARGUMENT"
 
 
 @pytest.fixture(scope="module")
 def book(tokenizer):
-    return rules.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    return rule_book.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
 
 
 def schema_rules(start: int = 0) -> pb.OutputRules:
@@ -507,6 +507,35 @@ def test_after_a_greedy_call_walked_its_drafts_the_next_call_sees_what_a_fresh_m
             assert np.array_equal(kept.masks(following, n, 1, vocab), fresh.masks(following, n, 1, vocab)), cut
 
 
+def test_a_token_taken_ahead_leaves_the_next_call_where_a_fresh_matcher_is(book, tokenizer):
+    """A server takes the token it knows comes next (RuleState.advance: a bonus token, a draft; argmax its pick)
+    with what the grammar forces after it; whatever the next call holds (that token, another, less), its masks
+    and forced tokens are a fresh matcher's. A token the grammar refuses, or an end, is not taken."""
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    answer = encode(tokenizer, '{"name": "Ada Byron", "age": 36}')
+    prompt = [5, 6, 7]
+    checked = book.check(schema_rules(len(prompt)))
+    rng = np.random.default_rng(6)
+    kept = rules.RuleState(checked, book.tokenizer, book.eos_ids)
+    for cut in range(len(answer)):
+        history = prompt + answer[:cut]
+        for token in (answer[cut], int(rng.integers(0, vocab)), eos):
+            kept.advance(history, len(history), token)
+            if token == eos:
+                assert eos not in kept.consumed
+            else:
+                allowed = rules.RuleState(checked, book.tokenizer).valid_prefix(history, [token]) == 1
+                assert kept.consumed == answer[:cut] + [token] * allowed, (cut, token)
+            for following in (history + [token], history, history + answer[cut : cut + 2], prompt + answer[:cut]):
+                fresh = rules.RuleState(checked, book.tokenizer, book.eos_ids)
+                n = len(following)
+                if fresh.valid_prefix(prompt, following[len(prompt) :]) < n - len(prompt):
+                    continue  # a history that breaks the grammar (tested above)
+                assert kept.forced(following) == fresh.forced(following), (cut, token)
+                assert np.array_equal(kept.masks(following, n, 1, vocab), fresh.masks(following, n, 1, vocab)), cut
+            kept.advance(history, len(history), token)  # taken ahead again, then a history that drops it
+
+
 def test_sessions_of_one_grammar_each_get_a_matcher_of_their_own(book, tokenizer):
     """Each session's matcher is a copy of the book's pristine one: moving one session moves no other."""
 
@@ -540,7 +569,7 @@ def test_masks_that_disagree_with_the_grammar_refuse_grammars_saying_why(tokeniz
         return out
 
     monkeypatch.setattr(rules.RuleState, "masks", late)
-    book = rules.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])  # a server that checks them now
+    book = rule_book.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])  # a server that checks them now
     assert "the grammar engine's mask allows token" in mask_check.disagreement(book)
     for _ in range(2):  # checked once, refused every time
         with pytest.raises(ServiceError) as e:

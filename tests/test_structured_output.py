@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import make_stack, stop_stack
-from specdec import grammar, rules
+from specdec import grammar, rule_book, rules
 from specdec.v1 import draft_pb2, draft_pb2_grpc, generation_pb2 as gen_pb, model_server_pb2 as ms_pb
 
 SCHEMA = {
@@ -76,7 +76,7 @@ def test_tokens_the_grammar_forces_are_drafted_with_certainty_and_fed_with_the_n
         [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, return_dict=True
     )["input_ids"]
     text = grammar.grammar_text(ms_pb.Grammar(json_schema=json.dumps(SCHEMA)))
-    book = rules.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    book = rule_book.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     forced = llguidance.LLMatcher(book.tokenizer, text).compute_ff_tokens()
     assert len(forced) >= 3  # '{"name": "' in a few tokens
     draft = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(stack.draft_address))
@@ -207,7 +207,7 @@ def test_a_seeded_answer_under_rules_is_the_same_whether_the_target_masks_row_by
 def constrained_distribution(tokenizer, target_model, prompt: list[int], text: str) -> dict[str, float]:
     """Each answer's probability under the target at temperature 1, restricted to what the grammar allows: the
     product over its tokens of the renormalized allowed mass, by walking every allowed path (a small grammar)."""
-    book = rules.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    book = rule_book.RuleBook(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     out: dict[str, float] = {}
 
     def walk(matcher, tokens: list[int], p: float) -> None:
