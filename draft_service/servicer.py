@@ -145,8 +145,6 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
             resp.token_probs.append(qx)
             if checked is not None and x not in checked and self._refused(rules, x, resp):  # drawn from an unmasked
                 break  # row, outside the tokens checked: the round ends on it, a draft the target rejects (p = 0)
-            if how == "sample_row":  # greedy's argmax takes its pick itself
-                resp.rules_seconds += core.rules.advance(rules, s.tokens, position, x)
             if confidence < min_confidence:
                 break
             feed = [x]

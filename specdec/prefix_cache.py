@@ -102,6 +102,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     the head is compared whole and only the last tokens one by one; numpy only where the heads differ (a rebuilt
     session), as converting both lists cost 20 us each a call at a few hundred tokens (py-spy)."""
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # one is the other's prefix: a matcher behind its output, a mirror behind its history
+        return n
     head = max(n - 64, 0)
     if a[:head] == b[:head]:
         return next((i for i in range(head, n) if a[i] != b[i]), n)

@@ -123,14 +123,6 @@ class RuleBook:
         self._count(rules_s, rules_s, 1)
         return out, rules_s
 
-    def advance(self, state: RuleState | None, tokens: list[int], position: int, token: int) -> float:
-        """state.advance (None: no rules), timed into the server's metrics; its seconds."""
-        if state is None or state.matcher is None:
-            return 0.0
-        t0 = time.perf_counter()
-        self.timed(0, state.advance, tokens, position, token)
-        return time.perf_counter() - t0
-
     def forced(self, state: RuleState, tokens: list[int]) -> list[int]:
         """state.forced, timed into the server's metrics (no row: nothing is masked)."""
         return self.timed(0, state.forced, tokens)

@@ -123,7 +123,7 @@ class RuleState:
                 masked = self._mask(out[i : i + 1], row, vocab, ids)
                 pick = argmax_rows(masked)[0]
                 token = pick if columns is None else int(columns[pick])  # -inf: the mask allows none of the columns
-                if masked[0, pick] > -np.inf and not allows(matcher, token, self.ends):  # never emitted
+                if host[i, pick] > -np.inf and not allows(matcher, token, self.ends):  # never emitted (masked in place)
                     raise ServiceError(
                         grpc.StatusCode.INTERNAL, f"the grammar's mask allowed {token}, which it refuses"
                     )
@@ -132,12 +132,6 @@ class RuleState:
                 break
             if i < min(valid, n - 1):
                 self._take(drafts[i])
-        # the last row's pick comes next in the history (a verdict's token, a draft step's): taken now, with the
-        # caches warm, where the next call would take it cold
-        last, token = len(picks) - 1, pick if columns is None else int(columns[pick])
-        at_last = len(self.consumed) - (first - self.rules.output_start) == last
-        if at_last and out[last, pick] > -np.inf and token not in self.ends and token not in self.eos_ids:
-            self._take(token)
         return picks, out
 
     def sample_row(
@@ -198,17 +192,6 @@ class RuleState:
         if self._here is not None and self._here[0] == len(self.consumed):
             return self._here[1] == []
         return not self.matcher.compute_ff_bytes()
-
-    def advance(self, tokens: list[int], position: int, token: int) -> None:
-        """Take token at position (after tokens[:position]) where the grammar allows it, and find what it forces
-        after it: a server calls this for the token it knows comes next (a bonus token it drew), while the caches are
-        warm from the row's rules, where the next call, after a forward pass, would find them cold (about 20 us a
-        call to the grammar engine; docs/performance.md, item 46). A call whose history does not hold it rolls it
-        back (``_follow``)."""
-        if self.matcher is None or token in self.eos_ids or token in self.ends:
-            return
-        if self._follow(tokens[self.rules.output_start : position]) and self.matcher.validate_tokens([token]) == 1:
-            self._take(token)
 
     def _take(self, token: int) -> None:
         """The matcher takes token, which the grammar allows at its history, and finds what is forced after it."""

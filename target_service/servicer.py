@@ -108,8 +108,6 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
         probs, resp.rules_seconds = await self._probs(logits, rules, masks, s.tokens, first, drafts, q, params)
         s.keep_probs(probs, first)
         self._sampled_rows(resp, probs, drafts, q, params, first, always_bonus=req.steps > 1)
-        if resp.HasField("bonus_token_id"):  # drawn here: the history's next token
-            resp.rules_seconds += core.rules.advance(rules, s.tokens, first + len(drafts), resp.bonus_token_id)
         logprobs.fill_bonus(resp, s.logprobs)
         return await self._run(req, s, resp.bonus_token_id, params, checked, stats, resp)
 
@@ -150,8 +148,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetServiceServicer):
             return picks[0], time.perf_counter() - t0
         probs, spent = await self._probs(logits, rules, masks, s.tokens, first, [], None, params)
         s.keep_probs(probs, first)
-        token = sample_sparse(None, probs[0].numpy(), uniform(params.seed, first, Purpose.RESAMPLE))
-        return token, spent + self.core.rules.advance(rules, s.tokens, first, token)
+        return sample_sparse(None, probs[0].numpy(), uniform(params.seed, first, Purpose.RESAMPLE)), spent
 
     async def _probs(self, logits, rules, masks, tokens, first: int, drafts, q, params) -> tuple[torch.Tensor, float]:
         """The rows' distributions under the rules and the sampling transforms ([rows, vocab], the first at position

@@ -507,35 +507,6 @@ def test_after_a_greedy_call_walked_its_drafts_the_next_call_sees_what_a_fresh_m
             assert np.array_equal(kept.masks(following, n, 1, vocab), fresh.masks(following, n, 1, vocab)), cut
 
 
-def test_a_token_taken_ahead_leaves_the_next_call_where_a_fresh_matcher_is(book, tokenizer):
-    """A server takes the token it knows comes next (RuleState.advance: a bonus token, a draft; argmax its pick)
-    with what the grammar forces after it; whatever the next call holds (that token, another, less), its masks
-    and forced tokens are a fresh matcher's. A token the grammar refuses, or an end, is not taken."""
-    vocab, eos = len(tokenizer), tokenizer.eos_token_id
-    answer = encode(tokenizer, '{"name": "Ada Byron", "age": 36}')
-    prompt = [5, 6, 7]
-    checked = book.check(schema_rules(len(prompt)))
-    rng = np.random.default_rng(6)
-    kept = rules.RuleState(checked, book.tokenizer, book.eos_ids)
-    for cut in range(len(answer)):
-        history = prompt + answer[:cut]
-        for token in (answer[cut], int(rng.integers(0, vocab)), eos):
-            kept.advance(history, len(history), token)
-            if token == eos:
-                assert eos not in kept.consumed
-            else:
-                allowed = rules.RuleState(checked, book.tokenizer).valid_prefix(history, [token]) == 1
-                assert kept.consumed == answer[:cut] + [token] * allowed, (cut, token)
-            for following in (history + [token], history, history + answer[cut : cut + 2], prompt + answer[:cut]):
-                fresh = rules.RuleState(checked, book.tokenizer, book.eos_ids)
-                n = len(following)
-                if fresh.valid_prefix(prompt, following[len(prompt) :]) < n - len(prompt):
-                    continue  # a history that breaks the grammar (tested above)
-                assert kept.forced(following) == fresh.forced(following), (cut, token)
-                assert np.array_equal(kept.masks(following, n, 1, vocab), fresh.masks(following, n, 1, vocab)), cut
-            kept.advance(history, len(history), token)  # taken ahead again, then a history that drops it
-
-
 def test_sessions_of_one_grammar_each_get_a_matcher_of_their_own(book, tokenizer):
     """Each session's matcher is a copy of the book's pristine one: moving one session moves no other."""
 
