@@ -3,6 +3,7 @@ they change nothing. What each rule does to a row, and in which order, is specde
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from specdec.errors import invalid
@@ -24,11 +25,12 @@ class Rules:
     min_tokens: int = 0
     blocked: tuple[int, ...] = ()
 
-    @property
+    # the two below are read at every row of every call, after a forward pass has left the caches cold: computed once
+    @functools.cached_property
     def counts_tokens(self) -> bool:
         return bool(self.presence or self.frequency or self.repetition != 1.0)
 
-    @property
+    @functools.cached_property
     def has_edits(self) -> bool:
         """Whether any rule but the grammar changes a row (bias, penalties, min_tokens)."""
         return bool(self.bias or self.counts_tokens or self.blocked)
