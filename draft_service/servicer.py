@@ -158,7 +158,7 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftServiceServicer):
         book, t0 = self.core.rules, time.perf_counter()
         pick = checked = q = None
         if how == "argmax":
-            (pick,), logits = book.argmax(rules, logits, tokens, position, self.ids)
+            (pick,), logits = book.argmax(rules, logits, tokens, position, self.ids, canonical=False)
             blocked = logits.numpy()[0, pick] == -np.inf  # the best allowed is -inf: nothing is (numpy: cheaper cold)
         elif how == "sample_row":
             found = []

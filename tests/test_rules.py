@@ -579,6 +579,31 @@ def test_greedy_never_emits_a_token_its_mask_allowed_wrongly(book, tokenizer, mo
     assert e.value.code == grpc.StatusCode.INTERNAL and f"allowed {refused}" in str(e.value)
 
 
+def test_a_drafts_greedy_pick_at_forced_bytes_is_found_by_token_checks_without_a_mask(book, tokenizer, monkeypatch):
+    """After '{"name":' the grammar forces ' "' and no whole token (its first token is open). A target's greedy pick
+    there is the masked row's argmax, by the mask (grammar.best_allowed leaves such rows to it); a draft's
+    (canonical=False) is the row's best token whose bytes fit, found by token checks without filling a mask: a
+    proposal need not be the mask's, since one the mask refused would be a draft the target rejects."""
+    vocab = len(tokenizer)
+    answer = encode(tokenizer, '{"name":')
+    state = rules.RuleState(book.check(schema_rules()), book.tokenizer, book.eos_ids)
+    assert state.forced(answer) == [] and state.forced_here() is None  # bytes forced, their first token open
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3))
+    allowed = torch.from_numpy(state.allowed(answer, len(answer), 1, vocab)[0].copy())
+    logits[0, allowed.nonzero()[-2:, 0]] = torch.tensor([6.0, 7.0])  # two it allows, among the row's best
+    logits[0, encode(tokenizer, ":")[0]] = 10.0  # the row's best, which the grammar refuses
+    fits = [t for t in logits[0].argsort(descending=True).tolist()[:16] if state.matcher.validate_tokens([t]) == 1]
+    assert fits and allowed[fits[0]]
+    filled = []
+    bitmask = rules.RuleState._bitmask
+    monkeypatch.setattr(rules.RuleState, "_bitmask", lambda self, *a: filled.append(a) or bitmask(self, *a))
+    want = int(logits[0].masked_fill(~allowed, float("-inf")).argmax())
+    assert state.argmax(logits.clone(), answer, len(answer), vocab)[0] == [want] and filled
+    filled.clear()
+    assert state.argmax(logits.clone(), answer, len(answer), vocab, canonical=False)[0] == [fits[0]]
+    assert not filled and state.consumed == answer
+
+
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
 @pytest.mark.parametrize("which", range(len(WALK_GRAMMARS)))
 def test_a_sampled_target_rows_distribution_is_the_masked_rows_bit_for_bit(book, tokenizer, which, top_p):
