@@ -143,15 +143,14 @@ class RuleState:
     ) -> tuple[torch.Tensor, np.ndarray | None]:
         """A sampled draft step's row under the rules, and the tokens its mask was skipped for (None: masked, as by
         ``apply``). q_support(row): the support of the q the unmasked row gives (ids, p as ``sampling.support``).
-        Where no token is forced and the grammar allows the tokens checked (those holding all but UNCHECKED_MASS of
+        Where nothing is forced and the grammar allows the tokens checked (those holding all but UNCHECKED_MASS of
         a support of at most CHECKED_TOKENS, else the row's best), the row stays unmasked: q is the row under the
         other rules, which the ratio test takes like any q. A token drawn outside those (``allows``) that the
         grammar refuses ends the round, a draft the target rejects (p = 0; its residual max(0, p - q) is the
-        constrained p's); so is a checked token whose bytes fit where the grammar forces bytes but the mask keeps
-        other tokenizations of them. That saves the mask, 60-200 us, in most rows (docs/performance.md, items 44
-        and 47). Arguments as ``apply``'s, for one row."""
+        constrained p's). That saves the mask, 60-200 us, in most rows (docs/performance.md, item 44). Arguments as
+        ``apply``'s, for one row."""
         out = self._edited(logits, tokens, first, ids, vocab)
-        if self._follow(tokens[self.rules.output_start : first]) and self._forces_no_token():
+        if self._follow(tokens[self.rules.output_start : first]) and self._forces_nothing():
             ids_q, p_q = q_support(out)
             # a small support (a nucleus): the tokens holding all but UNCHECKED_MASS of q; a wide one: its best
             # token alone, since finding its likeliest would cost about what the mask does
@@ -191,13 +190,12 @@ class RuleState:
         self._here = (at, forced)
         return forced
 
-    def _forces_no_token(self) -> bool:
-        """Whether the grammar forces no token at the matcher's history (no bytes, or bytes whose first token is
-        open): forced_here's answer where it has one, else the engine's question about bytes first (a few us;
-        finding forced tokens costs about 100)."""
+    def _forces_nothing(self) -> bool:
+        """Whether the grammar forces no bytes at the matcher's history: forced_here's answer where it has one, else
+        the engine's question about bytes alone (a few us; finding forced tokens costs about 100)."""
         if self._here is not None and self._here[0] == len(self.consumed):
-            return not self._here[1]
-        return not self.matcher.compute_ff_bytes() or not self.forced_here()
+            return self._here[1] == []
+        return not self.matcher.compute_ff_bytes()
 
     def _take(self, token: int) -> None:
         """The matcher takes token, which the grammar allows at its history, and finds what is forced after it."""
