@@ -120,7 +120,9 @@ class RuleState:
         # stopped
         for i in range(n):
             forced = self.forced_here()
-            pick = best_allowed(matcher, host[i], columns, self.ends, forced if canonical or forced else [])
+            if forced is None and not canonical:  # bytes forced, their first token open: a draft's checks will do
+                forced = []
+            pick = best_allowed(matcher, host[i], columns, self.ends, forced)
             if pick is None:  # the mask decides, for this row alone
                 row = self._bitmask(1, vocab)[:1]
                 matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
@@ -198,14 +200,13 @@ class RuleState:
         return not self.matcher.compute_ff_bytes()
 
     def _take(self, token: int) -> None:
-        """The matcher takes token, which the grammar allows at its history, and finds what is forced after it."""
+        """The matcher takes token, which the grammar allows at its history."""
         if not self.matcher.consume_token(token):
             error = self.matcher.get_error()
             self.matcher.reset()
             self.consumed, self._run, self._here = [], None, None
             raise ServiceError(grpc.StatusCode.INTERNAL, f"the grammar refused {token}, which it allowed: {error}")
         self.consumed.append(token)
-        self.forced_here()
 
     def allows(self, token: int) -> bool:
         """Whether the grammar allows token after the history of the last ``sample_row``."""
