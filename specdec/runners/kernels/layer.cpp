@@ -176,16 +176,17 @@ static void attend_queries(const float* qs, const T* K, const T* V, int64_t cap,
     float mx = -INFINITY;
     int64_t u = 0;
     if (len >= 16) {
-      vec top = load(si);
-      for (u = 16; u + 16 <= len; u += 16) top = load(si + u) > top ? load(si + u) : top;
+      f16 top = load16(si);
+      for (u = 16; u + 16 <= len; u += 16) top = max16(load16(si + u), top);
       mx = lane_max(top);
     }
     for (; u < len; u++) mx = si[u] > mx ? si[u] : mx;
-    vec total{};
+    f16 total = splat16(0.0f);
+    const f16 mxv = splat16(mx);
     for (u = 0; u + 16 <= len; u += 16) {
-      const vec e = exp_nonpositive(load(si + u) - mx);
-      store(si + u, e);
-      total += e;
+      const f16 e = exp16(load16(si + u) - mxv);
+      store16(si + u, e);
+      total = total + e;
     }
     float sum = lane_sum(total);
     for (; u < len; u++) sum += (si[u] = std::exp(si[u] - mx));

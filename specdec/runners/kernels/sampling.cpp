@@ -31,13 +31,9 @@ static inline float exp_shifted(float x) { return x < -87.3f ? 0.0f : std::exp(x
 template <class Hit, class At>
 static inline void scan_blocks(const float* x, int64_t V, Hit hit, At at) {
   const int64_t V16 = V - V % 16;
-  for (int64_t i = 0; i < V16; i += 16) {
-    const ivec h = hit(load(x + i));
-    bool any = false;
-    for (int j = 0; j < 16; j++) any |= h[j] != 0;
-    if (any)
+  for (int64_t i = 0; i < V16; i += 16)
+    if (any16(hit(load16(x + i))))
       for (int j = 0; j < 16; j++) at(i + j);
-  }
   for (int64_t i = V16; i < V; i++) at(i);
 }
 
@@ -47,11 +43,12 @@ static inline void scan_blocks(const float* x, int64_t V, Hit hit, At at) {
 static void row_probs(const float* logits, float* out, int64_t V, float temperature, int64_t top_k, float top_p,
                       float min_p_floor, std::vector<float>& scratch, std::vector<std::pair<float, int64_t>>& found) {
   const int64_t V16 = V - V % 16;
-  vec mv = vec{} - kInf;
+  f16 mv = splat16(-kInf);
+  const f16 tv = splat16(temperature);
   for (int64_t i = 0; i < V16; i += 16) {
-    const vec x = load(logits + i) / temperature;
-    store(out + i, x);
-    mv = x > mv ? x : mv;
+    const f16 x = load16(logits + i) / tv;
+    store16(out + i, x);
+    mv = max16(x, mv);
   }
   float mx = lane_max(mv);
   for (int64_t i = V16; i < V; i++) {
@@ -67,13 +64,14 @@ static void row_probs(const float* logits, float* out, int64_t V, float temperat
     floor = std::max(floor, scratch[top_k - 1]);
   }
   // e = exp(x - max) where kept, else 0; the row's maximum has e = 1
-  vec sv{};
-  const vec fv = vec{} + floor, ninf = vec{} - kInf, under = vec{} - 87.3f, zero{};
+  f16 sv = splat16(0.0f);
+  const f16 fv = splat16(floor), ninf = splat16(-kInf), under = splat16(-87.3f), zero = splat16(0.0f);
+  const f16 mxv = splat16(mx);
   for (int64_t i = 0; i < V16; i += 16) {
-    const vec x = load(out + i), d = x - mx;
-    const vec e = (x >= fv) & (x > ninf) & (d >= under) ? exp_nonpositive(d) : zero;
-    store(out + i, e);
-    sv += e;
+    const f16 x = load16(out + i), d = x - mxv;
+    const f16 e = select16((x >= fv) & (x > ninf) & (d >= under), exp16(d), zero);
+    store16(out + i, e);
+    sv = sv + e;
   }
   float sum = lane_sum(sv);
   for (int64_t i = V16; i < V; i++) {
@@ -90,8 +88,8 @@ static void row_probs(const float* logits, float* out, int64_t V, float temperat
       if (t < 1e-30f) t = 0.0f;
       found.clear();
       double mass = 0.0;
-      const vec tv = vec{} + t, zero{};
-      scan_blocks(out, V, [&](vec x) { return (x > zero) & (x >= tv); }, [&](int64_t i) {
+      const f16 tv = splat16(t), zero = splat16(0.0f);
+      scan_blocks(out, V, [&](f16 x) { return (x > zero) & (x >= tv); }, [&](int64_t i) {
         if (out[i] > 0.0f && out[i] >= t) {
           found.emplace_back(out[i], i);
           mass += out[i];
@@ -154,11 +152,11 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> support_rows(torch::Tensor 
   const int64_t n = probs.size(0), V = probs.size(1);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> out;
   std::vector<int64_t> ids;
-  const vec zero{};
+  const f16 zero = splat16(0.0f);
   for (int64_t r = 0; r < n; r++) {
     const float* x = probs.data_ptr<float>() + r * V;
     ids.clear();
-    scan_blocks(x, V, [&](vec v) { return v != zero; }, [&](int64_t i) {
+    scan_blocks(x, V, [&](f16 v) { return v != zero; }, [&](int64_t i) {
       if (x[i] != 0.0f) ids.push_back(i);
     });
     const int64_t m = (int64_t)ids.size();
@@ -185,11 +183,8 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   int64_t* op = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; r++) {
     const float* x = logits.data_ptr<float>() + r * V;
-    vec mv = vec{} - kInf;
-    for (int64_t i = 0; i < V16; i += 16) {
-      const vec v = load(x + i);
-      mv = v > mv ? v : mv;
-    }
+    f16 mv = splat16(-kInf);
+    for (int64_t i = 0; i < V16; i += 16) mv = max16(load16(x + i), mv);
     float mx = V16 ? lane_max(mv) : -kInf;
     for (int64_t i = V16; i < V; i++) mx = std::max(mx, x[i]);
     int64_t at = 0;

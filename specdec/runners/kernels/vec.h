@@ -64,22 +64,107 @@ static inline float lane_max(vec v) {
 }
 
 // e^x for x <= 0 (a softmax's shifted scores): 2^k e^r with |r| <= ln2 / 2, e^r by Cephes' degree-6
-// polynomial, within about 2 ulp of expf; below -87 it gives e^-87 (~1.6e-38) where expf would give less.
-static inline vec exp_nonpositive(vec x) {
-  const vec floor = vec{} - 87.0f;
+// polynomial, within about 2 ulp of expf; below -87 it gives e^-87 (~1.6e-38) where expf would give less. V: a float
+// vector, I: the int32 vector of its lanes.
+template <class V, class I>
+static inline V exp_nonpositive_t(V x) {
+  const V floor = V{} - 87.0f;
   x = x < floor ? floor : x;
-  const vec magic = vec{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const vec k = (x * 1.44269504088896341f + magic) - magic;
-  const vec r = x - k * 0.693359375f + k * 2.12194440e-4f;  // x - k ln2, ln2 in two parts
-  vec p = vec{} + 1.9875691500e-4f;
+  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const V k = (x * 1.44269504088896341f + magic) - magic;
+  const V r = x - k * 0.693359375f + k * 2.12194440e-4f;  // x - k ln2, ln2 in two parts
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const ivec bits = (__builtin_convertvector(k, ivec) + 127) << 23;  // 2^k
-  vec scale;
+  const I bits = (__builtin_convertvector(k, I) + 127) << 23;  // 2^k
+  V scale;
   __builtin_memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+
+static inline vec exp_nonpositive(vec x) { return exp_nonpositive_t<vec, ivec>(x); }
+
+// Sixteen floats in the registers a CPU compares them in: one AVX-512 register, else two 8-float halves (AVX2's).
+// Without AVX-512, GCC lowers a comparison or a select of 16-float vectors lane by lane, through the stack: a sampled
+// row's distribution over 49,152 tokens took 450 us on an AVX2 CPU, and a softmax's max and exp in attention paid it
+// too. Code that compares or selects goes through these; each lane's arithmetic is the same either way, and
+// lane_sum and lane_max reduce in vec's order, so the bits are those of vec.
+typedef int32_t ivec8 __attribute__((vector_size(32)));
+#ifdef __AVX512F__
+struct f16 {
+  vec v;
+};
+struct m16 {
+  ivec v;
+};
+template <class R, class A, class B, class F>
+static inline R each(A a, B b, F f) {
+  return R{f(a.v, b.v)};
+}
+static inline f16 load16(const float* p) { return {load(p)}; }
+static inline void store16(float* p, f16 a) { store(p, a.v); }
+static inline float lane_sum(f16 a) { return lane_sum(a.v); }
+static inline float lane_max(f16 a) { return lane_max(a.v); }
+static inline bool any16(m16 m) {
+  bool any = false;
+  for (int j = 0; j < 16; j++) any |= m.v[j] != 0;
+  return any;
+}
+static inline f16 exp16(f16 a) { return {exp_nonpositive(a.v)}; }
+static inline f16 select16(m16 m, f16 a, f16 b) { return {m.v ? a.v : b.v}; }
+#else
+struct f16 {
+  vec8 lo, hi;
+};
+struct m16 {
+  ivec8 lo, hi;
+};
+template <class R, class A, class B, class F>
+static inline R each(A a, B b, F f) {
+  return R{f(a.lo, b.lo), f(a.hi, b.hi)};
+}
+static inline f16 load16(const float* p) { return {load8(p), load8(p + 8)}; }
+static inline void store16(float* p, f16 a) {
+  __builtin_memcpy(p, &a.lo, sizeof a.lo);
+  __builtin_memcpy(p + 8, &a.hi, sizeof a.hi);
+}
+static inline float lane_sum(f16 a) {  // lane_sum(vec)'s tree: halves, then quarters, then (0 + 2) + (1 + 3)
+  const vec8 h = a.lo + a.hi;
+  const vec4 b = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+static inline float lane_max(f16 a) {  // lane_max(vec)'s order
+  float m = a.lo[0];
+  for (int i = 1; i < 8; i++) m = a.lo[i] > m ? a.lo[i] : m;
+  for (int i = 0; i < 8; i++) m = a.hi[i] > m ? a.hi[i] : m;
+  return m;
+}
+static inline bool any16(m16 m) {
+  const ivec8 o = m.lo | m.hi;
+  uint64_t w[4];
+  __builtin_memcpy(w, &o, sizeof w);
+  return (w[0] | w[1] | w[2] | w[3]) != 0;
+}
+static inline f16 exp16(f16 a) { return {exp_nonpositive_t<vec8, ivec8>(a.lo), exp_nonpositive_t<vec8, ivec8>(a.hi)}; }
+static inline f16 select16(m16 m, f16 a, f16 b) { return {m.lo ? a.lo : b.lo, m.hi ? a.hi : b.hi}; }
+#endif
+static inline f16 splat16(float s) {
+#ifdef __AVX512F__
+  return {vec{} + s};
+#else
+  return {vec8{} + s, vec8{} + s};
+#endif
+}
+static inline f16 operator+(f16 a, f16 b) { return each<f16>(a, b, [](auto x, auto y) { return x + y; }); }
+static inline f16 operator-(f16 a, f16 b) { return each<f16>(a, b, [](auto x, auto y) { return x - y; }); }
+static inline f16 operator*(f16 a, f16 b) { return each<f16>(a, b, [](auto x, auto y) { return x * y; }); }
+static inline f16 operator/(f16 a, f16 b) { return each<f16>(a, b, [](auto x, auto y) { return x / y; }); }
+static inline m16 operator>(f16 a, f16 b) { return each<m16>(a, b, [](auto x, auto y) { return x > y; }); }
+static inline m16 operator>=(f16 a, f16 b) { return each<m16>(a, b, [](auto x, auto y) { return x >= y; }); }
+static inline m16 operator!=(f16 a, f16 b) { return each<m16>(a, b, [](auto x, auto y) { return x != y; }); }
+static inline m16 operator&(m16 a, m16 b) { return each<m16>(a, b, [](auto x, auto y) { return x & y; }); }
+static inline f16 max16(f16 a, f16 b) { return each<f16>(a, b, [](auto x, auto y) { return x > y ? x : y; }); }
