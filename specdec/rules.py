@@ -27,6 +27,7 @@ where the grammar forces a token needs no mask either (``probs``).
 from __future__ import annotations
 
 import functools
+import math
 
 import grpc
 import numpy as np
@@ -164,13 +165,20 @@ class RuleState:
     def probs(self, logits, tokens: list[int], first: int, vocab: int, transform) -> torch.Tensor:
         """transform (the sampling transforms) of ``apply``'s one full row. Where the grammar forces tokens its mask
         allows the first alone (tests/test_rules.py): that token's logit among -inf, written without the mask (80 us
-        a row cold), the run found once for its rows (``forced_here``). Arguments as ``apply``'s."""
+        a row cold), the run found once for its rows (``forced_here``); a finite one is probability 1 whatever the
+        temperature, top-k, top-p and min-p, so the row is written without the transform too (100-480 us cold).
+        Arguments as ``apply``'s."""
         out = self._edited(logits, tokens, first, None, vocab)
         if self.matcher is None:
             return transform(out)
         if self._follow(tokens[self.rules.output_start : first]) and (forced := self.forced_here()):
+            logit = float(out.numpy()[0, forced[0]])
+            if math.isfinite(logit):  # one finite logit: every transform gives it probability 1, exactly
+                one = torch.zeros_like(out)
+                one.numpy()[0, forced[0]] = 1.0
+                return one
             alone = torch.full_like(out, float("-inf"))
-            alone[0, forced[0]] = out[0, forced[0]]
+            alone[0, forced[0]] = logit
             return transform(alone)
         return transform(self._mask(out, self.masks(tokens, first, 1, vocab), vocab, None))
 

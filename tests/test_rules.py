@@ -604,9 +604,9 @@ def test_a_drafts_greedy_pick_at_forced_bytes_is_found_by_token_checks_without_a
     assert not filled and state.consumed == answer
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.9])
+@pytest.mark.parametrize("top_p, top_k, min_p", [(1.0, 0, 0.0), (0.9, 0, 0.0), (0.95, 3, 0.1)])
 @pytest.mark.parametrize("which", range(len(WALK_GRAMMARS)))
-def test_a_sampled_target_rows_distribution_is_the_masked_rows_bit_for_bit(book, tokenizer, which, top_p):
+def test_a_sampled_target_rows_distribution_is_the_masked_rows_bit_for_bit(book, tokenizer, which, top_p, top_k, min_p):
     """RuleState.probs (a forced token's row written without the mask) equals the sampling transforms of ``apply``'s
     row, bit for bit, for one session's rows as verifies walk them: through forced runs and free values, after
     rejected rounds that roll back into a run, with a bias and penalties; and its forced_here is a fresh matcher's."""
@@ -623,7 +623,7 @@ def test_a_sampled_target_rows_distribution_is_the_masked_rows_bit_for_bit(book,
     g, rng = torch.Generator().manual_seed(which), np.random.default_rng(which)
 
     def transform(row):
-        return sampling.logits_to_probs(row, 0.7, top_p=top_p)
+        return sampling.logits_to_probs(row, 0.7, top_k=top_k, top_p=top_p, min_p=min_p)
 
     at, seen = 0, {"forced": 0, "free": 0}
     for _ in range(400):  # rounds, until the answer is through
