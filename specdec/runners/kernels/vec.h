@@ -67,7 +67,7 @@ static inline float lane_max(vec v) {
 // polynomial, within about 2 ulp of expf; below -87 it gives e^-87 (~1.6e-38) where expf would give less. V: a float
 // vector, I: the int32 vector of its lanes.
 template <class V, class I>
-static inline V exp_nonpositive_t(V x) {
+static inline V exp_nonpositive(V x) {
   const V floor = V{} - 87.0f;
   x = x < floor ? floor : x;
   const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
@@ -85,8 +85,6 @@ static inline V exp_nonpositive_t(V x) {
   __builtin_memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
-
-static inline vec exp_nonpositive(vec x) { return exp_nonpositive_t<vec, ivec>(x); }
 
 // Sixteen floats in the registers a CPU compares them in: one AVX-512 register, else two 8-float halves (AVX2's).
 // Without AVX-512, GCC lowers a comparison or a select of 16-float vectors lane by lane, through the stack: a sampled
@@ -114,7 +112,8 @@ static inline bool any16(m16 m) {
   for (int j = 0; j < 16; j++) any |= m.v[j] != 0;
   return any;
 }
-static inline f16 exp16(f16 a) { return {exp_nonpositive(a.v)}; }
+static inline f16 exp16(f16 a) { return {exp_nonpositive<vec, ivec>(a.v)}; }
+static inline f16 splat16(float s) { return {vec{} + s}; }
 static inline f16 select16(m16 m, f16 a, f16 b) { return {m.v ? a.v : b.v}; }
 #else
 struct f16 {
@@ -149,16 +148,10 @@ static inline bool any16(m16 m) {
   __builtin_memcpy(w, &o, sizeof w);
   return (w[0] | w[1] | w[2] | w[3]) != 0;
 }
-static inline f16 exp16(f16 a) { return {exp_nonpositive_t<vec8, ivec8>(a.lo), exp_nonpositive_t<vec8, ivec8>(a.hi)}; }
+static inline f16 exp16(f16 a) { return {exp_nonpositive<vec8, ivec8>(a.lo), exp_nonpositive<vec8, ivec8>(a.hi)}; }
 static inline f16 select16(m16 m, f16 a, f16 b) { return {m.lo ? a.lo : b.lo, m.hi ? a.hi : b.hi}; }
+static inline f16 splat16(float s) { return {vec8{} + s, vec8{} + s}; }
 #endif
-static inline f16 splat16(float s) {
-#ifdef __AVX512F__
-  return {vec{} + s};
-#else
-  return {vec8{} + s, vec8{} + s};
-#endif
-}
 static inline f16 operator+(f16 a, f16 b) { return each<f16>(a, b, [](auto x, auto y) { return x + y; }); }
 static inline f16 operator-(f16 a, f16 b) { return each<f16>(a, b, [](auto x, auto y) { return x - y; }); }
 static inline f16 operator*(f16 a, f16 b) { return each<f16>(a, b, [](auto x, auto y) { return x * y; }); }
