@@ -299,14 +299,15 @@ def make_stack(
 
 
 def make_http_stack(lt: _Loop, tokenizer, draft_model, target_model, **kw) -> Stack:
-    """make_stack with the OpenAI-compatible API on a free port (stack.http_port); orch_cfg adds to it."""
-    from specdec.server import free_ports
+    """make_stack with the OpenAI-compatible API on a port the kernel picks as it binds (stack.http_port), so no
+    other server can take it between a choice and the bind; orch_cfg adds to it."""
+    from orchestrator.openai_compat.server import start_http
 
-    port = free_ports(1)[0]
-    stack = make_stack(
-        lt, tokenizer, draft_model, target_model, orch_cfg={"http_port": port, **kw.pop("orch_cfg", {})}, **kw
-    )
-    stack.http_port = port
+    stack = make_stack(lt, tokenizer, draft_model, target_model, **kw)
+    ocfg = stack.servicer.cfg
+    model = stack.target.cfg.model
+    stack.servicer.http = lt.run(start_http(stack.servicer, model, "127.0.0.1", 0, ocfg.api_key))
+    stack.http_port = stack.servicer.http.addresses[0][1]
     return stack
 
 

@@ -276,6 +276,7 @@ async def start_http(servicer, model: str, host: str, port: int, api_key: str = 
     which ends its generation and frees its sessions."""
     runner = web.AppRunner(OpenAIApi(servicer, model, api_key).app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await web.TCPSite(runner, host, port).start()  # port 0: a free one, runner.addresses says which
+    port = runner.addresses[0][1]
     log.info("OpenAI-compatible API on http://%s:%d/v1%s", host, port, " (API key required)" if api_key else "")
     return runner
