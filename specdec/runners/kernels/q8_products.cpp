@@ -300,51 +300,31 @@ inline __m256 scales8(const void* p, bool half, int64_t b, int h) {
               : _mm256_loadu_ps((const float*)p + b * 16 + h * 8);
 }
 
-// One block of 8 of a tile's rows (h: which half): their integer sums sum_k qw qx for the 32 bytes of x at xp.
-template <Format F, bool Vnni>
-inline __m256i block_dot256(const __m256i* w, const int8_t* xp, const Tile& t, int64_t b, int h) {
-  const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+#ifdef __AVXVNNI__
+// AVX-VNNI (256-bit dot products, Alder Lake on): one block of 8 of a tile's rows (h: which half), their integer
+// sums sum_k qw qx for the 32 bytes of x at xp.
+template <Format F>
+inline __m256i block_dot_vnni256(const __m256i* w, const int8_t* xp, const Tile& t, int64_t b, int h) {
+  const __m256i flip = _mm256_set1_epi8((char)0x80);
   int32_t x4[8];
   std::memcpy(x4, xp, sizeof x4);
-  if (F == Format::Q4_1 && !Vnni) {
-    // maddubs's pairs of 4-bit w and |x| <= 127 are at most 3,810: eight of them add in 16 bits exactly, so one
-    // madd widens the block's sums instead of one a group
-    __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
-    for (int g = 0; g < 8; g += 2) {
-      p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(x4[g])));
-      p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(w[g + 1], _mm256_set1_epi32(x4[g + 1])));
-    }
-    return _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
-  }
   __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
   for (int g = 0; g < 8; g++) {
     const __m256i xb = _mm256_set1_epi32(x4[g]);
-    __m256i part;
-    if (F == Format::Q4_1) {
-#ifdef __AVXVNNI__
-      if (Vnni) part = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[g], xb);
-      else
-#endif
-        part = _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], xb), ones);
-    } else {
-#ifdef __AVXVNNI__
-      if (Vnni) part = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_xor_si256(xb, flip), w[g]);
-      else
-#endif
-        part = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[g]), _mm256_sign_epi8(xb, w[g])), ones);
-    }
+    const __m256i part = F == Format::Q4_1
+                             ? _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[g], xb)
+                             : _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_xor_si256(xb, flip), w[g]);
     if (g % 2) s1 = _mm256_add_epi32(s1, part);
     else s0 = _mm256_add_epi32(s0, part);
   }
-  if (F == Format::Q8_0 && Vnni)
+  if (F == Format::Q8_0)
     s0 = _mm256_sub_epi32(s0, _mm256_loadu_si256((const __m256i*)((const int32_t*)t.extra + b * 16 + h * 8)));
   return _mm256_add_epi32(s0, s1);
 }
 
-// 8 of a tile's 16 rows (h: which half), in 256-bit registers: AVX-VNNI's dot products, or AVX2's
-// maddubs (pairs to 16 bits) and madd (to 32).
-template <int M, Format F, bool Vnni, bool Wide>
-void half_tile_avx2(const Rows& x, const Tile& t, float* y, int64_t N, int64_t valid, int h) {
+// 8 of a tile's 16 rows (h: which half) in AVX-VNNI's dot products.
+template <int M, Format F, bool Wide>
+void half_tile_vnni256(const Rows& x, const Tile& t, float* y, int64_t N, int64_t valid, int h) {
   const int64_t blocks = x.K / kBlock;
   __m256 acc[M];
   for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
@@ -365,9 +345,9 @@ void half_tile_avx2(const Rows& x, const Tile& t, float* y, int64_t N, int64_t v
     const __m256 dw = scales8(t.d, t.half, b, h);
     for (int m = 0; m < M; m++) {
       const int64_t at = m * x.K + b * kBlock;
-      __m256i sum = block_dot256<F, Vnni>(w, x.q + at, t, b, h);
+      __m256i sum = block_dot_vnni256<F>(w, x.q + at, t, b, h);
       if (Wide)  // q = 128 h + l
-        sum = _mm256_add_epi32(_mm256_slli_epi32(sum, 7), block_dot256<F, Vnni>(w, x.lo + at, t, b, h));
+        sum = _mm256_add_epi32(_mm256_slli_epi32(sum, 7), block_dot_vnni256<F>(w, x.lo + at, t, b, h));
       const float dx = x.d[m * blocks + b];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[m]);
       if (F == Format::Q4_1) acc[m] = _mm256_fmadd_ps(scales8(t.extra, t.half, b, h), _mm256_set1_ps(x.ds[m * blocks + b]), acc[m]);
@@ -381,6 +361,90 @@ void half_tile_avx2(const Rows& x, const Tile& t, float* y, int64_t N, int64_t v
 }
 #endif
 
+// AVX2 without VNNI: maddubs (pairs of u8 x s8 to 16 bits) and madd (to 32). R rows of x at a time, their partial
+// sums and accumulators in registers (AVX2 has 16), each group of weights loaded (and for Q4_1 split into nibbles)
+// once for the R rows, one group at a time: holding a block's 8 groups for every row, as the AVX-VNNI form does,
+// GCC spilled the groups and the accumulators to the stack. The same integer sums and the same float steps, so the
+// products equal every other form's bit for bit.
+template <int R, Format F, bool Wide>
+void rows_maddubs(const Rows& x, const Tile& t, float* y, int64_t N, int64_t valid, int h) {
+  const int64_t blocks = x.K / kBlock;
+  const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  auto x4 = [&](const int8_t* q, int r, int64_t b, int k) {  // x's 4 bytes k..k+3 of block b, row r, in every lane
+    int32_t v;
+    std::memcpy(&v, q + r * x.K + b * kBlock + k, sizeof v);
+    return _mm256_set1_epi32(v);
+  };
+  __m256 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; b++) {
+    const uint8_t* wb = t.w + b * t.w_block_bytes + h * 32;
+    __builtin_prefetch(wb + 4 * t.w_block_bytes, 0, 3);
+    __m256i high[R], low[R];  // sum_k qw qx over x's high (or only) bytes and its low bytes
+    for (int r = 0; r < R; r++) high[r] = low[r] = _mm256_setzero_si256();
+    if (F == Format::Q4_1) {
+      // 16-bit sums: a maddubs pair of 4-bit w and |x| <= 127 is at most 3,810, and a lane adds 8 of them
+#pragma GCC unroll 1
+      for (int g = 0; g < 4; g++) {
+        const __m256i p = _mm256_loadu_si256((const __m256i*)(wb + g * 64));
+        const __m256i w0 = _mm256_and_si256(p, nibble), w1 = _mm256_and_si256(_mm256_srli_epi16(p, 4), nibble);
+        for (int r = 0; r < R; r++) {
+          high[r] = _mm256_add_epi16(high[r], _mm256_maddubs_epi16(w0, x4(x.q, r, b, 4 * g)));
+          high[r] = _mm256_add_epi16(high[r], _mm256_maddubs_epi16(w1, x4(x.q, r, b, 16 + 4 * g)));
+          if (Wide) {
+            low[r] = _mm256_add_epi16(low[r], _mm256_maddubs_epi16(w0, x4(x.lo, r, b, 4 * g)));
+            low[r] = _mm256_add_epi16(low[r], _mm256_maddubs_epi16(w1, x4(x.lo, r, b, 16 + 4 * g)));
+          }
+        }
+      }
+      for (int r = 0; r < R; r++) {
+        high[r] = _mm256_madd_epi16(high[r], ones);
+        if (Wide) low[r] = _mm256_madd_epi16(low[r], ones);
+      }
+    } else {
+      // signed w: the sign trick, |w| times x with w's sign, and each group's pairs widened to 32 bits
+#pragma GCC unroll 2
+      for (int g = 0; g < 8; g++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(wb + g * 64)), aw = _mm256_abs_epi8(w);
+        for (int r = 0; r < R; r++) {
+          const __m256i hx = _mm256_sign_epi8(x4(x.q, r, b, 4 * g), w);
+          high[r] = _mm256_add_epi32(high[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, hx), ones));
+          if (Wide) {
+            const __m256i lx = _mm256_sign_epi8(x4(x.lo, r, b, 4 * g), w);
+            low[r] = _mm256_add_epi32(low[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, lx), ones));
+          }
+        }
+      }
+    }
+    const __m256 dw = scales8(t.d, t.half, b, h);
+    for (int r = 0; r < R; r++) {
+      const __m256i sum = Wide ? _mm256_add_epi32(_mm256_slli_epi32(high[r], 7), low[r]) : high[r];  // q = 128 h + l
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(x.d[r * blocks + b])), acc[r]);
+      if (F == Format::Q4_1)
+        acc[r] = _mm256_fmadd_ps(scales8(t.extra, t.half, b, h), _mm256_set1_ps(x.ds[r * blocks + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    float out[8];
+    _mm256_storeu_ps(out, acc[r]);
+    for (int c = 0; c < 8 && h * 8 + c < valid; c++) y[r * N + h * 8 + c] = out[c];
+  }
+}
+
+// Rows at a time that fit AVX2's 16 registers: two sums and an accumulator a row with 16-bit x, else one and one.
+template <Format F, bool Wide>
+constexpr int maddubs_rows() {
+  return Wide ? 3 : 4;
+}
+
+template <int M, Format F, bool Wide>
+void half_tile_maddubs(const Rows& x, const Tile& t, float* y, int64_t N, int64_t valid, int h) {
+  constexpr int R = maddubs_rows<F, Wide>();
+  rows_maddubs<(M < R ? M : R), F, Wide>(x, t, y, N, valid, h);
+  if constexpr (M > R) half_tile_maddubs<M - R, F, Wide>(x.from(R), t, y + R * N, N, valid, h);
+}
+#endif
+
 template <int M, Format F, bool Wide>
 void tile(Isa isa, const Rows& x, const Tile& t, float* y, int64_t N, int64_t valid) {
   switch (isa) {
@@ -390,11 +454,11 @@ void tile(Isa isa, const Rows& x, const Tile& t, float* y, int64_t N, int64_t va
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #ifdef __AVXVNNI__
     case Isa::AvxVnni:
-      for (int h = 0; h < 2 && h * 8 < valid; h++) half_tile_avx2<M, F, true, Wide>(x, t, y, N, valid, h);
+      for (int h = 0; h < 2 && h * 8 < valid; h++) half_tile_vnni256<M, F, Wide>(x, t, y, N, valid, h);
       return;
 #endif
     case Isa::Avx2:
-      for (int h = 0; h < 2 && h * 8 < valid; h++) half_tile_avx2<M, F, false, Wide>(x, t, y, N, valid, h);
+      for (int h = 0; h < 2 && h * 8 < valid; h++) half_tile_maddubs<M, F, Wide>(x, t, y, N, valid, h);
       return;
 #endif
     default: TORCH_CHECK(false, "q8 products: this instruction set was not built here");
