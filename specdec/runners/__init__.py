@@ -87,8 +87,8 @@ def attention_kernels(device, strict: bool):
 
 
 def resolve_quantize(quantize: str, role: str, model, device=None, kind: str = "auto") -> str:
-    """auto: for a draft on CPU in float32 when the lean runner serves it, int4 where the CPU's best form is one of
-    AUTO_ISAS (Q4_1 blocks with 8-bit activations), else int8; none otherwise. A draft's numbers only change q,
+    """auto: for a draft on CPU in float32 when the lean runner serves it, int4 (Q4_1 blocks with 8-bit
+    activations) where quantized activations pay on this CPU (quantized_rows_pay), else int8; none otherwise. A draft's numbers only change q,
     which the ratio test accounts for, so the output stays exact; a target's numbers are the output, so auto leaves
     them alone."""
     if quantize != "auto":
@@ -98,7 +98,7 @@ def resolve_quantize(quantize: str, role: str, model, device=None, kind: str = "
     lean = kind == "lean" or (kind == "auto" and getattr(model.config, "model_type", "") == "llama")
     if not (role == "draft" and lean and on_cpu and weight.dtype == torch.float32):
         return "none"
-    return "int4" if has_auto_isa() else "int8"
+    return "int4" if quantized_rows_pay() else "int8"
 
 
 def resolve_activations(
@@ -196,8 +196,9 @@ def q8_isas() -> list[str]:
 # - a draft: its numbers only change q; through the services (2026-11-26) the embedded draft's step, bound by
 #   reading its int8 weights, gained nothing from 8-bit activations, and its greedy alpha was 0.005 lower. On Q4_1
 #   blocks (0.625 bytes a weight) it reads half the bytes: one stream with adaptive K 1.07x greedy and 1.11x at
-#   T = 0.7 the int8 draft's, alpha 0.03-0.04 lower (2026-11-26, Xeon with AVX-512 VNNI; int4 in the 256-bit forms
-#   is not measured, so those CPUs keep int8).
+#   T = 0.7 the int8 draft's, alpha 0.03-0.04 lower (2026-11-26, Xeon with AVX-512 VNNI). On the AVX2 EPYC, once
+#   AVX2's form kept its rows in registers (2026-12-07), int4 over int8 at K = 2: 1.25x greedy, 1.38x at T = 0.7;
+#   adaptive K 1.10x at both. AVX-512 without VNNI keeps int8 rows, whose float32 products run in 512 bits.
 # - AMX: its form is AVX-512 VNNI's with output layers on the tiles (kernels/q8_products.cpp, amx_rows), bit for bit
 #   the same products.
 AUTO_ISAS = ("amx", "avx512-vnni")
