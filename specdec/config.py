@@ -97,8 +97,8 @@ class ModelServerConfig:
     quantize: str = _option(
         "auto",
         "lean runner's weights on CPU: int8 (per-row scales), int4 (Q4_1 blocks of 32, multiplied with "
-        "quantized activations) or none; auto = for a draft on CPU in float32, int4 where quantized activations pay (AVX-512 "
-        "VNNI, or a CPU without AVX-512F), else int8; none otherwise (a draft's numbers change q, not the output)",
+        "quantized activations) or none; auto = a CPU draft in float32: int4 where quantized activations pay (AVX-512 "
+        "VNNI, or no AVX-512F), else int8; none otherwise (a draft's numbers change q, not the output)",
     )
     activations: str = _option(
         "auto",

@@ -87,10 +87,10 @@ def attention_kernels(device, strict: bool):
 
 
 def resolve_quantize(quantize: str, role: str, model, device=None, kind: str = "auto") -> str:
-    """auto: for a draft on CPU in float32 when the lean runner serves it, int4 (Q4_1 blocks with 8-bit
-    activations) where quantized activations pay on this CPU (quantized_rows_pay), else int8; none otherwise. A draft's numbers only change q,
-    which the ratio test accounts for, so the output stays exact; a target's numbers are the output, so auto leaves
-    them alone."""
+    """auto: for a draft on CPU in float32 when the lean runner serves it, int4 (Q4_1 blocks with 8-bit activations)
+    where quantized activations pay on this CPU (quantized_rows_pay), else int8; none otherwise. A draft's numbers
+    only change q, which the ratio test accounts for, so the output stays exact; a target's numbers are the output,
+    so auto leaves them alone."""
     if quantize != "auto":
         return quantize
     weight = next(model.parameters())

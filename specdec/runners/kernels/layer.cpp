@@ -32,24 +32,18 @@ static void check_cache(const torch::Tensor& t, const char* name) {
               t.is_contiguous(), name, " must be a contiguous float32 or float16 tensor on CPU");
 }
 
-// 16 cached values widened to float32: a float16 cache's in one conversion where the CPU has one (exact: every
-// half is a float).
-static inline vec load(const at::Half* p) {
+// 16 cached float16 values widened to float32 at out, in one conversion where the CPU has one (exact: every half
+// is a float). Stored straight from the conversions: a 16-float vec built from AVX2's two halves went through the
+// stack.
+static inline void widen16(const at::Half* p, float* out) {
 #if defined(__AVX512F__)
-  const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 #elif defined(__F16C__)
-  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  float w[16];
-  _mm256_storeu_ps(w, lo);
-  _mm256_storeu_ps(w + 8, hi);
+  _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
 #else
-  float w[16];
-  for (int i = 0; i < 16; i++) w[i] = static_cast<float>(p[i]);
+  for (int i = 0; i < 16; i++) out[i] = static_cast<float>(p[i]);
 #endif
-  vec v;
-  __builtin_memcpy(&v, &w, sizeof v);
-  return v;
 }
 
 // n values into a cache: copied, or rounded to float16 (c10's conversion, ties to even).
@@ -138,13 +132,7 @@ static inline const float* block_of(const float* base, int64_t u0, int64_t cap, 
 }
 static inline const float* block_of(const at::Half* base, int64_t u0, int64_t cap, int64_t D, float* buf) {
   const int64_t n = std::min<int64_t>(16, cap - u0) * D;  // a multiple of 16, as D is
-#if defined(__F16C__) && !defined(__AVX512F__)
-  // 8 at a time straight into buf: through load's 16-float vec, GCC stored each half to the stack and copied it
-  for (int64_t i = 0; i < n; i += 8)
-    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + u0 * D + i))));
-#else
-  for (int64_t i = 0; i < n; i += 16) store(buf + i, load(base + u0 * D + i));
-#endif
+  for (int64_t i = 0; i < n; i += 16) widen16(base + u0 * D + i, buf + i);
   std::memset(buf + n, 0, (16 * D - n) * sizeof(float));
   return buf;
 }

@@ -431,15 +431,11 @@ void rows_maddubs(const Rows& x, const Tile& t, float* y, int64_t N, int64_t val
   }
 }
 
-// Rows at a time that fit AVX2's 16 registers: two sums and an accumulator a row with 16-bit x, else one and one.
-template <Format F, bool Wide>
-constexpr int maddubs_rows() {
-  return Wide ? 3 : 4;
-}
-
+// M rows of a tile's half h, R at a time: as many as fit AVX2's 16 registers, two sums and an accumulator a row
+// with 16-bit x, else one and one.
 template <int M, Format F, bool Wide>
 void half_tile_maddubs(const Rows& x, const Tile& t, float* y, int64_t N, int64_t valid, int h) {
-  constexpr int R = maddubs_rows<F, Wide>();
+  constexpr int R = Wide ? 3 : 4;
   rows_maddubs<(M < R ? M : R), F, Wide>(x, t, y, N, valid, h);
   if constexpr (M > R) half_tile_maddubs<M - R, F, Wide>(x.from(R), t, y + R * N, N, valid, h);
 }
