@@ -223,15 +223,16 @@ def test_proposals_made_without_the_grammar_are_cut_at_the_first_token_it_refuse
     assert state.valid_prefix(history, bad + good) == 0  # a value must follow '"name": '
 
 
-@pytest.mark.parametrize("restricted", [False, True])
-def test_the_mask_kernel_refuses_exactly_what_the_bitmask_refuses(book, tokenizer, restricted, monkeypatch):
-    """specdec's mask_rows and the numpy path (where the kernels cannot be built) give the same rows, full or a
-    draft's columns, for words of all ones, all zeros and mixed bits."""
+@pytest.mark.parametrize("columns", ["full", "ragged", "restricted"])
+def test_the_mask_kernel_refuses_exactly_what_the_bitmask_refuses(book, tokenizer, columns, monkeypatch):
+    """specdec's mask_rows and the numpy path (where the kernels cannot be built) give the same rows, full (also a
+    vocabulary that ends inside a bitmask word) or a draft's columns, for words of all ones, all zeros and mixed
+    bits."""
     from specdec.runners.kernels import cpu_kernels
 
     if cpu_kernels() is None:
         pytest.skip("specdec's kernels cannot be built here (no compiler)")
-    vocab = len(tokenizer)
+    vocab = len(tokenizer) - (13 if columns == "ragged" else 0)
     g = np.random.default_rng(7)
     words = (vocab + 31) // 32
     packed = g.integers(-(2**31), 2**31, (3, words), dtype=np.int64).astype(np.int32)
@@ -239,7 +240,7 @@ def test_the_mask_kernel_refuses_exactly_what_the_bitmask_refuses(book, tokenize
     packed[g.random((3, words)) < 0.3] = 0
     ids = (
         torch.unique(torch.randint(0, vocab, (9000,), generator=torch.Generator().manual_seed(1)))
-        if restricted
+        if columns == "restricted"
         else None
     )
     logits = torch.randn(3, vocab if ids is None else len(ids), generator=torch.Generator().manual_seed(2))
@@ -250,6 +251,8 @@ def test_the_mask_kernel_refuses_exactly_what_the_bitmask_refuses(book, tokenize
     assert torch.equal(with_kernel, with_numpy)
     allowed = grammar.unpack(packed, vocab)[:, slice(None) if ids is None else ids.numpy()]
     assert torch.equal(torch.isneginf(with_kernel), torch.from_numpy(~allowed))
+    kept = torch.from_numpy(allowed)
+    assert torch.equal(with_kernel[kept], logits[kept])  # an allowed column keeps its logit
 
 
 S20 = {"type": "string", "maxLength": 20}

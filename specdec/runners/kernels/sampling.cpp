@@ -194,6 +194,18 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
+// 32 columns under one bitmask word: -inf where its bit is 0. A grammar's mask is mostly whole words of ones
+// (skipped) or zeros (filled); a mixed word is a select per lane, which vectorizes (a branch per bit cost 30 us a
+// 49,152-token row warm, 45 cold).
+static inline void mask_word(float* x, uint32_t b) {
+  if (b == 0xFFFFFFFFu) return;
+  if (b == 0) {
+    for (int j = 0; j < 32; j++) x[j] = -kInf;
+    return;
+  }
+  for (int j = 0; j < 32; j++) x[j] = (b >> j) & 1u ? x[j] : -kInf;
+}
+
 // A grammar's mask on the rows, in place: -inf in column c of row r where bit t of bitmask[r] is 0, t the column's
 // token (columns[c], or c itself when columns is empty: a full row). llguidance's bitmask: bit j of word w is token
 // 32 w + j. Unpacking the row in numpy then masking took 0.06 ms of a 0.3 ms masked row in the services.
@@ -214,13 +226,10 @@ void mask_rows(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor column
     float* x = logits.data_ptr<float>() + r * C;
     const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>() + r * bitmask.stride(0));
     if (full) {
-      for (int64_t w = 0; w * 32 < C; w++) {
-        const uint32_t b = bits[w];
-        if (b == 0xFFFFFFFFu) continue;  // a word that allows all its tokens
-        const int64_t end = std::min<int64_t>(32, C - w * 32);
-        for (int64_t j = 0; j < end; j++)
-          if (!((b >> j) & 1u)) x[w * 32 + j] = -kInf;
-      }
+      const int64_t whole = C / 32;
+      for (int64_t w = 0; w < whole; w++) mask_word(x + w * 32, bits[w]);
+      for (int64_t c = whole * 32; c < C; c++)
+        if (!((bits[c >> 5] >> (c & 31)) & 1u)) x[c] = -kInf;
     } else {
       for (int64_t c = 0; c < C; c++) {
         const int64_t t = ids[c];
