@@ -113,9 +113,9 @@ def resolve_activations(
 ) -> str:
     """auto: for a target, the quantized activations its GGUF file passed the quality gate with (specdec.runners.gate;
     int8 before int16, the faster), where the lean runner serves it on CPU in float32 under --matmul auto and the CPU
-    is one where they pay (quantized_rows_pay: AVX-512 VNNI, or AVX2 without AVX-512); else float32. A draft stays float32 (below), but for int4 weights (`quantize`, resolved), which
-    are multiplied with 8-bit activations only. Any other value stays as asked (an impossible one fails at load,
-    saying why)."""
+    is one where they pay (quantized_rows_pay: AVX-512 VNNI, or AVX2 without AVX-512); else float32. A draft stays
+    float32 (below), but for int4 weights (`quantize`, resolved), which are multiplied with 8-bit activations only.
+    Any other value stays as asked (an impossible one fails at load, saying why)."""
     if activations != "auto":
         return activations
     if quantize == "int4":
