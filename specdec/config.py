@@ -104,8 +104,8 @@ class ModelServerConfig:
         "auto",
         "lean runner's activations on CPU: int8 or int16 (quantized per row in blocks of 32 for every product, in "
         "integers with the GGUF file's blocks or the draft's int8 rows; AVX-512 VNNI, with AMX for output layers, "
-        "AVX-VNNI or AVX2), float32, or auto (for a target from a GGUF file on a CPU with AVX-512 VNNI, the form "
-        "the file passed the quality gate with, `specdec gate`; int8 for int4 weights; float32 otherwise)",
+        "AVX-VNNI or AVX2), float32, or auto (a GGUF target on AVX-512 VNNI, or AVX2 without AVX-512: the form the "
+        "file passed the quality gate with, `specdec gate`; int8 for int4 weights; float32 otherwise)",
     )
     kv_cache_dtype: str = _option(
         "auto",
