@@ -338,7 +338,7 @@ class Generation:
             return
         if self.speculation and trace.target_cost is not None:
             self.speculation.observe(
-                self.spec.sampling.greedy, k, n, now - t0, trace.target_cost, trace.draft_cost, trace.recover_s
+                self.spec.sampling.greedy, k, n, now - t0, trace.target_cost, trace.draft_cost, trace.recover_s, run
             )
         if self.adaptive and trace.draft_wall_s:
             self.adaptive.observe(k, n)

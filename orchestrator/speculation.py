@@ -118,6 +118,8 @@ class RoundCosts:
         self._draft_calls: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # draft calls' time outside their passes
         self._starts: list[float] = []  # the last START_WINDOW measures of a request's first draft call
         self._first_start_seen = False
+        # alone, a round's wall time over what the model predicted for it, for rounds at K = 0 and drafted rounds
+        self.scale = {False: 1.0, True: 1.0}
 
     def set_curves(self, target: list[tuple[float, float]], draft: list[tuple[float, float]]) -> None:
         """The servers' published pass costs (ModelInfo.pass_costs); an empty one keeps the last. A width is priced
@@ -156,9 +158,14 @@ class RoundCosts:
         0 before any."""
         return statistics.median(self._starts) if self._starts else 0.0
 
-    def observe(self, round_s: float, target: CallCost, draft: CallCost | None = None) -> None:
-        """One decoding round: its wall time, the target's call and, when the draft proposed, the draft's."""
+    def observe(
+        self, round_s: float, target: CallCost, draft: CallCost | None = None, k: int | None = None, tokens: int = 1
+    ) -> None:
+        """One decoding round: its wall time, the target's call and, when the draft proposed, the draft's; k: its
+        drafts, and tokens: at K = 0 the tokens its call ran, so that alone the model learns its error (scale)."""
         self.active = float(target.active)  # the server counts over its last second already
+        if k is not None and self.calling <= 1.0 and (draft is not None or not k):
+            self._learn_scale(round_s - target.rules_s - (draft.rules_s if draft else 0.0), k, tokens)
         outside = round_s - target.queue_s - target.compute_s - target.rules_s - (draft.wall_s if draft else 0.0)
         self._outside.append(max(outside, 0.0))
         if draft is not None:
@@ -184,16 +191,34 @@ class RoundCosts:
         call (--steps-per-call), whose calls' overhead the K = 0 round shares that many ways."""
         if self.draft_call is None or not self.target_curve or not self.draft_curve:
             return None
+        out = [self._modelled(0, run) / run] + [self._modelled(k) for k in range(1, cap + 1)]
+        if self.calling <= 1.0:  # alone, what rounds of each kind took (_learn_scale)
+            out = [s * self.scale[k > 0] for k, s in enumerate(out)]
+        return out
+
+    def _modelled(self, k: int, tokens: int = 1) -> float:
+        """The model's seconds of a round at k, this generation's share (at K = 0, a call of `tokens` steps)."""
         active = self.calling
+        if not k:
+            return (tokens * costs.at(self.target_curve, active)[0] + self.round_overhead) / active
         # no more sessions meet in a drafted round's pass than call the server: the average of drafted rounds, which
         # can be few at a load's tail, may still hold the load's
         verifying = min(max(self.verify_sessions, 1.0), active)
-        out = [(costs.at(self.target_curve, active)[0] + self.round_overhead / run) / active]
-        step = self._step()
-        for k in range(1, cap + 1):
-            verify_s = costs.at(self.target_curve, verifying * (k + 1))[0]
-            out.append((verify_s + self.round_overhead + self.draft_call) / verifying + k * step)
-        return out
+        verify_s = costs.at(self.target_curve, verifying * (k + 1))[0]
+        return (verify_s + self.round_overhead + self.draft_call) / verifying + k * self._step()
+
+    def _learn_scale(self, seconds: float, k: int, tokens: int) -> None:
+        """Alone, a round's cost is its wall time, and the model's parts fall short of it: the least time outside
+        the passes stands for every round's, and a round's passes and draft call ran longer than the curves'
+        averages. Measured alone, one stream (2026-12-08, docs/performance.md item 52), rounds at K = 0
+        took 1.12x what the model said and drafted rounds 1.16-1.27x, so drafting looked cheaper than it was. Each
+        kind's ratio (within [1/2, 2], against a stray round) scales its predictions while the session is alone."""
+        if self.draft_call is None or self.round_overhead is None or not self.target_curve or not self.draft_curve:
+            return
+        modelled = self._modelled(k, tokens)
+        if modelled > 0:
+            ratio = min(max(seconds / modelled, 0.5), 2.0)
+            self.scale[k > 0] = costs.ewma(self.scale[k > 0], ratio, self.rate)
 
 
 class Acceptance:
@@ -253,11 +278,13 @@ class Speculation:
         target: CallCost,
         draft: CallCost | None = None,
         recover_s: float = 0.0,
+        run: int = 0,
     ) -> None:
         """A decoding round with k proposed tokens; draft is the draft's call when the draft proposed them (else
         they came from prompt lookup, or there were none); recover_s: its rejection's recovery, which the request
-        that paid it prices (AdaptiveK.observe_recovery), left out of the process's costs as its rules are."""
-        self.costs.observe(round_s - recover_s, target, draft)
+        that paid it prices (AdaptiveK.observe_recovery), left out of the process's costs as its rules are; run: the
+        tokens the target ran alone after the round's own."""
+        self.costs.observe(round_s - recover_s, target, draft, k=k, tokens=1 + run)
         if draft is not None:
             self.alpha[greedy].observe(k, accepted)
 

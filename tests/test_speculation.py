@@ -363,3 +363,45 @@ def test_while_others_call_and_drafting_does_not_pay_no_request_explores_or_prob
     )
     shared.costs.observe(0.0100, _call(0.0079, 0.0069), _call(0.0021, 0.0011))  # alone again
     assert explorer.next_k(remaining=100, draft_started=False) >= 1
+
+
+def test_alone_rounds_that_take_longer_than_modelled_raise_the_price_of_their_kind():
+    """Alone, a round's cost is its wall time. The model's least-overhead parts priced drafted rounds 16-27% under
+    what they took and rounds at K = 0 12% under (2026-12-08), so drafting looked cheaper than it was: each kind's
+    measured ratio scales its price, while alone only."""
+    learned, unscaled = sp.RoundCosts(rate=0.5), sp.RoundCosts(rate=0.5)  # the same rounds, told their K or not
+    for c in (learned, unscaled):
+        c.set_curves(TARGET_CURVE, DRAFT_CURVE)
+        c.observe(0.0100, _call(0.0079, 0.0069), _call(0.0021, 0.0011))  # 1 ms outside the passes and a draft call
+    before = learned.round_s(4)
+    assert sp.best_k(0.6, before) > 0  # the model's parts alone: drafting pays at alpha 0.6
+    for _ in range(20):  # alone, drafted rounds take 1.3x the model's figure, rounds at K = 0 exactly it
+        drafted = (1.3 * before[2], _call(0.0089, 0.0079), _call(0.0022, 0.0012))
+        alone = (4 * 0.0069 + 0.001, _call(0.0286, 0.0276))
+        learned.observe(*drafted, k=2)
+        learned.observe(*alone, k=0, tokens=4)
+        unscaled.observe(*drafted)
+        unscaled.observe(*alone)
+    assert learned.scale[True] == pytest.approx(1.3, rel=0.01) and learned.scale[False] == pytest.approx(1.0, rel=0.01)
+    after = learned.round_s(4)
+    assert after[0] == pytest.approx(before[0]) and after[2] == pytest.approx(1.3 * before[2], rel=0.01)
+    assert sp.best_k(0.6, after) == 0
+    assert unscaled.round_s(4) == pytest.approx(before)
+    # under load the wall time holds the others' work: neither learned nor applied there
+    load = (0.030, _call(0.025, 0.0109, sessions=4), _call(0.004, 0.0013, sessions=4))
+    learned.observe(*load, k=2)
+    unscaled.observe(*load)
+    assert learned.scale[True] == pytest.approx(1.3, rel=0.01)
+    assert learned.round_s(4) == pytest.approx(unscaled.round_s(4))
+
+
+def test_a_rounds_output_rules_are_left_out_of_the_models_error():
+    """A request prices its rules' rows itself (AdaptiveK.rules_row_s): the same time counted in the scale would
+    charge them twice."""
+    plain, ruled = (sp.RoundCosts(rate=1.0) for _ in range(2))
+    for c in (plain, ruled):
+        c.set_curves(TARGET_CURVE, DRAFT_CURVE)
+        c.observe(0.0100, _call(0.0079, 0.0069), _call(0.0021, 0.0011))
+    plain.observe(0.0150, _call(0.009, 0.0079), _call(0.003, 0.0021), k=2)
+    ruled.observe(0.0165, _call(0.010, 0.0079, rules_s=0.001), _call(0.0035, 0.0021, rules_s=0.0005), k=2)
+    assert plain.scale[True] != 1.0 and ruled.scale[True] == pytest.approx(plain.scale[True])
