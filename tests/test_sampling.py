@@ -124,6 +124,40 @@ def test_the_support_kernel_gives_each_rows_nonzero_entries_as_torch_finds_them(
             assert torch.equal(ids, expected) and torch.equal(p, row[expected].double())
 
 
+def _numpy_inverse_cdf(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
+    cdf = np.cumsum(probs, dtype=np.float64)
+    return np.minimum(np.searchsorted(cdf, u * cdf[-1], side="right"), np.flatnonzero(probs)[-1])
+
+
+def test_the_inverse_cdf_kernel_draws_the_tokens_numpys_float64_sums_draw():
+    """A whole row's draws (the target's bonus and run tokens, a wide row's candidates) skip its empty blocks, and
+    must land where numpy's sequential float64 cumsum puts them: the orchestrator draws from the support the same
+    way, and a seeded request replays."""
+    kernels = built_kernels()
+    rng = np.random.default_rng(0)
+    edges = np.array([0.0, np.nextafter(1.0, 0.0)])
+    for case in range(60):
+        vocab = [49152, 49155, 13146, 33, 16, 1][case % 6]
+        logits = torch.from_numpy((rng.standard_normal((1, vocab)) * rng.uniform(0.5, 6)).astype(np.float32))
+        top_p, top_k = [1.0, 0.9, 0.5][case % 3], [0, 0, 1, 50][case % 4]
+        probs = logits_to_probs(logits, [0.3, 0.7, 1.5][case % 3], top_k, top_p)[0].numpy().copy()
+        if case % 5 == 0 and vocab > 20:  # unnormalized, at block edges, denormal
+            probs[:] = 0.0
+            probs[[0, 15, 16, vocab - 1]] = [1e-38, 0.5, 1e-45, 0.25]
+        u = np.concatenate([rng.random(64), edges])
+        expected = _numpy_inverse_cdf(probs, u)
+        assert kernels.inverse_cdf(torch.from_numpy(probs), u.tolist()) == expected.tolist()
+        assert [sample_sparse(None, probs, float(x)) for x in u] == expected.tolist()
+        ids, p = support(torch.from_numpy(probs))
+        assert [sample_sparse(ids, p, float(x)) for x in u] == expected.tolist()
+    exact = np.array([0.25, 0.0, 0.25, 0.5] + [0.0] * 30, np.float32)  # u * total on a sum: the next token (right)
+    assert kernels.inverse_cdf(torch.from_numpy(exact), [0.25, 0.5]) == [2, 3]
+    assert _numpy_inverse_cdf(exact, np.array([0.25, 0.5])).tolist() == [2, 3]
+    for refused in ([0.1, np.nan, 0.2], [0.1, -0.1, 0.5], [1.0, np.inf], [0.0, 0.0]):  # numpy answers these
+        assert kernels.inverse_cdf(torch.tensor(refused), [0.5]) == []
+    assert sample_sparse(None, np.array([0.1, -0.1, 0.5], np.float32), 0.9) == 2  # numpy's draw, the same function
+
+
 def test_uniform_is_a_pure_function_and_differs_by_position_and_purpose():
     assert uniform(7, 100, Purpose.ACCEPT) == uniform(7, 100, Purpose.ACCEPT)
     draws = {uniform(7, 100, p) for p in Purpose} | {uniform(7, 101, Purpose.ACCEPT), uniform(8, 100, Purpose.ACCEPT)}

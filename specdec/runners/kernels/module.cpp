@@ -25,6 +25,7 @@ torch::Tensor sampling_probs(torch::Tensor logits, double temperature, int64_t t
                              double min_p_floor);
 torch::Tensor argmax_rows(torch::Tensor logits);
 std::vector<std::pair<torch::Tensor, torch::Tensor>> support_rows(torch::Tensor probs);
+std::vector<int64_t> inverse_cdf(torch::Tensor probs, const std::vector<double>& u);
 void mask_rows(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor columns);
 
 // The products, attention and a pass's layers work on tensors alone and let go of the GIL while they run: the
@@ -50,6 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sampling_probs", &sampling_probs, "temperature, min-p, top-k, top-p and softmax of each row of logits");
   m.def("argmax_rows", &argmax_rows, "the index of each row's largest value, the first of ties");
   m.def("support_rows", &support_rows, "each row's nonzero entries: (ids int64, probs float64), ids ascending");
+  m.def("inverse_cdf", &inverse_cdf, "inverse-CDF draws from one distribution, as numpy's float64 cumsum gives them");
   m.def("mask_rows", &mask_rows, "-inf where a grammar's packed bitmask refuses a row's token, in place");
   py::class_<LayerStack>(m, "LayerStack", "all the layers of a Llama pass in one call, products in these kernels")
       .def(py::init<std::vector<torch::Tensor>, std::vector<std::vector<torch::Tensor>>, std::vector<std::string>,

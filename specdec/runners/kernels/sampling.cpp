@@ -173,6 +173,55 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> support_rows(torch::Tensor 
   return out;
 }
 
+// Inverse-CDF draws from one distribution over its columns, as numpy's cumsum in float64 then searchsorted (right)
+// give them: for each u, the first column whose sequential float64 running sum exceeds u * total, or the last
+// nonzero column where none does. A zero adds nothing to the running sum, so blocks of 16 zeros are skipped and
+// the sum after each block is kept; a draw finds its block among those sums and walks that block alone, adding
+// the same values in the same order. probs: float32 [V]; u: m draws -> m columns; none where the row is not finite
+// and nonnegative with some mass (the caller's numpy answers then).
+std::vector<int64_t> inverse_cdf(torch::Tensor probs, const std::vector<double>& u) {
+  TORCH_CHECK(probs.dim() == 1 && probs.scalar_type() == torch::kFloat && probs.device().is_cpu(),
+              "inverse_cdf: probs must be a float32 [vocab] tensor on CPU");
+  probs = probs.contiguous();
+  const float* x = probs.data_ptr<float>();
+  const int64_t V = probs.size(0), blocks = (V + 15) / 16, m = (int64_t)u.size();
+  std::vector<double> ends(blocks);
+  double total = 0.0;
+  int64_t last = -1;
+  bool ok = true;
+  const f16 zero = splat16(0.0f);
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t i0 = 16 * b, i1 = std::min(i0 + 16, V);
+    if (i1 - i0 == 16 && !any16(load16(x + i0) != zero)) {
+      ends[b] = total;
+      continue;
+    }
+    for (int64_t i = i0; i < i1; i++)
+      if (x[i] != 0.0f) {
+        ok = ok && x[i] > 0.0f && x[i] < kInf;
+        total += (double)x[i];
+        last = i;
+      }
+    ends[b] = total;
+  }
+  if (!ok || last < 0 || !std::isfinite(total)) return {};
+  std::vector<int64_t> out(m);
+  for (int64_t k = 0; k < m; k++) {
+    const double t = u[k] * total;
+    const int64_t b = std::upper_bound(ends.begin(), ends.end(), t) - ends.begin();
+    if (b == blocks) {  // u * total rounded onto the last step
+      out[k] = last;
+      continue;
+    }
+    double c = b ? ends[b - 1] : 0.0;
+    int64_t i = 16 * b;
+    for (; i < V; i++)
+      if (x[i] != 0.0f && (c += (double)x[i]) > t) break;
+    out[k] = i;
+  }
+  return out;
+}
+
 // The index of each row's largest value, the first where several tie (as torch.argmax): [n, V] -> [n] int64.
 torch::Tensor argmax_rows(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.device().is_cpu() &&
