@@ -189,12 +189,18 @@ class RoundCosts:
         """Predicted seconds of a round at K = 0..cap, this generation's share; None until both servers' curves
         are known and a drafted round was measured. run: the tokens a round at K = 0 asks the target for in one
         call (--steps-per-call), whose calls' overhead the K = 0 round shares that many ways."""
-        if self.draft_call is None or not self.target_curve or not self.draft_curve:
+        if not self._priced:
             return None
         out = [self._modelled(0, run) / run] + [self._modelled(k) for k in range(1, cap + 1)]
         if self.calling <= 1.0:  # alone, what rounds of each kind took (_learn_scale)
             out = [s * self.scale[k > 0] for k, s in enumerate(out)]
         return out
+
+    @property
+    def _priced(self) -> bool:
+        """Whether a round can be priced: both servers' curves known and a drafted round measured (which measures
+        the time outside the passes too)."""
+        return self.draft_call is not None and bool(self.target_curve) and bool(self.draft_curve)
 
     def _modelled(self, k: int, tokens: int = 1) -> float:
         """The model's seconds of a round at k, this generation's share (at K = 0, a call of `tokens` steps)."""
@@ -213,7 +219,7 @@ class RoundCosts:
         averages. Measured alone, one stream (2026-12-08, docs/performance.md item 52), rounds at K = 0
         took 1.12x what the model said and drafted rounds 1.16-1.27x, so drafting looked cheaper than it was. Each
         kind's ratio (within [1/2, 2], against a stray round) scales its predictions while the session is alone."""
-        if self.draft_call is None or self.round_overhead is None or not self.target_curve or not self.draft_curve:
+        if not self._priced:
             return
         modelled = self._modelled(k, tokens)
         if modelled > 0:

@@ -181,25 +181,26 @@ def sample_dense(probs: torch.Tensor, u: float) -> int:
 def sample_sparse(token_ids: np.ndarray | None, probs: np.ndarray, u: float) -> int:
     """Inverse-CDF sample from a distribution given by its support, or (token_ids None) by its whole row: the same
     token, as for candidates."""
-    if token_ids is None and (drawn := _inverse_cdf(probs, [u])):
-        return drawn[0]
-    cdf = np.cumsum(probs, dtype=np.float64)
-    idx = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    if idx >= len(cdf):
-        idx = int(np.flatnonzero(probs)[-1])
+    idx = int(inverse_cdf(probs, [u])[0])
     return idx if token_ids is None else int(token_ids[idx])
 
 
-def _inverse_cdf(probs: np.ndarray, u) -> list[int]:
-    """The tokens numpy's float64 cumsum and searchsorted draw at u (a list, or a float64 array) from a whole
-    float32 row, found by specdec's kernel, which skips the row's empty blocks: at top_p 0.9 a row has a few dozen
-    nonzero columns of 49,152 (docs/performance.md, item 53). [] where the kernel is not built or does not take
-    the row (not finite and nonnegative with mass, or read-only): numpy's answer then."""
-    if probs.dtype != np.float32 or probs.ndim != 1 or not probs.flags.writeable:
-        return []
-    row = torch.from_numpy(probs)
-    kernels = kernels_for(row)
-    return [] if kernels is None else kernels.inverse_cdf(row, u)
+def inverse_cdf(probs: np.ndarray, u) -> np.ndarray:
+    """The columns the draws u (a list, or a float64 array) pick from probs: for each, the first whose sequential
+    float64 running sum exceeds u * total, or the last nonzero one where none does. A whole float32 row goes to
+    specdec's kernel, which skips the row's empty blocks (at top_p 0.9 a row has a few dozen nonzero columns of
+    49,152; docs/performance.md, item 53) and gives numpy's columns; numpy answers where the kernel is not built or
+    does not take the row (not finite and nonnegative with mass, or read-only) and for a support."""
+    if probs.dtype == np.float32 and probs.ndim == 1 and probs.flags.writeable:
+        row = torch.from_numpy(probs)
+        kernels = kernels_for(row)
+        if kernels is not None and (drawn := kernels.inverse_cdf(row, u)):
+            return np.array(drawn, dtype=np.int64)
+    cdf = np.cumsum(probs, dtype=np.float64)
+    idx = np.searchsorted(cdf, np.asarray(u, dtype=np.float64) * cdf[-1], side="right")
+    if idx.max() >= len(cdf):  # u * total rounded onto the last step
+        idx = np.minimum(idx, np.flatnonzero(probs)[-1])
+    return idx
 
 
 def candidates(
@@ -211,13 +212,7 @@ def candidates(
     None: probs is the row over the vocabulary). Zeros add nothing to the sequential float64 sums, so the sums at
     the support's tokens, and the tokens drawn, are the same either way."""
     n = RECOVERY_CANDIDATES if n is None else n
-    u = uniforms(seed, position, Purpose.CANDIDATE, n)
-    idx = np.array(_inverse_cdf(probs, u) if token_ids is None else [], dtype=np.int64)
-    if not len(idx):
-        cdf = np.cumsum(probs, dtype=np.float64)
-        idx = np.searchsorted(cdf, u * cdf[-1], side="right")
-        if idx.max() >= len(cdf):  # u * total rounded onto the last step
-            idx = np.minimum(idx, np.flatnonzero(probs)[-1])
+    idx = inverse_cdf(probs, uniforms(seed, position, Purpose.CANDIDATE, n))
     ids = idx if token_ids is None else np.asarray(token_ids)[idx]
     return ids.astype(np.int64), np.asarray(probs)[idx].astype(np.float64)
 
